@@ -1,4 +1,14 @@
-"""KDTR: a binary container for configs, weights, inputs and expected outputs."""
+"""KDTR: a binary container for configs, weights, inputs and expected outputs.
 
-from .errors import KdtrError
+    import kdtr_format
+    kdtr_format.write("f.kdtr", {"weights/norm": w}, metadata={"preset": "tiny"})
+    with kdtr_format.open("f.kdtr") as f:
+        f["weights/norm"]; f.torch("weights/norm"); f.metadata; f.verify()
+
+Byte layout: `kdtr_format.format` (module docstring) and SPEC.md.
+"""
+
+from .errors import ChecksumError, FormatError, KdtrError, TensorNotFoundError, VersionError, WriterError
+from .reader import Reader, TensorInfo, open
 from .schema import CONFIGS, PRESETS, ConfigError, DDTreeConfig, ModelConfig, YarnScaling
+from .writer import Writer, write

@@ -1,1 +1,4 @@
-"""refgen"""
+"""refgen: the numpy float64 oracle (model, DDTree stages, decode loops) and the
+golden fixtures it writes (`refgen generate`, `refgen verify`)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,256 @@
+"""The adapter protocol: how `kdtree validate` drives an implementation under test.
+
+An adapter wraps one engine (the built-in torch engine, a C++ or vendor engine
+behind Python bindings, ...) in a few plain methods on numpy arrays, one
+request at a time. Every method is optional: `kdtree validate` runs the checks
+whose methods exist and reports the others as "skipped (not implemented by
+adapter)". docs/adapter.md is the user's guide; docs/examples/numpy_adapter.py
+a worked example.
+
+Capabilities and their methods (shapes: n tree or new tokens, V vocab, L depths,
+K top-k width, S cache rows, H heads, R kv_lora, dr d_rope):
+
+- model: ``load_weights(config: ModelConfig, weights: dict[str, np.ndarray])``
+  (names as docs/fixtures.md, float32, torch layout [out, in]);
+  ``reset(max_len: int)`` (an empty cache of max_len slots);
+  ``forward(tokens [n] int64, positions [n] int64, visibility [n, start+n] bool, start: int)
+  -> logits [n, V] float``. Token i writes its KV at the adapter's own cache slot
+  start + i and sees slot s iff visibility[i, s]. The harness always makes every
+  cached slot (s < start) visible and restates the committed path with a causal
+  forward after each verify, so an adapter needs no compaction of its own cache.
+- topk: ``topk_logprobs(draft_logits [L, V] float32, k: int) -> (topk_lp float32 [L, K], topk_id int64 [L, K])``.
+- tree: ``build_tree(topk_lp [L, K] float32, topk_id [L, K] int64, budget: int, root: int)
+  -> (parents [n+1], tokens [n+1], depths [n+1])`` int64, pop order, parents[0] = -1,
+  tokens[0] = root.
+- accept: ``accept(parents [n+1], tokens [n+1], choices [n+1]) -> (accepted [a] int64, next_root: int)``.
+- compact: ``compact(c_kv [S, R], k_pe [S, dr], start: int, accepted [a]) -> (c_kv, k_pe)``:
+  row start + k <- row start + accepted[k]; other rows unchanged.
+- attention: ``attention(q_lat [n, H, R], q_pe [n, H, dr], c_kv [S, R], k_pe [S, dr],
+  visibility [n, S] bool, scale: float) -> o_lat [n, H, R]`` (the tree-verify kernel;
+  the last n rows of c_kv / k_pe are the tree tokens, every earlier row is visible).
+
+`TorchAdapter` exposes the built-in engine through this protocol, so the
+runner takes one code path for it and for any user's engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+import torch
+
+from kdtr_format import ModelConfig
+
+from .attention import AttentionBackend, torch_attention
+from .cache import KVCache
+from .model import Transformer
+from .stages import Stages, TorchStages, TreeBatch
+
+CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "model": ("load_weights", "reset", "forward"),
+    "topk": ("topk_logprobs",),
+    "tree": ("build_tree",),
+    "accept": ("accept",),
+    "compact": ("compact",),
+    "attention": ("attention",),
+}
+
+
+class EngineAdapter(Protocol):
+    """The full protocol (module docstring); an adapter may implement any subset of capabilities."""
+
+    name: str
+
+    def load_weights(self, config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None: ...
+
+    def reset(self, max_len: int) -> None: ...
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
+                start: int) -> np.ndarray: ...
+
+    def topk_logprobs(self, draft_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def build_tree(self, topk_lp: np.ndarray, topk_id: np.ndarray, budget: int,
+                   root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+    def accept(self, parents: np.ndarray, tokens: np.ndarray,
+               choices: np.ndarray) -> tuple[np.ndarray, int]: ...
+
+    def compact(self, c_kv: np.ndarray, k_pe: np.ndarray, start: int,
+                accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def attention(self, q_lat: np.ndarray, q_pe: np.ndarray, c_kv: np.ndarray, k_pe: np.ndarray,
+                  visibility: np.ndarray, scale: float) -> np.ndarray: ...
+
+
+def capabilities(adapter: Any) -> set[str]:
+    """The capabilities whose every method the adapter defines."""
+    return {cap for cap, methods in CAPABILITIES.items()
+            if all(callable(getattr(adapter, m, None)) for m in methods)}
+
+
+def load_impl(spec: str) -> Any:
+    """An adapter from ``module:factory`` or ``path/to/file.py:factory`` (factory() -> adapter)."""
+    target, sep, factory_name = spec.rpartition(":")
+    if not sep or not target or not factory_name:
+        raise ValueError(f"--impl {spec!r}: expected 'module:factory' or 'path/to/file.py:factory'")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"--impl {spec!r}: no file {path}")
+        module_spec = importlib.util.spec_from_file_location(f"kdtree_impl_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ValueError(f"--impl {spec!r}: cannot import {target!r} ({exc})") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ValueError(f"--impl {spec!r}: {target} has no callable {factory_name!r}")
+    return factory()
+
+
+def cuda_backends() -> tuple[Stages | None, AttentionBackend | None, dict[str, str]]:
+    """The CUDA stages and attention backend when CUDA is present and kernels_cuda loads.
+
+    -> (stages or None, attention or None, {"stages": why / "cuda", "attention": ...}).
+    """
+    notes = {"stages": "torch", "attention": "torch"}
+    if not torch.cuda.is_available():
+        return None, None, {k: "torch (no CUDA device)" for k in notes}
+    stages = attention = None
+    try:
+        from .cuda_stages import CudaStages
+        stages, notes["stages"] = CudaStages(), "cuda"
+    except Exception as exc:    # a missing build, nvcc or module is reported, not fatal
+        notes["stages"] = f"torch (CUDA stages unavailable: {type(exc).__name__}: {exc})"
+    try:
+        from . import cuda_attention
+        attention, notes["attention"] = cuda_attention.make_backend(), "cuda"
+    except Exception as exc:
+        notes["attention"] = f"torch (CUDA attention unavailable: {type(exc).__name__}: {exc})"
+    return stages, attention, notes
+
+
+class TorchAdapter:
+    """The built-in torch engine (engine.model, engine.stages, engine.attention) as an adapter.
+
+    device "cuda" takes the CUDA stages and attention kernels when they load
+    (`backends` says which ran), the torch paths otherwise.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.stages: Stages = TorchStages()
+        self.attention_backend: AttentionBackend = torch_attention
+        self.backends = {"stages": "torch", "attention": "torch"}
+        if self.device.type == "cuda":
+            stages, attention, self.backends = cuda_backends()
+            self.stages = stages or self.stages
+            self.attention_backend = attention or self.attention_backend
+        self.name = f"torch engine ({self.device.type}, stages: {self.backends['stages'].split()[0]}, " \
+                    f"attention: {self.backends['attention'].split()[0]})"
+        self.model: Transformer | None = None
+        self.weights: dict[str, torch.Tensor] = {}
+        self.cache: KVCache | None = None
+
+    # model
+    def load_weights(self, config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
+        self.weights = {name: torch.as_tensor(np.asarray(w)) for name, w in weights.items()}
+        self.model = Transformer(config, self.weights, device=self.device, dtype=self.dtype,
+                                 attention=self.attention_backend)
+
+    def reset(self, max_len: int) -> None:
+        self.cache = self._model().new_cache(1, max_len)
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
+                start: int) -> np.ndarray:
+        """tokens [n], positions [n], visibility [n, start+n] -> logits float32 [n, V]."""
+        model = self._model()
+        if self.cache is None:
+            raise ValueError("forward before reset(max_len)")
+        n = len(tokens)
+        visibility = np.asarray(visibility, dtype=bool)
+        if visibility.shape != (n, start + n):
+            raise ValueError(f"visibility shape {list(visibility.shape)} != {[n, start + n]}")
+        if not visibility[:, :start].all():
+            raise ValueError("the torch engine sees every cached slot: visibility[:, :start] must be all True")
+        dev = self.device
+        logits = model.forward(torch.as_tensor(np.asarray(tokens), dtype=torch.int64, device=dev)[None],
+                               torch.as_tensor(np.asarray(positions), dtype=torch.int64, device=dev)[None],
+                               torch.as_tensor(visibility[:, start:], device=dev)[None],
+                               torch.tensor([n], device=dev), torch.tensor([start], device=dev), self.cache)
+        return logits[0].cpu().numpy()
+
+    # stages
+    def topk_logprobs(self, draft_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """draft_logits [L, V] float32 -> (topk_lp [L, K] float32, topk_id [L, K] int64)."""
+        lp, ids = self.stages.topk_logprobs(torch.as_tensor(np.asarray(draft_logits), device=self.device)[None], k)
+        return lp[0].cpu().numpy(), ids[0].cpu().numpy()
+
+    def build_tree(self, topk_lp: np.ndarray, topk_id: np.ndarray, budget: int,
+                   root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """-> parents, tokens, depths [n+1] int64."""
+        trees = self.stages.build_trees(torch.as_tensor(np.asarray(topk_lp), device=self.device)[None],
+                                        torch.as_tensor(np.asarray(topk_id), device=self.device)[None],
+                                        torch.tensor([budget], device=self.device),
+                                        torch.tensor([root], device=self.device))
+        count = int(trees.n[0]) + 1
+        return tuple(t[0, :count].cpu().numpy() for t in (trees.parents, trees.tokens, trees.depths))
+
+    def accept(self, parents: np.ndarray, tokens: np.ndarray, choices: np.ndarray) -> tuple[np.ndarray, int]:
+        """parents, tokens, choices [n+1] -> (accepted [a], next_root)."""
+        parents = torch.as_tensor(np.asarray(parents), dtype=torch.int64, device=self.device)
+        depths = torch.zeros_like(parents)
+        for i in range(1, len(parents)):
+            depths[i] = depths[parents[i]] + 1
+        trees = TreeBatch(n=torch.tensor([len(parents) - 1], device=self.device), parents=parents[None],
+                          tokens=torch.as_tensor(np.asarray(tokens), dtype=torch.int64, device=self.device)[None],
+                          depths=depths[None], scores=torch.zeros(1, len(parents), dtype=torch.float64,
+                                                                  device=self.device),
+                          depth=int(depths.max()))
+        choices_t = torch.as_tensor(np.asarray(choices), dtype=torch.int64, device=self.device)[None]
+        accepted, accept_len, next_root = self.stages.accept(trees, choices_t)
+        return accepted[0, :int(accept_len[0])].cpu().numpy(), int(next_root[0])
+
+    def compact(self, c_kv: np.ndarray, k_pe: np.ndarray, start: int,
+                accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """c_kv [S, R], k_pe [S, dr] -> the compacted copies (one layer, one request)."""
+        cache = KVCache(c_kv=torch.tensor(np.asarray(c_kv), device=self.device)[None, None],
+                        k_pe=torch.tensor(np.asarray(k_pe), device=self.device)[None, None],
+                        lengths=torch.tensor([start], device=self.device))
+        path = torch.as_tensor(np.asarray(accepted), dtype=torch.int64, device=self.device)[None]
+        self.stages.compact_kv(cache, torch.tensor([start], device=self.device), path,
+                               torch.tensor([path.shape[1]], device=self.device))
+        return cache.c_kv[0, 0].cpu().numpy(), cache.k_pe[0, 0].cpu().numpy()
+
+    def attention(self, q_lat: np.ndarray, q_pe: np.ndarray, c_kv: np.ndarray, k_pe: np.ndarray,
+                  visibility: np.ndarray, scale: float) -> np.ndarray:
+        """q_lat [n, H, R], q_pe [n, H, dr], c_kv [S, R], k_pe [S, dr], visibility [n, S] -> o_lat [n, H, R]."""
+        n, slots = visibility.shape
+        context = slots - n
+        if not np.asarray(visibility)[:, :context].all():
+            raise ValueError("the attention backend sees every cached row: visibility[:, :S-n] must be all True")
+        dev = self.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a), device=dev)[None]
+
+        o_lat = self.attention_backend(put(q_lat), put(q_pe), put(c_kv), put(k_pe),
+                                       torch.tensor([context], device=dev), torch.tensor([n], device=dev),
+                                       put(np.asarray(visibility, dtype=bool)[:, context:]), scale)
+        return o_lat[0].cpu().numpy()
+
+    def _model(self) -> Transformer:
+        if self.model is None:
+            raise ValueError("the adapter has no weights: call load_weights first")
+        return self.model

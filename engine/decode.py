@@ -1,0 +1,320 @@
+"""Batched decoding: autoregressive (greedy or sampled) and DDTree (greedy or sampled).
+
+Every request of a batch has its own prompt length, cache start, tree and
+acceptance; requests that are done (max_new_tokens committed, or a stop token
+emitted) sit out the remaining rounds with no new tokens.
+
+State before a DDTree round (docs: DDTREE_CONTRACT.md): `start` tokens have
+their KV in the cache; the root (the last committed token) is committed but
+not cached. A round drafts L = block_size - 1 depths, builds a tree of at most
+`budget` nodes under the root, verifies the n + 1 tree tokens in one target
+forward with the ancestor-only mask, follows the target's choices down the
+tree, compacts the accepted path's KV to slots start .. start + a - 1 and
+commits a tokens. DDTree greedy emits exactly the AR greedy tokens.
+
+`max_new_tokens` counts every committed token, the first one (the argmax of
+the prefill's last logits) included, as the fixtures' `ar/tokens` do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kdtr_format import DDTreeConfig
+
+from .cache import KVCache
+from .drafters import Drafter
+from .metrics import DecodeMetrics, StageTimer
+from .stages import Stages, TorchStages
+
+
+@dataclass
+class RoundRecord:
+    """One DDTree round of one request, for comparison with a fixture trace."""
+
+    start: int
+    root: int
+    topk_lp: torch.Tensor   # [L, K] float32
+    topk_id: torch.Tensor   # [L, K] int64
+    parents: torch.Tensor   # [n+1] int64
+    tokens: torch.Tensor    # [n+1] int64, tokens[0] = root
+    depths: torch.Tensor    # [n+1] int64
+    scores: torch.Tensor    # [n+1] float64
+    choices: torch.Tensor   # [n+1] int64
+    accepted: torch.Tensor  # [a] int64
+    next_root: int
+
+
+@dataclass
+class RequestResult:
+    """One request's output: committed tokens, the top1 - top2 logit margin of
+    each greedy decision behind them (NaN when sampled), and its own counts."""
+
+    tokens: list[int]
+    margins: list[float]
+    target_forwards: int
+    acceptance_lengths: list[int]
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+
+@dataclass
+class DecodeResult:
+    requests: list[RequestResult]
+    metrics: DecodeMetrics
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [r.tokens for r in self.requests]
+
+
+def ar_decode(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
+              stop_tokens: Sequence[int] = (), temperature: float = 0.0,
+              generator: torch.Generator | None = None,
+              stages: Stages | None = None) -> DecodeResult:
+    """Autoregressive decoding: prefill, then one target forward per token.
+
+    temperature 0 is greedy; above 0 each token is drawn by inverse CDF with a
+    uniform from `generator` (one [B] draw per step, float64, on the CPU).
+    """
+    stages = stages or TorchStages()
+    batch = _Batch(model, prompts, max_new_tokens, stop_tokens, extra_slots=0)
+    first = batch.prefill(stages, temperature, generator)
+    last = first
+    while batch.any_active:
+        active = batch.active_mask()
+        with batch.timer("verify"):
+            logits = model.forward(last[:, None], batch.starts[:, None].to(batch.device),
+                                   torch.ones(batch.size, 1, 1, dtype=torch.bool, device=batch.device),
+                                   active.long().to(batch.device), batch.starts.to(batch.device), batch.cache)
+        with batch.timer("accept"):
+            uniforms = _uniforms(generator, batch.size, 1) if temperature > 0 else None
+            choices, margins = _choose(stages, logits, temperature, uniforms)
+        batch.rounds += 1
+        for b in range(batch.size):
+            if active[b]:
+                batch.starts[b] += 1
+                batch.requests[b].acceptance_lengths.append(1)
+                batch.commit(b, [int(choices[b, 0])], [float(margins[b, 0])])
+        batch.sync_cache_lengths()
+        last = choices[:, :1].reshape(-1)
+    return batch.result()
+
+
+def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int] | torch.Tensor],
+                  ddtree: DDTreeConfig, max_new_tokens: int, *, stop_tokens: Sequence[int] = (),
+                  budgets: Sequence[int] | None = None, generator: torch.Generator | None = None,
+                  uniforms: Sequence[torch.Tensor] | None = None, stages: Stages | None = None,
+                  record: bool = False) -> DecodeResult:
+    """DDTree decoding, batched. Greedy at ddtree.temperature 0, else sampled.
+
+    budgets: a per-request node budget (default ddtree.budget for all).
+    drafter: may be None only when ddtree.depth == 0 (the tree is the root alone).
+    Sampling uniforms: `uniforms[r]` [B, >= Nmax] float64 for round r when given,
+    else drawn from `generator` (torch.rand on the CPU, float64).
+    record: keep every round's tree, choices and acceptance (RequestResult.rounds).
+    """
+    stages = stages or TorchStages()
+    depth = ddtree.depth
+    if depth > 0 and drafter is None:
+        raise ValueError(f"ddtree_decode: block_size {ddtree.block_size} needs a drafter")
+    request_budgets = [ddtree.budget] * len(prompts) if budgets is None else list(budgets)
+    if len(request_budgets) != len(prompts):
+        raise ValueError(f"ddtree_decode: {len(request_budgets)} budgets for {len(prompts)} prompts")
+    if any(not isinstance(b, int) or b < 0 for b in request_budgets):
+        raise ValueError(f"ddtree_decode: budgets must be integers >= 0, got {request_budgets}")
+    sampled = ddtree.temperature > 0
+    if sampled and generator is None and uniforms is None:
+        raise ValueError("ddtree_decode: sampling needs a generator or per-round uniforms")
+
+    batch = _Batch(model, prompts, max_new_tokens, stop_tokens,
+                   extra_slots=min(max(request_budgets), _tree_capacity(depth, model.cfg.vocab_size)) + 1)
+    vocab = model.cfg.vocab_size
+    k = min(max(max(request_budgets), 1), vocab)
+    roots = batch.prefill(stages, ddtree.temperature, generator)
+    while batch.any_active:
+        active = batch.active_mask()
+        round_budgets = torch.tensor([request_budgets[b] if active[b] else 0 for b in range(batch.size)],
+                                     dtype=torch.int64, device=batch.device)
+        roots_dev = roots.to(batch.device)
+        with batch.timer("draft"):
+            if depth > 0:
+                draft_logits = drafter.draft(batch.contexts(), roots_dev, depth)
+        with batch.timer("build"):
+            if depth > 0:
+                topk_lp, topk_id = stages.topk_logprobs(draft_logits, k)
+            else:
+                topk_lp = torch.zeros(batch.size, 0, k, dtype=torch.float32, device=batch.device)
+                topk_id = torch.zeros(batch.size, 0, k, dtype=torch.int64, device=batch.device)
+            trees = stages.build_trees(topk_lp, topk_id, round_budgets, roots_dev)
+        starts_dev = batch.starts.to(batch.device)
+        with batch.timer("compile"):
+            compiled = stages.compile_trees(trees, starts_dev)
+        n_new = trees.n.to(batch.device) + 1
+        with batch.timer("verify"):
+            logits = model.forward(trees.tokens.clamp(min=0), compiled.positions, compiled.visibility,
+                                   torch.where(active.to(batch.device), n_new, 0), starts_dev, batch.cache)
+        with batch.timer("accept"):
+            round_uniforms = None
+            if sampled:
+                round_uniforms = (uniforms[batch.rounds] if uniforms is not None
+                                  else _uniforms(generator, batch.size, logits.shape[1]))
+                round_uniforms = round_uniforms[:, :logits.shape[1]]
+            choices, margins = _choose(stages, logits, ddtree.temperature, round_uniforms)
+            accepted, accept_len, next_root = stages.accept(trees, choices)
+        with batch.timer("compact"):
+            stages.compact_kv(batch.cache, starts_dev, accepted, accept_len)
+        batch.rounds += 1
+        accepted, accept_len, next_root = accepted.cpu(), accept_len.cpu(), next_root.cpu()
+        tree_tokens, choices_cpu, margins = trees.tokens.cpu(), choices.cpu(), margins.cpu()
+        for b in range(batch.size):
+            if not active[b]:
+                continue
+            a = int(accept_len[b])
+            path = accepted[b, :a]
+            if record:
+                batch.requests[b].rounds.append(_record(b, int(batch.starts[b]), int(roots[b]), topk_lp,
+                                                        topk_id, trees, choices_cpu, path,
+                                                        int(next_root[b])))
+            committed = tree_tokens[b, path[1:]].tolist() + [int(next_root[b])]
+            batch.starts[b] += a
+            batch.requests[b].acceptance_lengths.append(a)
+            batch.commit(b, committed, margins[b, path].tolist())
+        batch.sync_cache_lengths()
+        roots = next_root
+    return batch.result()
+
+
+def _tree_capacity(depth: int, vocab: int) -> int:
+    """The most non-root nodes a tree of `depth` levels over `vocab` tokens can hold."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= vocab
+        total += level
+        if total > 1 << 40:
+            break
+    return total
+
+
+class _Batch:
+    """Per-request outputs, starts and activity for one decode call."""
+
+    def __init__(self, model, prompts, max_new_tokens: int, stop_tokens: Sequence[int],
+                 extra_slots: int) -> None:
+        cfg = model.cfg
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        self.model = model
+        self.prompts = [_as_prompt(p, cfg.vocab_size, i) for i, p in enumerate(prompts)]
+        if not self.prompts:
+            raise ValueError("no prompts given")
+        longest = max(len(p) for p in self.prompts)
+        if longest + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens {max_new_tokens} exceeds "
+                             f"max_position_embeddings {cfg.max_position_embeddings}")
+        self.size = len(self.prompts)
+        self.max_new_tokens = max_new_tokens
+        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self.device = torch.device(model.device)
+        self.cache = KVCache.allocate(cfg, self.size, longest + max_new_tokens + extra_slots,
+                                      self.device, model.dtype)
+        self.starts = torch.tensor([len(p) for p in self.prompts], dtype=torch.int64)
+        self.requests = [RequestResult([], [], 0, []) for _ in self.prompts]
+        self.done = [False] * self.size
+        self.rounds = 0
+        self.timer = StageTimer(self.device)
+
+    @property
+    def any_active(self) -> bool:
+        return not all(self.done)
+
+    def active_mask(self) -> torch.Tensor:
+        return torch.tensor([not d for d in self.done])
+
+    def contexts(self) -> list[torch.Tensor]:
+        """Per request: every cached token (the prompt, then committed tokens but the root)."""
+        return [torch.cat([p, torch.tensor(r.tokens[:-1], dtype=torch.int64)])
+                for p, r in zip(self.prompts, self.requests)]
+
+    def prefill(self, stages: Stages, temperature: float,
+                generator: torch.Generator | None) -> torch.Tensor:
+        """Causal forward of every prompt; commits and returns the first tokens [B]."""
+        lengths = self.starts
+        width = int(lengths.max())
+        tokens = torch.zeros(self.size, width, dtype=torch.int64)
+        for b, p in enumerate(self.prompts):
+            tokens[b, :len(p)] = p
+        positions = torch.arange(width).expand(self.size, width)
+        causal = torch.ones(width, width, dtype=torch.bool).tril().expand(self.size, width, width)
+        with self.timer("prefill"):
+            logits = self.model.forward(tokens.to(self.device), positions.to(self.device),
+                                        causal.to(self.device), lengths.to(self.device),
+                                        torch.zeros(self.size, dtype=torch.int64, device=self.device),
+                                        self.cache)
+            last = logits[torch.arange(self.size, device=self.device), (lengths - 1).to(self.device)]
+            uniforms = _uniforms(generator, self.size, 1) if temperature > 0 else None
+            choices, margins = _choose(stages, last[:, None], temperature, uniforms)
+        self.sync_cache_lengths()
+        for b in range(self.size):
+            self.commit(b, [int(choices[b, 0])], [float(margins[b, 0])])
+        return choices[:, 0].cpu()
+
+    def commit(self, b: int, tokens: list[int], margins: list[float]) -> None:
+        """Append tokens to request b up to max_new_tokens or the first stop token."""
+        request = self.requests[b]
+        request.target_forwards += 1
+        for token, margin in zip(tokens, margins):
+            request.tokens.append(token)
+            request.margins.append(margin)
+            if len(request.tokens) >= self.max_new_tokens or token in self.stop_tokens:
+                self.done[b] = True
+                return
+
+    def sync_cache_lengths(self) -> None:
+        self.cache.lengths.copy_(self.starts.to(self.cache.lengths.device))
+
+    def result(self) -> DecodeResult:
+        acceptance = [a for r in self.requests for a in r.acceptance_lengths]
+        metrics = DecodeMetrics(tokens=sum(len(r.tokens) for r in self.requests), rounds=self.rounds,
+                                target_forwards=self.rounds + 1,
+                                acceptance_lengths=acceptance,
+                                stage_seconds=dict(self.timer.seconds))
+        return DecodeResult(self.requests, metrics)
+
+
+def _as_prompt(prompt, vocab_size: int, index: int) -> torch.Tensor:
+    """prompt [m] int64 on the CPU, checked against the vocabulary."""
+    tokens = torch.as_tensor(prompt).reshape(-1).to(torch.int64).cpu()
+    if tokens.numel() == 0:
+        raise ValueError(f"prompt {index} is empty")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+        raise ValueError(f"prompt {index} has token ids outside [0, {vocab_size})")
+    return tokens
+
+
+def _uniforms(generator: torch.Generator | None, batch: int, width: int) -> torch.Tensor:
+    """uniforms [batch, width] float64 on the CPU."""
+    return torch.rand(batch, width, generator=generator, dtype=torch.float64)
+
+
+def _choose(stages: Stages, logits: torch.Tensor, temperature: float,
+            uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, N, V] -> (choices [B, N] int64, margins [B, N] float64; NaN when sampled)."""
+    if temperature > 0:
+        choices = stages.sample_choices(logits, temperature, uniforms.to(logits.device))
+        return choices, torch.full(choices.shape, float("nan"), dtype=torch.float64)
+    top2 = logits.topk(min(2, logits.shape[-1]), dim=-1).values.double()
+    margins = top2[..., 0] - top2[..., -1] if top2.shape[-1] == 2 else torch.full_like(top2[..., 0], float("inf"))
+    return stages.greedy_choices(logits), margins
+
+
+def _record(b: int, start: int, root: int, topk_lp: torch.Tensor, topk_id: torch.Tensor, trees,
+            choices: torch.Tensor, accepted: torch.Tensor, next_root: int) -> RoundRecord:
+    count = int(trees.n[b]) + 1
+    return RoundRecord(start=start, root=root, topk_lp=topk_lp[b].cpu(), topk_id=topk_id[b].cpu(),
+                       parents=trees.parents[b, :count].cpu(), tokens=trees.tokens[b, :count].cpu(),
+                       depths=trees.depths[b, :count].cpu(), scores=trees.scores[b, :count].cpu(),
+                       choices=choices[b, :count].clone(), accepted=accepted.clone(),
+                       next_root=next_root)

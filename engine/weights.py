@@ -1,0 +1,102 @@
+"""Weight names and shapes for a config, and loading them from a KDTR fixture.
+
+Names and layouts are docs/fixtures.md "Weights" (torch layout [out, in]);
+a fixture stores them under ``weights/<name>`` and its config under
+``metadata["config"]``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+import kdtr_format
+from kdtr_format import ModelConfig
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight name the config needs, with its shape (docs/fixtures.md)."""
+    d, heads = cfg.hidden_size, cfg.num_attention_heads
+    q_out = heads * cfg.qk_head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (cfg.vocab_size, d)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm"] = (d,)
+        if cfg.q_lora_rank is None:
+            shapes[p + "attn.wq"] = (q_out, d)
+        else:
+            shapes[p + "attn.wq_a"] = (cfg.q_lora_rank, d)
+            shapes[p + "attn.q_a_norm"] = (cfg.q_lora_rank,)
+            shapes[p + "attn.wq_b"] = (q_out, cfg.q_lora_rank)
+        shapes[p + "attn.wkv_a"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
+        shapes[p + "attn.kv_a_norm"] = (cfg.kv_lora_rank,)
+        shapes[p + "attn.wkv_b"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        shapes[p + "attn.wo"] = (d, heads * cfg.v_head_dim)
+        shapes[p + "post_attention_layernorm"] = (d,)
+        if cfg.is_dense_layer(i):
+            shapes[p + "mlp.w_gate"] = (cfg.intermediate_size, d)
+            shapes[p + "mlp.w_up"] = (cfg.intermediate_size, d)
+            shapes[p + "mlp.w_down"] = (d, cfg.intermediate_size)
+            continue
+        e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+        shapes[p + "moe.gate"] = (e, d)
+        shapes[p + "moe.e_score_correction_bias"] = (e,)
+        shapes[p + "moe.experts.w_gate"] = (e, inter, d)
+        shapes[p + "moe.experts.w_up"] = (e, inter, d)
+        shapes[p + "moe.experts.w_down"] = (e, d, inter)
+        if cfg.n_shared_experts:
+            shared = cfg.n_shared_experts * inter
+            shapes[p + "moe.shared.w_gate"] = (shared, d)
+            shapes[p + "moe.shared.w_up"] = (shared, d)
+            shapes[p + "moe.shared.w_down"] = (d, shared)
+    shapes["norm"] = (d,)
+    shapes["lm_head"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def check_weights(cfg: ModelConfig, weights: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first missing, unexpected or misshapen weight."""
+    expected = weight_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in weights:
+            raise ValueError(f"weight {name!r} is missing (expected shape {list(shape)})")
+        got = tuple(weights[name].shape)
+        if got != shape:
+            raise ValueError(f"weight {name!r} has shape {list(got)}, expected {list(shape)}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise ValueError(f"weight {extra[0]!r} is not part of this config "
+                         f"({len(extra)} unexpected weight(s))")
+
+
+def as_tensor(value: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A torch tensor owning a copy of (or sharing) `value`'s data."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
+    raise TypeError(f"weights must be torch tensors or numpy arrays, got {type(value).__name__}")
+
+
+def load_fixture_weights(path_or_reader: str | os.PathLike | Any) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, weights) from a KDTR fixture: a path or an open `kdtr_format` reader.
+
+    Tensors are copied out of the file's memory map, so they outlive the reader.
+    """
+    if isinstance(path_or_reader, (str, os.PathLike)):
+        with kdtr_format.open(path_or_reader) as reader:
+            return load_fixture_weights(reader)
+    reader = path_or_reader
+    metadata = reader.metadata
+    if not isinstance(metadata, Mapping) or "config" not in metadata:
+        raise ValueError("fixture has no metadata['config'] (not a kdtree model fixture?)")
+    cfg = ModelConfig.from_dict(metadata["config"])
+    prefix = "weights/"
+    weights = {name[len(prefix):]: reader.torch(name).clone() for name in reader.names(prefix)}
+    if not weights:
+        raise ValueError("fixture holds no 'weights/...' tensors")
+    check_weights(cfg, weights)
+    return cfg, weights

@@ -1,0 +1,245 @@
+"""Lossless conversion between KDTR and HDF5 (h5py), npz and safetensors, chosen by extension.
+
+Formats that cannot hold a dtype natively keep its raw bits plus a dtype note:
+
+- HDF5 (.h5, .hdf5): one dataset per tensor at the tensor's name (each `/` a group level);
+  bfloat16 / float8 stored as uint16 / uint8 bits and int4 as int8 values, with the
+  dataset attribute `kdtr_dtype`; `kdtr_index` keeps the tensor order; the metadata is the
+  root attribute `kdtr_metadata` (JSON text).
+- npz: one array per tensor (same raw-bits rule); the entry `__kdtr__` holds, as UTF-8 JSON
+  bytes, {"metadata": ..., "dtypes": {name: kdtr dtype}} for the exotic tensors.
+- safetensors: native BF16 / F8_E4M3 / F8_E5M2; int4 as I8 values; `__metadata__` holds
+  `kdtr_metadata`, `kdtr_dtypes` and `kdtr_order` (JSON text).
+
+Files not written by kdtr convert are read too (their metadata is then empty, except
+safetensors' string map, which becomes the metadata object). Outputs other than KDTR are
+also written to a temporary file and renamed, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import ml_dtypes
+import numpy as np
+
+from . import format as fmt
+from .errors import KdtrError
+from .reader import Reader
+from .writer import Writer
+
+EXTENSIONS = {".kdtr": "kdtr", ".h5": "hdf5", ".hdf5": "hdf5", ".npz": "npz", ".safetensors": "safetensors"}
+_EXOTIC_BITS = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
+_NPZ_INFO = "__kdtr__"
+_SAFETENSORS_DTYPES = {
+    "BOOL": np.bool_, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
+    "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64,
+    "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+
+
+class ConvertError(KdtrError, ValueError):
+    """The conversion cannot be done (extension, missing library, unrepresentable name)."""
+
+
+@dataclass
+class Source:
+    """Tensors to stream, in order, and the metadata object."""
+
+    names: list[str]
+    load: Callable[[str], np.ndarray]
+    metadata: dict
+    close: Callable[[], None]
+
+
+def kind_of(path: str) -> str:
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in EXTENSIONS:
+        raise ConvertError(f"unsupported extension {extension or '(none)'!r} of {path}; use one of {', '.join(EXTENSIONS)}")
+    return EXTENSIONS[extension]
+
+
+def _to_stored(array: np.ndarray) -> tuple[np.ndarray, str | None]:
+    """(array a plain format can hold, kdtr dtype note or None when the dtype is native)."""
+    name = array.dtype.name
+    if name in _EXOTIC_BITS:
+        return array.view(_EXOTIC_BITS[name]), name
+    if name == "int4":
+        return array.astype(np.int8), name
+    return array, None
+
+
+def _from_stored(array: np.ndarray, note: str | None) -> np.ndarray:
+    if note is None:
+        return array
+    if note in _EXOTIC_BITS:
+        return array.view(getattr(ml_dtypes, note))
+    if note == "int4":
+        return array.astype(ml_dtypes.int4)
+    raise ConvertError(f"unknown dtype note {note!r}")
+
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError:
+        raise ConvertError("HDF5 conversion needs h5py (pip install h5py)") from None
+    return h5py
+
+
+def _safetensors():
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError:
+        raise ConvertError("safetensors conversion needs the safetensors package (pip install safetensors)") from None
+    return safetensors
+
+
+def open_source(path: str) -> Source:
+    kind = kind_of(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file: {path}")
+    if kind == "kdtr":
+        reader = Reader(path)
+        return Source(reader.names(), reader.__getitem__, reader.metadata, reader.close)
+    if kind == "hdf5":
+        h5py = _h5py()
+        f = h5py.File(path, "r")
+        found: list[tuple[int, str]] = []
+
+        def visit(name: str, node) -> None:
+            if isinstance(node, h5py.Dataset):
+                found.append((int(node.attrs.get("kdtr_index", len(found) + 10**9)), name))
+
+        f.visititems(visit)
+        raw = f.attrs.get("kdtr_metadata")
+        metadata = json.loads(raw) if raw is not None else {}
+
+        def load_h5(name: str) -> np.ndarray:
+            dataset = f[name]
+            note = dataset.attrs.get("kdtr_dtype")
+            return _from_stored(dataset[()], note.decode() if isinstance(note, bytes) else note)
+
+        return Source([n for _, n in sorted(found)], load_h5, metadata, f.close)
+    if kind == "npz":
+        archive = np.load(path, allow_pickle=False)
+        info = json.loads(archive[_NPZ_INFO].tobytes()) if _NPZ_INFO in archive.files else {}
+        notes = info.get("dtypes", {})
+        names = [n for n in archive.files if n != _NPZ_INFO]
+        return Source(names, lambda n: _from_stored(archive[n], notes.get(n)), info.get("metadata", {}), archive.close)
+    safetensors = _safetensors()
+    with open(path, "rb") as f:
+        blob = f.read()
+    header = safetensors.safe_open(path, framework="numpy").metadata() or {}
+    views = {name: view for name, view in safetensors.deserialize(blob)}
+    notes = json.loads(header.get("kdtr_dtypes", "{}"))
+    order = json.loads(header["kdtr_order"]) if "kdtr_order" in header else sorted(views)
+    metadata = json.loads(header["kdtr_metadata"]) if "kdtr_metadata" in header else dict(header)
+
+    def load_safetensors(name: str) -> np.ndarray:
+        view = views[name]
+        if view["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ConvertError(f"tensor {name!r} has safetensors dtype {view['dtype']}, which KDTR does not store")
+        array = np.frombuffer(view["data"], _SAFETENSORS_DTYPES[view["dtype"]]).reshape(view["shape"])
+        return _from_stored(array, notes.get(name))
+
+    return Source(order, load_safetensors, metadata, lambda: None)
+
+
+@contextlib.contextmanager
+def _atomic(path: str) -> Iterator[str]:
+    """A temporary path beside `path`, renamed onto it on success and removed on failure."""
+    directory, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=os.path.splitext(path)[1], dir=directory)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _npz_member(archive: zipfile.ZipFile, name: str, array: np.ndarray) -> None:
+    """One `<name>.npy` entry, as numpy.savez writes it."""
+    with archive.open(name + ".npy", "w", force_zip64=True) as member:
+        np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
+def _h5_path(name: str) -> str:
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ConvertError(f"tensor name {name!r} cannot be an HDF5 path (empty, '.' or '..' component)")
+    return name
+
+
+def convert(src: str, dst: str, alignment: int = fmt.DEFAULT_ALIGNMENT,
+            progress: Callable[[int, int], None] | None = None) -> int:
+    """Copy every tensor and the metadata from src to dst (formats by extension); returns the tensor count.
+
+    `progress(done, total)` is called after each tensor."""
+    kind = kind_of(dst)
+    source = open_source(src)
+    done = iter(range(1, len(source.names) + 1))
+
+    def step(name: str) -> None:
+        if progress is not None:
+            progress(next(done), len(source.names))
+
+    try:
+        if kind == "kdtr":
+            with Writer(dst, alignment=alignment, metadata=source.metadata) as writer:
+                for name in source.names:
+                    writer.add(name, source.load(name))
+                    step(name)
+        elif kind == "hdf5":
+            h5py = _h5py()
+            with _atomic(dst) as tmp, h5py.File(tmp, "w") as f:
+                f.attrs["kdtr_metadata"] = json.dumps(source.metadata, ensure_ascii=False)
+                for i, name in enumerate(source.names):
+                    stored, note = _to_stored(source.load(name))
+                    try:
+                        dataset = f.create_dataset(_h5_path(name), data=stored)
+                    except (ValueError, TypeError) as e:
+                        raise ConvertError(f"cannot store tensor {name!r} in HDF5: {e}") from None
+                    dataset.attrs["kdtr_index"] = i
+                    if note:
+                        dataset.attrs["kdtr_dtype"] = note
+                    step(name)
+        elif kind == "npz":
+            notes = {}
+            with _atomic(dst) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+                for name in source.names:
+                    if name == _NPZ_INFO:
+                        raise ConvertError(f"tensor name {_NPZ_INFO!r} is reserved in npz")
+                    stored, note = _to_stored(source.load(name))
+                    _npz_member(archive, name, stored)
+                    if note:
+                        notes[name] = note
+                    step(name)
+                info = json.dumps({"metadata": source.metadata, "dtypes": notes}, ensure_ascii=False).encode()
+                _npz_member(archive, _NPZ_INFO, np.frombuffer(info, np.uint8))
+        else:
+            safetensors = _safetensors()
+            arrays, notes = {}, {}
+            for name in source.names:
+                array = source.load(name)
+                if array.dtype.name == "int4":
+                    array, notes[name] = array.astype(np.int8), "int4"
+                arrays[name] = np.ascontiguousarray(array)
+                step(name)
+            header = {"kdtr_metadata": json.dumps(source.metadata, ensure_ascii=False),
+                      "kdtr_dtypes": json.dumps(notes), "kdtr_order": json.dumps(source.names, ensure_ascii=False)}
+            with _atomic(dst) as tmp:
+                safetensors.numpy.save_file(arrays, tmp, metadata=header)
+    finally:
+        source.close()
+    return len(source.names)

@@ -1,0 +1,12 @@
+// kdtree_status_string: the message for any launcher's return value.
+#include "common.cuh"
+
+KDTREE_API const char* kdtree_status_string(int code) {
+    switch (code) {
+        case KDTREE_OK: return "ok";
+        case KDTREE_BAD_SHAPE: return "bad shape argument";
+        case KDTREE_BAD_LIMIT: return "size exceeds a kernel limit";
+        case KDTREE_BAD_POINTER: return "null pointer argument";
+        default: return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown kdtree status";
+    }
+}

@@ -1,0 +1,322 @@
+// Top-K log-probabilities of draft logits (DDTREE_CONTRACT.md section 2), one CTA per row.
+//
+//   logits [rows, V] (float32 | bfloat16 | float16)
+//     -> topk_lp float32 [rows, K], topk_id int64 [rows, K]
+//
+// lp = x - lse rounded once to float32, lse = max + log(sum exp(x - max)) accumulated in
+// float64; each row descending in lp, equal lp values ordered by the smaller id.
+//
+// Per row:
+//   pass A    one read of the row: the online (max, sum) for lse and a 4096-bin histogram
+//             of the top 12 bits of an order-preserving key of x;
+//   select    the bin holding the K-th largest x; the candidate threshold is that bin's
+//             lowest x, lowered to the smallest x whose lp equals that x's lp (two different
+//             logits can round to one lp, and the smaller id then goes first);
+//   gather    a second read (in reverse, to hit what pass A left in L2) collects every
+//             element at or above the threshold into shared memory, keyed (lp desc, id asc);
+//   sort      a bitonic sort of the candidates; the first K are the answer.
+// If the candidates do not fit (kCap), the histogram is refined on the next 12, then 8 bits
+// (one more read each); if they still do not fit (massive exact ties), the elements above
+// the K-th lp are gathered and the tied ones are taken in id order by a block-wide scan.
+#include "common.cuh"
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kBins = 4096;                 // the widest histogram level (12 bits)
+constexpr int kCap = 4096;                  // candidates held in shared memory
+constexpr int kUnroll = 4;                  // 16-byte loads in flight per thread
+constexpr uint32_t kMinKey = 0x007FFFFFu;   // order_key(-inf)
+constexpr uint32_t kMaxKey = 0xFF800000u;   // order_key(+inf)
+
+__device__ __forceinline__ uint32_t order_key(float x) {
+    uint32_t u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+// The contract's lp: the float64 difference, rounded once to float32.
+__device__ __forceinline__ float log_prob(float x, double lse) {
+    return static_cast<float>(static_cast<double>(x) - lse);
+}
+
+// e^(x - m): float exp of the exact float64 difference, corrected to first order for the
+// rounding of that difference to float32 (relative error about 1e-7 per term, summed in float64).
+__device__ __forceinline__ double exp_diff(float x, float m) {
+    double d = static_cast<double>(x) - static_cast<double>(m);
+    float f = static_cast<float>(d);
+    double e = expf(f);
+    return e == 0.0 ? 0.0 : e * (1.0 + (d - static_cast<double>(f)));
+}
+
+// Candidate sort key: ascending order = lp descending, then id ascending.
+__device__ __forceinline__ uint64_t candidate(float lp, int id) {
+    return (static_cast<uint64_t>(~order_key(lp)) << 32) | static_cast<uint32_t>(id);
+}
+
+// Calls f(x, id) for every element of the row, each once, split over the block's threads;
+// kVector: 16-byte loads (needs V % (16 / sizeof(T)) == 0 and a 16-byte aligned base).
+template <typename T, bool kVector, bool kReverse, typename F>
+__device__ __forceinline__ void for_each(const T* __restrict__ row, int V, F&& f) {
+    if constexpr (kVector) {
+        constexpr int N = 16 / sizeof(T);
+        const int nvec = V / N;
+        const uint4* vrow = reinterpret_cast<const uint4*>(row);
+        for (int base = threadIdx.x; base < nvec; base += kThreads * kUnroll) {
+            uint4 raw[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                int v = base + u * kThreads;
+                if (v < nvec) raw[u] = __ldg(vrow + (kReverse ? nvec - 1 - v : v));
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                int v = base + u * kThreads;
+                if (v < nvec) {
+                    int first = (kReverse ? nvec - 1 - v : v) * N;
+                    const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+                    for (int j = 0; j < N; ++j) f(to_float(e[j]), first + j);
+                }
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < V; i += kThreads) {
+            int id = kReverse ? V - 1 - i : i;
+            f(to_float(row[id]), id);
+        }
+    }
+}
+
+struct Shared {
+    uint32_t hist[kBins];
+    uint64_t cand[kCap];
+};
+
+struct Scalars {
+    float max;
+    double lse;
+    int bin;            // the boundary bin of the current level
+    int above;          // elements strictly above the boundary bin's range, all levels so far
+    uint32_t threshold; // the candidate threshold key
+    int count;          // candidates gathered (may exceed kCap: overflow)
+};
+
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+using BlockScan = cub::BlockScan<int, kThreads>;
+using BlockReduceF = cub::BlockReduce<float, kThreads>;
+using BlockReduceD = cub::BlockReduce<double, kThreads>;
+
+// Smallest key k in [lo, hi] with pred(k) true, pred monotone (false ... false true ... true);
+// hi when none before it holds.
+template <typename P>
+__device__ uint32_t first_true(uint32_t lo, uint32_t hi, P pred) {
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (pred(mid)) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
+
+// Finds the bin holding the `need`-th largest element of hist[0 .. nbins) counted from the
+// top; writes it and the count strictly above it (this level only) to s->bin, s->above.
+__device__ void select_bin(const uint32_t* hist, int nbins, int need, Scalars* s,
+                           typename BlockScan::TempStorage& scan) {
+    const int per = (nbins + kThreads - 1) / kThreads;
+    const int group = kThreads - 1 - threadIdx.x;          // thread 0 holds the highest bins
+    const int hi = min(nbins, (group + 1) * per), lo = min(nbins, group * per);
+    int total = 0;
+    for (int b = lo; b < hi; ++b) total += hist[b];
+    int above;
+    BlockScan(scan).ExclusiveSum(total, above);
+    if (above < need && above + total >= need) {
+        for (int b = hi - 1; b >= lo; --b) {
+            if (above + static_cast<int>(hist[b]) >= need) {
+                s->bin = b;
+                s->above += above;
+                break;
+            }
+            above += hist[b];
+        }
+    }
+    __syncthreads();
+}
+
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
+    const T* __restrict__ logits, int V, int K, float* __restrict__ topk_lp, int64_t* __restrict__ topk_id) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Shared& sh = *reinterpret_cast<Shared*>(smem_raw);
+    __shared__ Scalars s;
+    __shared__ union {
+        typename BlockScan::TempStorage scan;
+        typename BlockReduceF::TempStorage reduce_f;
+        typename BlockReduceD::TempStorage reduce_d;
+    } tmp;
+
+    const T* row = logits + static_cast<size_t>(blockIdx.x) * V;
+    for (int b = threadIdx.x; b < kBins; b += kThreads) sh.hist[b] = 0;
+    if (threadIdx.x == 0) { s.above = 0; s.count = 0; }
+    __syncthreads();
+
+    // Pass A: online max / float64 sum, and the top-12-bit histogram.
+    float m = -INFINITY;
+    double sum = 0.0;
+    for_each<T, kVector, false>(row, V, [&](float x, int) {
+        atomicAdd(&sh.hist[order_key(x) >> 20], 1u);
+        if (x > m) {
+            sum = (m == -INFINITY) ? 0.0 : sum * exp(static_cast<double>(m) - static_cast<double>(x));
+            m = x;
+        }
+        sum += exp_diff(x, m);
+    });
+    float block_max = BlockReduceF(tmp.reduce_f).Reduce(m, MaxOp());
+    if (threadIdx.x == 0) s.max = block_max;
+    __syncthreads();
+    sum = (m == -INFINITY) ? 0.0 : sum * exp(static_cast<double>(m) - static_cast<double>(s.max));
+    double block_sum = BlockReduceD(tmp.reduce_d).Sum(sum);
+    if (threadIdx.x == 0) s.lse = static_cast<double>(s.max) + log(block_sum);
+    __syncthreads();
+    const double lse = s.lse;
+
+    // Radix levels: 12 bits, 12 bits, 8 bits of the key.
+    constexpr int kShift[3] = {20, 8, 0};
+    constexpr int kBits[3] = {12, 12, 8};
+    uint32_t prefix = 0;
+    bool done = false;
+    for (int level = 0; level < 3 && !done; ++level) {
+        if (level > 0) {
+            const int shift_prev = kShift[level - 1];
+            __syncthreads();                                  // every thread has read hist[s.bin]
+            for (int b = threadIdx.x; b < (1 << kBits[level]); b += kThreads) sh.hist[b] = 0;
+            __syncthreads();
+            const uint32_t mask = (1u << kBits[level]) - 1;
+            for_each<T, kVector, true>(row, V, [&](float x, int) {
+                uint32_t k = order_key(x);
+                if ((k >> shift_prev) == prefix) atomicAdd(&sh.hist[(k >> kShift[level]) & mask], 1u);
+            });
+            __syncthreads();
+        }
+        select_bin(sh.hist, 1 << kBits[level], K - s.above, &s, tmp.scan);
+        prefix = (prefix << kBits[level]) | static_cast<uint32_t>(s.bin);
+        const uint32_t lo_key = prefix << kShift[level];
+        if (s.above + static_cast<int>(sh.hist[s.bin]) > kCap) continue;   // cannot fit: refine
+
+        if (threadIdx.x == 0) {
+            const float lp_lo = log_prob(key_value(lo_key), lse);
+            s.threshold = first_true(kMinKey, lo_key, [&](uint32_t k) { return log_prob(key_value(k), lse) >= lp_lo; });
+            s.count = 0;
+        }
+        __syncthreads();
+        const uint32_t threshold = s.threshold;
+        for_each<T, kVector, true>(row, V, [&](float x, int id) {
+            if (order_key(x) >= threshold) {
+                int slot = atomicAdd(&s.count, 1);
+                if (slot < kCap) sh.cand[slot] = candidate(log_prob(x, lse), id);
+            }
+        });
+        __syncthreads();
+        done = s.count <= kCap;
+        __syncthreads();
+    }
+
+    if (!done) {
+        // Massive ties: prefix is the exact key of the K-th largest x. Take every element with
+        // lp above lp_K (fewer than K), then the ones tied at lp_K in increasing id order.
+        if (threadIdx.x == 0) {
+            const float lp_k = log_prob(key_value(prefix), lse);
+            s.threshold = first_true(prefix, kMaxKey, [&](uint32_t k) { return log_prob(key_value(k), lse) > lp_k; });
+            s.count = 0;
+        }
+        __syncthreads();
+        const uint32_t strict = s.threshold;
+        const float lp_k = log_prob(key_value(prefix), lse);
+        for_each<T, kVector, true>(row, V, [&](float x, int id) {
+            if (order_key(x) >= strict) sh.cand[atomicAdd(&s.count, 1)] = candidate(log_prob(x, lse), id);
+        });
+        __syncthreads();
+        const int strict_count = s.count;
+        int taken = 0;
+        for (int base = 0; base < V && strict_count + taken < K; base += kThreads) {
+            const int id = base + threadIdx.x;
+            const bool tie = id < V && log_prob(to_float(row[id]), lse) == lp_k;
+            int rank, ties;
+            BlockScan(tmp.scan).ExclusiveSum(tie ? 1 : 0, rank, ties);
+            if (tie && strict_count + taken + rank < K) sh.cand[strict_count + taken + rank] = candidate(lp_k, id);
+            taken += ties;
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) s.count = K;
+        __syncthreads();
+    }
+
+    // Bitonic sort of the candidates (padded to a power of two with the largest key).
+    const int count = s.count;
+    int size = 1;
+    while (size < count) size <<= 1;
+    for (int i = count + threadIdx.x; i < size; i += kThreads) sh.cand[i] = ~0ull;
+    __syncthreads();
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < size; i += kThreads) {
+                int partner = i ^ j;
+                if (partner > i) {
+                    uint64_t a = sh.cand[i], b = sh.cand[partner];
+                    if ((a > b) == ((i & k) == 0)) { sh.cand[i] = b; sh.cand[partner] = a; }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    float* out_lp = topk_lp + static_cast<size_t>(blockIdx.x) * K;
+    int64_t* out_id = topk_id + static_cast<size_t>(blockIdx.x) * K;
+    for (int r = threadIdx.x; r < K; r += kThreads) {
+        uint64_t c = sh.cand[r];
+        out_lp[r] = key_value(~static_cast<uint32_t>(c >> 32));
+        out_id[r] = static_cast<int64_t>(c & 0xFFFFFFFFu);
+    }
+}
+
+template <typename T>
+int launch_topk(const void* logits, int rows, int V, int K, float* topk_lp, int64_t* topk_id, cudaStream_t stream) {
+    const T* x = static_cast<const T*>(logits);
+    const bool vector = V % (16 / static_cast<int>(sizeof(T))) == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    auto kernel = vector ? topk_logprobs_kernel<T, true> : topk_logprobs_kernel<T, false>;
+    const int smem = static_cast<int>(sizeof(Shared));
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    kernel<<<rows, kThreads, smem, stream>>>(x, V, K, topk_lp, topk_id);
+    return kdtree_launch_status();
+}
+
+}  // namespace
+
+// dtype: 0 float32, 1 bfloat16, 2 float16. K = min(k, V), 0 < V, K <= 4096 (0 rows or K = 0: no-op).
+KDTREE_API int kdtree_topk_logprobs(const void* logits, int dtype, int rows, int V, int K,
+                                    float* topk_lp, int64_t* topk_id, cudaStream_t stream) {
+    if (rows < 0 || V <= 0 || K < 0 || K > V) return KDTREE_BAD_SHAPE;
+    if (K > kCap) return KDTREE_BAD_LIMIT;
+    if (rows == 0 || K == 0) return KDTREE_OK;
+    if (!logits || !topk_lp || !topk_id) return KDTREE_BAD_POINTER;
+    switch (dtype) {
+        case 0: return launch_topk<float>(logits, rows, V, K, topk_lp, topk_id, stream);
+        case 1: return launch_topk<__nv_bfloat16>(logits, rows, V, K, topk_lp, topk_id, stream);
+        case 2: return launch_topk<__half>(logits, rows, V, K, topk_lp, topk_id, stream);
+        default: return KDTREE_BAD_SHAPE;
+    }
+}

@@ -1,0 +1,245 @@
+"""Tree-verify MLA attention (absorbed form, bit-packed ancestor-only mask) as a torch op.
+
+A ragged batch of B requests (csrc/mla_verify.cu has the math):
+
+    q_lat [T, H, R], q_pe [T, H, dr]     request b's queries are rows q_offsets[b] ..
+                                         q_offsets[b] + tree_sizes[b] (T = the sum of tree
+                                         sizes, or more with padding rows, left unwritten)
+    c_kv [S, R], k_pe [S, dr]            request b's keys are rows kv_offsets[b] ..
+                                         kv_offsets[b] + context[b] + tree_sizes[b]
+                                         (its cached context, then its tree tokens)
+    visibility [T, W] int32 / uint32     row t: bit j of word j // 32 = token t sees tree token j
+                                         (of its own tree); every context key is visible
+    -> o_lat [T, H, R] (q's dtype or float32), lse [T, H] float32 (natural log-sum-exp of the
+       scaled scores; -inf and o_lat = 0 for a row that sees no key)
+
+Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. bf16 at Kimi K2
+dims (R 512, dr 64) runs on the tensor cores; every other case on a CUDA-core path.
+
+`mla_verify` checks its arguments (a bad one raises `MlaInputError` naming it) and runs the
+op `kdtree::mla_verify_out` on torch's current stream. Long key ranges are split across
+blocks (flash-decoding); `plan_splits` picks the split from host-side maxima, which the caller
+passes (`max_tree`, `max_kv`) or `mla_verify` reads from the device once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import _lib
+
+KEY_BLOCK = 32          # split_keys is a multiple of this (the fast path's key tile)
+FAST_ROWS = 64          # query rows per block on the tensor-core path
+GENERIC_ROWS = 4        # query rows per block on the CUDA-core path
+MAX_SPLITS = 128        # the combine kernel's limit
+MIN_SPLIT_KEYS = 256    # below this a split's fixed cost outweighs its parallelism
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_INDEX_NAMES = ("context", "tree_sizes", "q_offsets", "kv_offsets")
+
+
+class MlaInputError(ValueError):
+    """An argument of `mla_verify` that the kernel cannot take."""
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Request b's keys [0, kv_len) are cut into splits [i * split_keys, (i + 1) * split_keys)."""
+
+    num_splits: int
+    split_keys: int
+
+
+def uses_tensor_cores(dtype: torch.dtype, kv_lora: int, rope_dim: int) -> bool:
+    """Whether `mla_verify` takes the tensor-core path for these inputs."""
+    return dtype == torch.bfloat16 and kv_lora == 512 and rope_dim == 64
+
+
+def plan_splits(batch: int, max_tree: int, heads: int, max_kv: int, fast: bool, sm_count: int) -> SplitPlan:
+    """Enough blocks for about two per multiprocessor, each split at least MIN_SPLIT_KEYS keys."""
+    rows_per_block = FAST_ROWS if fast else GENERIC_ROWS
+    row_blocks = batch * math.ceil(max_tree * heads / rows_per_block)
+    wanted = math.ceil(2 * sm_count / row_blocks)
+    splits = max(1, min(wanted, MAX_SPLITS, math.ceil(max_kv / MIN_SPLIT_KEYS)))
+    split_keys = KEY_BLOCK * math.ceil(max_kv / splits / KEY_BLOCK)
+    return SplitPlan(math.ceil(max_kv / split_keys), split_keys)
+
+
+def pack_visibility(visibility: torch.Tensor) -> torch.Tensor:
+    """bool [..., n, m] -> int32 [..., n, ceil(m / 32)]: bit j % 32 of word j // 32 is
+    visibility[..., j] (little-endian bit order, uint32 words stored as int32)."""
+    m = visibility.shape[-1]
+    words = max(1, math.ceil(m / 32))
+    padded = torch.nn.functional.pad(visibility.to(torch.int64), (0, 32 * words - m))
+    bits = padded.view(*visibility.shape[:-1], words, 32)
+    packed = (bits << torch.arange(32, device=visibility.device)).sum(-1)   # [..., n, W] in [0, 2^32)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+@torch.library.custom_op("kdtree::mla_verify_out", mutates_args=("o_lat", "lse"))
+def mla_verify_out(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                   context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
+                   kv_offsets: torch.Tensor, visibility: torch.Tensor, scale: float, max_tree: int,
+                   num_splits: int, split_keys: int, generic: bool,
+                   o_lat: torch.Tensor, lse: torch.Tensor) -> None:
+    """Writes o_lat [T, H, R] and lse [T, H]; arguments already checked by `mla_verify`.
+    num_splits * split_keys (a multiple of 32) covers every request's keys; generic forces
+    the CUDA-core path (the tensor-core one needs bf16, K2 dims, 16-byte aligned inputs)."""
+    total_tokens, heads, kv_lora = q_lat.shape
+    rows = total_tokens * heads
+    part_o = part_lse = None
+    if num_splits > 1:
+        part_o = torch.empty((num_splits, rows, kv_lora), dtype=torch.float32, device=q_lat.device)
+        part_lse = torch.empty((num_splits, rows), dtype=torch.float32, device=q_lat.device)
+    p = ctypes.c_void_p
+    fn = _lib.function("kdtree_mla_verify", (
+        p, p, p, p, p, p, p, p, p, ctypes.c_int, p, p, p, p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, p))
+    status = fn(
+        _lib.ptr(q_lat), _lib.ptr(q_pe), _lib.ptr(c_kv), _lib.ptr(k_pe), _lib.ptr(context),
+        _lib.ptr(tree_sizes), _lib.ptr(q_offsets), _lib.ptr(kv_offsets), _lib.ptr(visibility),
+        visibility.shape[1], _lib.ptr(o_lat), _lib.ptr(lse),
+        p(None) if part_o is None else _lib.ptr(part_o), p(None) if part_lse is None else _lib.ptr(part_lse),
+        context.shape[0], total_tokens, heads, kv_lora, q_pe.shape[2], max_tree, num_splits, split_keys,
+        scale, _DTYPE_CODES[q_lat.dtype], _DTYPE_CODES[o_lat.dtype], int(generic), _lib.stream(q_lat.device))
+    _lib.check(status, "kdtree_mla_verify")
+
+
+@mla_verify_out.register_fake
+def _(q_lat, q_pe, c_kv, k_pe, context, tree_sizes, q_offsets, kv_offsets, visibility, scale,
+      max_tree, num_splits, split_keys, generic, o_lat, lse) -> None:
+    return None
+
+
+def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+               context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
+               kv_offsets: torch.Tensor, visibility: torch.Tensor, scale: float, *,
+               max_tree: int | None = None, max_kv: int | None = None,
+               out_dtype: torch.dtype | None = None, generic: bool = False,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree-verify attention (module docstring) -> (o_lat [T, H, R], lse [T, H] float32).
+
+    max_tree / max_kv: the largest tree size and context + tree size. When either is None,
+    the index arrays are read back once (a device sync) and their values are checked too
+    (offsets consistent, key rows inside c_kv); when both are given they are trusted.
+    out_dtype: q's dtype (default) or float32. generic: force the CUDA-core path.
+    out: (o_lat, lse) to write into instead of fresh tensors.
+    """
+    _check_tensors(q_lat, q_pe, c_kv, k_pe, visibility)
+    batch = context.shape[0] if context.dim() == 1 else -1
+    index = [_index_tensor(name, t, batch + (name == "q_offsets"))
+             for name, t in zip(_INDEX_NAMES, (context, tree_sizes, q_offsets, kv_offsets))]
+    if not math.isfinite(scale) or scale <= 0:
+        raise MlaInputError(f"scale: must be a finite positive number, got {scale!r}")
+    out_dtype = q_lat.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (q_lat.dtype, torch.float32):
+        raise MlaInputError(f"out_dtype: must be the inputs' dtype {q_lat.dtype} or float32, got {out_dtype}")
+    total_tokens, heads, kv_lora = q_lat.shape
+    o_lat, lse = _outputs(out, (total_tokens, heads, kv_lora), out_dtype, q_lat.device)
+    _check_device(q_lat, q_pe, c_kv, k_pe, visibility, *index, o_lat, lse)
+    if batch == 0 or total_tokens == 0:
+        return o_lat, lse
+    if max_tree is None or max_kv is None:
+        max_tree, max_kv = _check_values(*index, total_tokens, c_kv.shape[0], visibility.shape[1])
+    if max_tree <= 0:
+        return o_lat, lse
+    if visibility.shape[1] * 32 < max_tree:
+        raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
+    fast = (not generic and uses_tensor_cores(q_lat.dtype, kv_lora, q_pe.shape[2])
+            and all(t.data_ptr() % 16 == 0 for t in (q_lat, q_pe, c_kv, k_pe)))   # 16-byte copies
+    sm_count = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
+    plan = plan_splits(batch, max_tree, heads, max_kv, fast, sm_count)
+    torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, visibility, float(scale), max_tree,
+                                    plan.num_splits, plan.split_keys, not fast, o_lat, lse)
+    return o_lat, lse
+
+
+def _check_tensors(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                   visibility: torch.Tensor) -> None:
+    named = {"q_lat": q_lat, "q_pe": q_pe, "c_kv": c_kv, "k_pe": k_pe, "visibility": visibility}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise MlaInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, dims in (("q_lat", 3), ("q_pe", 3), ("c_kv", 2), ("k_pe", 2), ("visibility", 2)):
+        if named[name].dim() != dims:
+            raise MlaInputError(f"{name}: expected {dims} dims, got shape {tuple(named[name].shape)}")
+    total_tokens, heads, kv_lora = q_lat.shape
+    rope_dim = q_pe.shape[2]
+    expected = {"q_pe": (total_tokens, heads, rope_dim), "c_kv": (c_kv.shape[0], kv_lora),
+                "k_pe": (c_kv.shape[0], rope_dim)}
+    for name, shape in expected.items():
+        if tuple(named[name].shape) != shape:
+            raise MlaInputError(f"{name}: shape {tuple(named[name].shape)} does not fit q_lat "
+                                f"{tuple(q_lat.shape)} (expected {shape})")
+    if min(heads, kv_lora, rope_dim) == 0:
+        raise MlaInputError(f"q_lat / q_pe: heads, kv_lora and rope dims must be positive, got "
+                            f"{(heads, kv_lora, rope_dim)}")
+    if visibility.shape[0] != total_tokens or visibility.shape[1] == 0:
+        raise MlaInputError(f"visibility: shape {tuple(visibility.shape)}, expected ({total_tokens}, W >= 1)")
+    if q_lat.dtype not in _DTYPE_CODES:
+        raise MlaInputError(f"q_lat: dtype {q_lat.dtype} is not float32 or bfloat16")
+    for name in ("q_pe", "c_kv", "k_pe"):
+        if named[name].dtype != q_lat.dtype:
+            raise MlaInputError(f"{name}: dtype {named[name].dtype} differs from q_lat's {q_lat.dtype}")
+    if visibility.dtype not in (torch.int32, torch.uint32):
+        raise MlaInputError(f"visibility: dtype {visibility.dtype}, expected int32 or uint32 words")
+    for name, t in named.items():
+        if not t.is_contiguous():
+            raise MlaInputError(f"{name}: must be contiguous (call .contiguous())")
+
+
+def _index_tensor(name: str, t: torch.Tensor, length: int) -> torch.Tensor:
+    """A [length] index array as int32 (int64 is narrowed)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or (length >= 0 and t.shape[0] != length):
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise MlaInputError(f"{name}: expected a 1-D tensor of length {length} (batch"
+                            f"{' + 1' if name == 'q_offsets' else ''}), got {shape}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise MlaInputError(f"{name}: dtype {t.dtype}, expected int32 or int64")
+    return t.to(torch.int32).contiguous()
+
+
+def _outputs(out: tuple[torch.Tensor, torch.Tensor] | None, shape: tuple[int, int, int],
+             dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if out is None:
+        return (torch.empty(shape, dtype=dtype, device=device),
+                torch.empty(shape[:2], dtype=torch.float32, device=device))
+    o_lat, lse = out
+    if tuple(o_lat.shape) != shape or o_lat.dtype != dtype or not o_lat.is_contiguous():
+        raise MlaInputError(f"out[0]: expected a contiguous {dtype} tensor of shape {shape}, got "
+                            f"{o_lat.dtype} {tuple(o_lat.shape)}")
+    if tuple(lse.shape) != shape[:2] or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise MlaInputError(f"out[1]: expected a contiguous float32 tensor of shape {shape[:2]}, got "
+                            f"{lse.dtype} {tuple(lse.shape)}")
+    return o_lat, lse
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    device = tensors[0].device
+    if device.type != "cuda":
+        raise MlaInputError(f"inputs must be CUDA tensors, got {device}")
+    for t in tensors:
+        if t.device != device:
+            raise MlaInputError(f"all tensors must be on {device}, found one on {t.device}")
+
+
+def _check_values(context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
+                  kv_offsets: torch.Tensor, total_tokens: int, key_rows: int, vis_words: int) -> tuple[int, int]:
+    """Read the index arrays back once; check them -> (max_tree, max_kv)."""
+    ctx, tree, q_off, kv_off = (t.tolist() for t in (context, tree_sizes, q_offsets, kv_offsets))
+    for b, (c, n, k) in enumerate(zip(ctx, tree, kv_off)):
+        if c < 0 or n < 0 or k < 0:
+            raise MlaInputError(f"request {b}: negative context {c}, tree size {n} or kv offset {k}")
+        if q_off[b] < 0 or q_off[b] + n > total_tokens:
+            raise MlaInputError(f"request {b}: query rows {q_off[b]}..{q_off[b] + n} are outside q_lat's "
+                                f"{total_tokens} tokens")
+        if k + c + n > key_rows:
+            raise MlaInputError(f"request {b}: keys {k}..{k + c + n} run past c_kv's {key_rows} rows")
+        if n > 32 * vis_words:
+            raise MlaInputError(f"request {b}: tree of {n} tokens needs more than {vis_words} visibility words")
+    return max(tree, default=0), max((c + n for c, n in zip(ctx, tree)), default=0)

@@ -1,0 +1,484 @@
+"""Golden fixture files: model fixtures, and what every fixture file shares.
+
+A model fixture (docs/fixtures.md, "Model fixtures") holds one config's
+weights, three prompts with their prefill logits and AR greedy output, and
+DDTree traces for a few (drafter, budget, block size) settings with every
+round's tensors. `FixturePlan` says which; `DEFAULT_PLAN` is what refgen
+commits. A fixture whose DDTree tokens differ from its AR tokens is never
+written (`FixtureError`).
+
+Near ties. Exact token comparison is fair only away from ties, so:
+
+- every greedy decision a consumer must reproduce (each AR token, and each
+  choice along a round's accepted path, the last of which is next_root) has a
+  top-1 minus top-2 logit margin >= `margin_threshold` = MARGIN_REL x
+  `logit_scale` (the standard deviation of a probe prompt's prefill logits);
+  a prompt that breaks this is redrawn from its next sub-seed;
+- within every draft's top K + 1 log-probs, two adjacent values are either
+  exactly equal (the tie rule orders them; every implementation agrees) or at
+  least TOPK_GAP_MIN apart; a drafter seed that breaks this is redrawn.
+
+The final seeds, the smallest margin and the smallest gap are in the metadata.
+
+Shared by every fixture kind (refgen/kernel_cases.py too): provenance
+(`generator_info`), `content_hash`, the atomic `write_fixture`, and `compare`,
+which checks a regenerated fixture against a committed one: integer tensors
+byte-identical, floats within REGEN_RTOL, metadata equal but for provenance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+import kdtr_format
+from kdtr_format import DDTreeConfig, ModelConfig
+
+from . import __version__
+from .decode import ARResult, Round, ar_greedy, ddtree_decode
+from .drafters import OracleDrafter, RandomDrafter
+from .model import KVCache, Model
+from .weights import init_weights
+
+FIXTURE_FORMAT = 1
+GOLDEN_PRESETS = ("tiny", "tiny2")   # committed; kimi-k2's weights (275 MB) are generated on demand
+MARGIN_REL = 1e-3                    # margin_threshold = MARGIN_REL * logit_scale
+TOPK_GAP_MIN = 1e-5                  # ~10 float32 ulps of a log-prob in [-16, -8]
+MAX_DRAWS = 32                       # redraws of a prompt or drafter seed before giving up
+PROBE_LENGTH = 16                    # the probe prompt that measures logit_scale
+REGEN_RTOL = 1e-12                   # regenerated floats agree to this (BLAS order differs)
+PROVENANCE = ("version", "numpy")    # generator keys that may differ between regenerations
+
+# Sub-seed streams (see `sub_seed`).
+_PROBE, _PROMPT, _DRAFTER = 0, 1, 2
+
+Progress = Callable[[int], None]     # called with the number of steps just finished
+
+
+class FixtureError(ValueError):
+    """A fixture that cannot be generated as asked (broken invariant, impossible plan)."""
+
+
+class _NearTie(Exception):
+    """A draw whose margins fall below the threshold: redraw from the next sub-seed."""
+
+
+def sub_seed(seed: int, stream: int, index: int, draw: int) -> int:
+    """A 32-bit seed for one draw of one item of a stream, from the fixture seed
+    (numpy's SeedSequence, identical on every platform)."""
+    return int(np.random.SeedSequence([seed, stream, index, draw]).generate_state(1)[0])
+
+
+def generator_info(seed: int) -> dict[str, Any]:
+    return {"name": "refgen", "version": __version__, "numpy": np.__version__, "seed": seed}
+
+
+def _scalar(value: int) -> np.ndarray:
+    return np.array(value, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """One DDTree trace: a prompt (index into the plan's prompts), a drafter
+    ("oracle" with an accuracy, or "random"), a DDTree setting, a length."""
+
+    name: str
+    prompt: int
+    drafter: str
+    accuracy: float | None
+    ddtree: DDTreeConfig
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class FixturePlan:
+    """Prompt lengths (named p0, p1, ...), AR tokens per prompt, and the traces."""
+
+    prompt_lengths: tuple[int, ...]
+    ar_new_tokens: int
+    traces: tuple[TraceSpec, ...]
+
+    @property
+    def steps(self) -> int:
+        """Progress steps of one fixture: the weights, each prompt's AR run, each trace."""
+        return 1 + len(self.prompt_lengths) + len(self.traces)
+
+    def positions_needed(self) -> int:
+        """The largest position any forward of this plan uses, plus one."""
+        longest = max(self.prompt_lengths) + self.ar_new_tokens
+        return longest + max((t.ddtree.depth for t in self.traces), default=0)
+
+
+DEFAULT_PLAN = FixturePlan(
+    prompt_lengths=(5, 12, 27),
+    ar_new_tokens=16,
+    traces=(
+        TraceSpec("t0", 0, "oracle", 0.9, DDTreeConfig(block_size=4, budget=8), 16),
+        TraceSpec("t1", 1, "oracle", 0.6, DDTreeConfig(block_size=6, budget=20), 12),
+        TraceSpec("t2", 2, "random", None, DDTreeConfig(block_size=3, budget=6), 10),
+        TraceSpec("t3", 0, "oracle", 0.9, DDTreeConfig(block_size=4, budget=0), 8),
+        TraceSpec("t4", 1, "oracle", 0.9, DDTreeConfig(block_size=8, budget=1), 10),
+        # L = 0: a budget larger than the tree can ever fill (root only).
+        TraceSpec("t5", 2, "oracle", 0.9, DDTreeConfig(block_size=1, budget=64), 6),
+        # The paper's block size, with the drafter always right at top-1.
+        TraceSpec("t6", 0, "oracle", 1.0, DDTreeConfig(block_size=16, budget=24), 12),
+    ),
+)
+
+
+def tolerances(logit_scale: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per tensor kind (docs/fixtures.md), for float32 and for bf16 engines:
+    |actual - expected| <= atol + rtol * |expected|.
+
+    logits: prefill_logits, verify_logits (margin_threshold exceeds twice the
+    float32 tolerance, so an error inside it cannot flip a decision above the
+    threshold); logprobs: topk_lp; scores: tree scores (bit-exact when built from
+    the fixture's topk_lp; the tolerance covers top-k recomputed from draft logits).
+    """
+    f32 = {"logits": {"rtol": 1e-5, "atol": 1e-4 * logit_scale},
+           "logprobs": {"rtol": 0.0, "atol": 1e-5},
+           "scores": {"rtol": 0.0, "atol": 1e-4}}
+    bf16 = {"logits": {"rtol": 2e-2, "atol": 5e-2 * logit_scale},
+            "logprobs": {"rtol": 0.0, "atol": 5e-2},
+            "scores": {"rtol": 0.0, "atol": 5e-1}}
+    return f32, bf16
+
+
+# ---------------------------------------------------------------------------- near-tie measures
+
+def topk_gaps(logits: np.ndarray, k: int) -> tuple[float | None, float | None]:
+    """logits [L, V] -> (smallest nonzero gap between adjacent ranks of a row's top K,
+    smallest nonzero gap between its K-th and (K+1)-th value), K = min(k, V); None
+    where there is no such pair. Gaps of logits equal those of their log-probs."""
+    L, V = logits.shape
+    K = min(k, V)
+    if L == 0 or K == 0:
+        return None, None
+    width = min(K + 1, V)
+    x = -np.asarray(logits, dtype=np.float64)
+    top = -np.sort(np.partition(x, width - 1, axis=1)[:, :width], axis=1)   # [L, width] descending
+    gaps = top[:, :-1] - top[:, 1:]
+    return _smallest_nonzero(gaps[:, :K - 1]), _smallest_nonzero(gaps[:, K - 1:])
+
+
+def _smallest_nonzero(values: np.ndarray) -> float | None:
+    values = values[values > 0]
+    return float(values.min()) if values.size else None
+
+
+def _smallest(*values: float | None) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def _gap_ok(gap: float | None) -> bool:
+    return gap is None or gap >= TOPK_GAP_MIN
+
+
+# ---------------------------------------------------------------------------- model fixtures
+
+@dataclass
+class Fixture:
+    """A fixture in memory: tensors by name and metadata (content_hash added on write)."""
+
+    tensors: dict[str, np.ndarray]
+    metadata: dict[str, Any]
+
+
+@dataclass
+class _Block:
+    """One prompt's share of a model fixture."""
+
+    tensors: dict[str, np.ndarray]
+    prompt: dict[str, Any]
+    traces: list[dict[str, Any]]
+    min_margin: float
+
+
+def check_plan(cfg: ModelConfig, plan: FixturePlan) -> None:
+    """FixtureError naming the config field that cannot hold `plan`."""
+    if plan.positions_needed() > cfg.max_position_embeddings:
+        raise FixtureError(f"max_position_embeddings: the fixture plan needs positions up to "
+                           f"{plan.positions_needed()}, the config allows {cfg.max_position_embeddings}")
+
+
+def model_fixture(cfg: ModelConfig, preset: str, seed: int = 0, plan: FixturePlan = DEFAULT_PLAN,
+                  progress: Progress | None = None, source: str = "preset") -> Fixture:
+    """The model fixture of `cfg` named `preset` from `seed`: weights, prompts, AR
+    runs and DDTree traces as docs/fixtures.md lays them out. `source` says where
+    the config came from: "preset" (kdtr_format.PRESETS) or "config-file"."""
+    step = progress or (lambda steps: None)
+    check_plan(cfg, plan)
+    weights = init_weights(cfg, seed)
+    model = Model(cfg, weights)
+    probe = np.random.default_rng(sub_seed(seed, _PROBE, 0, 0)).integers(
+        0, cfg.vocab_size, size=PROBE_LENGTH, dtype=np.int64)
+    logit_scale = float(np.std(model.prefill(probe, KVCache.new(cfg, PROBE_LENGTH))))
+    threshold = MARGIN_REL * logit_scale
+    step(1)
+
+    tensors = {f"weights/{name}": array for name, array in weights.items()}
+    prompts, traces, margins = [], [], []
+    for index in range(len(plan.prompt_lengths)):
+        block = _prompt_block(model, plan, seed, index, threshold, step)
+        tensors.update(block.tensors)
+        prompts.append(block.prompt)
+        traces.extend(block.traces)
+        margins.append(block.min_margin)
+
+    f32, bf16 = tolerances(logit_scale)
+    metadata = {
+        "kdtree_fixture": FIXTURE_FORMAT,
+        "kind": "model",
+        "preset": preset,
+        "source": source,
+        "config": cfg.to_dict(),
+        "generator": generator_info(seed),
+        "tolerances": f32,
+        "tolerances_bf16": bf16,
+        "logit_scale": logit_scale,
+        "margin_threshold": threshold,
+        "min_margin": min(margins),
+        "topk_gap_threshold": TOPK_GAP_MIN,
+        "min_topk_gap": _smallest(*(t["min_topk_gap"] for t in traces),
+                                  *(t["min_topk_boundary_gap"] for t in traces)),
+        "prompts": prompts,
+        "traces": sorted(traces, key=lambda t: t["name"]),
+    }
+    return Fixture(tensors, metadata)
+
+
+def _prompt_block(model: Model, plan: FixturePlan, seed: int, index: int, threshold: float,
+                  step: Progress) -> _Block:
+    """Prompt `index`: drawn, run AR and its traces; redrawn while a margin is too small."""
+    V = model.cfg.vocab_size
+    for draw in range(MAX_DRAWS):
+        prompt_seed = sub_seed(seed, _PROMPT, index, draw)
+        prompt = np.random.default_rng(prompt_seed).integers(
+            0, V, size=plan.prompt_lengths[index], dtype=np.int64)
+        try:
+            block = _prompt_block_once(model, plan, seed, index, prompt, threshold)
+        except _NearTie:
+            continue
+        block.prompt.update(seed=prompt_seed, draw=draw)
+        step(1 + len(block.traces))
+        return block
+    raise FixtureError(f"prompt p{index}: no draw out of {MAX_DRAWS} keeps every greedy margin "
+                       f"above {threshold:.3g}")
+
+
+def _prompt_block_once(model: Model, plan: FixturePlan, seed: int, index: int, prompt: np.ndarray,
+                       threshold: float) -> _Block:
+    name = f"p{index}"
+    ar = ar_greedy(model, prompt, plan.ar_new_tokens)
+    if ar.margins.min(initial=np.inf) < threshold:
+        raise _NearTie
+    tensors = {f"prompts/{name}/tokens": prompt,
+               f"prompts/{name}/prefill_logits": ar.prefill_logits,
+               f"prompts/{name}/ar/tokens": ar.tokens,
+               f"prompts/{name}/ar/margins": ar.margins,
+               f"prompts/{name}/ar/target_forwards": _scalar(ar.target_forwards)}
+    traces, margins = [], [float(ar.margins.min(initial=np.inf))]
+    for trace_index, spec in enumerate(plan.traces):
+        if spec.prompt != index:
+            continue
+        trace_tensors, meta = _trace(model, prompt, ar, spec, seed, trace_index, threshold)
+        tensors.update(trace_tensors)
+        traces.append(meta)
+        margins.append(meta["min_margin"])
+    return _Block(tensors, {"name": name, "length": len(prompt)}, traces, min(margins))
+
+
+def _drafter(spec: TraceSpec, prompt: np.ndarray, ar: ARResult, vocab_size: int,
+             drafter_seed: int) -> OracleDrafter | RandomDrafter:
+    if spec.drafter == "oracle":
+        return OracleDrafter(np.concatenate([prompt, ar.tokens]), vocab_size, spec.accuracy,
+                             drafter_seed)
+    if spec.drafter == "random":
+        return RandomDrafter(vocab_size, drafter_seed)
+    raise FixtureError(f"trace {spec.name}: unknown drafter {spec.drafter!r} (oracle, random)")
+
+
+def _trace(model: Model, prompt: np.ndarray, ar: ARResult, spec: TraceSpec, seed: int,
+           trace_index: int, threshold: float) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One DDTree trace; the drafter seed is redrawn while a top-k gap is too small.
+    Raises _NearTie when an accepted path's margin is below the threshold."""
+    if spec.max_new_tokens > len(ar.tokens):
+        raise FixtureError(f"trace {spec.name}: max_new_tokens {spec.max_new_tokens} exceeds the "
+                           f"{len(ar.tokens)} AR tokens it is checked against")
+    for draw in range(MAX_DRAWS):
+        drafter_seed = sub_seed(seed, _DRAFTER, trace_index, draw)
+        drafter = _drafter(spec, prompt, ar, model.cfg.vocab_size, drafter_seed)
+        result = ddtree_decode(model, drafter, prompt, spec.ddtree, spec.max_new_tokens)
+        expected = ar.tokens[:spec.max_new_tokens]
+        if not np.array_equal(result.tokens, expected):
+            raise FixtureError(f"trace {spec.name}: DDTree tokens {result.tokens.tolist()} differ "
+                               f"from AR tokens {expected.tolist()}; refusing to write a fixture "
+                               "that breaks the invariant")
+        path_margin = min(float(r.margins[r.accepted].min()) for r in result.rounds) \
+            if result.rounds else np.inf
+        if path_margin < threshold:
+            raise _NearTie
+        gaps = [topk_gaps(r.draft_logits, spec.ddtree.budget) for r in result.rounds]
+        if all(_gap_ok(adjacent) and _gap_ok(boundary) for adjacent, boundary in gaps):
+            break
+    else:
+        raise FixtureError(f"trace {spec.name}: no drafter seed out of {MAX_DRAWS} keeps every "
+                           f"top-k gap above {TOPK_GAP_MIN}")
+
+    prefix = f"traces/{spec.name}"
+    tensors = {f"{prefix}/tokens": result.tokens,
+               f"{prefix}/target_forwards": _scalar(result.target_forwards),
+               f"{prefix}/acceptance_lengths": result.acceptance_lengths}
+    for r, round_ in enumerate(result.rounds):
+        tensors.update(_round_tensors(f"{prefix}/rounds/{r}", round_))
+    drafter_meta = {"kind": spec.drafter, "seed": drafter_seed, "draw": draw}
+    if spec.accuracy is not None:
+        drafter_meta["accuracy"] = spec.accuracy
+    meta = {
+        "name": spec.name,
+        "prompt": f"p{spec.prompt}",
+        "drafter": drafter_meta,
+        "ddtree": spec.ddtree.to_dict(),
+        "max_new_tokens": spec.max_new_tokens,
+        "rounds": len(result.rounds),
+        "target_forwards": result.target_forwards,
+        "ar_target_forwards": spec.max_new_tokens,       # prefill + one per token after the first
+        "non_prefix_rounds": sum(int(not np.array_equal(r.accepted, np.arange(len(r.accepted))))
+                                 for r in result.rounds),
+        "min_margin": min(path_margin, float(ar.margins[:spec.max_new_tokens].min())),
+        "min_tree_margin": min((float(r.margins.min()) for r in result.rounds), default=None),
+        "min_topk_gap": _smallest(*(adjacent for adjacent, _ in gaps)),
+        "min_topk_boundary_gap": _smallest(*(boundary for _, boundary in gaps)),
+    }
+    return tensors, meta
+
+
+def _round_tensors(prefix: str, r: Round) -> dict[str, np.ndarray]:
+    """One round's tensors, named as docs/fixtures.md."""
+    tree, compiled = r.tree, r.compiled
+    tensors = {"start": _scalar(r.start), "root": _scalar(r.root),
+               "draft_logits": r.draft_logits, "topk_lp": r.topk_lp, "topk_id": r.topk_id,
+               "parents": tree.parents, "tokens": tree.tokens, "depths": tree.depths,
+               "ranks": tree.ranks, "scores": tree.scores, "positions": compiled.positions,
+               "visibility_bits": compiled.visibility_bits, "verify_logits": r.verify_logits,
+               "choices": r.choices, "margins": r.margins, "accepted": r.accepted,
+               "next_root": _scalar(r.next_root), "compaction_src": r.compaction_src}
+    return {f"{prefix}/{name}": array for name, array in tensors.items()}
+
+
+# ---------------------------------------------------------------------------- files
+
+def _little_endian_bytes(array: np.ndarray) -> bytes:
+    array = np.ascontiguousarray(array)
+    return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def content_hash(metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> str:
+    """sha256 hex of the canonical metadata JSON (content_hash removed, keys sorted,
+    no spaces, ASCII) followed by every tensor's little-endian C-order bytes in
+    name order (sorted by UTF-8 bytes)."""
+    digest = hashlib.sha256()
+    body = {k: v for k, v in metadata.items() if k != "content_hash"}
+    digest.update(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                             allow_nan=False).encode("ascii"))
+    for name in sorted(tensors, key=lambda n: n.encode("utf-8")):
+        digest.update(_little_endian_bytes(np.asarray(tensors[name])))
+    return digest.hexdigest()
+
+
+def write_fixture(path: str | os.PathLike, fixture: Fixture) -> None:
+    """Write a fixture atomically (tensors in name order), content_hash added."""
+    names = sorted(fixture.tensors, key=lambda n: n.encode("utf-8"))
+    metadata = {**fixture.metadata, "content_hash": content_hash(fixture.metadata, fixture.tensors)}
+    kdtr_format.write(path, {name: fixture.tensors[name] for name in names}, metadata)
+
+
+def stored_hash_problem(reader: Any) -> str | None:
+    """None when a fixture file's content_hash matches its content, else what is wrong."""
+    metadata = reader.metadata
+    if "content_hash" not in metadata:
+        return "metadata: content_hash is missing"
+    actual = content_hash(metadata, {name: reader[name] for name in reader.names()})
+    if actual != metadata["content_hash"]:
+        return f"content_hash: stored {metadata['content_hash'][:16]}..., content gives {actual[:16]}..."
+    return None
+
+
+def compare(expected: Any, actual: Any) -> list[str]:
+    """Problems of a regenerated fixture `actual` against the committed `expected`
+    (both KDTR readers): one line per drifting tensor or metadata key, [] when none."""
+    problems = metadata_drift(expected.metadata, actual.metadata, "metadata")
+    expected_names, actual_names = set(expected.names()), set(actual.names())
+    problems += [f"{name}: missing from the regenerated fixture"
+                 for name in sorted(expected_names - actual_names)]
+    problems += [f"{name}: regenerated but not in the committed fixture"
+                 for name in sorted(actual_names - expected_names)]
+    for name in sorted(expected_names & actual_names):
+        drift = tensor_drift(np.asarray(expected[name]), np.asarray(actual[name]))
+        if drift:
+            problems.append(f"{name}: {drift}")
+    return problems
+
+
+def tensor_drift(expected: np.ndarray, actual: np.ndarray) -> str | None:
+    """None when `actual` regenerates `expected`: same dtype and shape; integer and bool
+    bytes identical; floats |a - e| <= REGEN_RTOL * max(|a|, |e|, max |e| of the tensor),
+    non-finite values identical."""
+    if expected.dtype != actual.dtype or expected.shape != actual.shape:
+        return (f"{actual.dtype}{list(actual.shape)} regenerated, "
+                f"{expected.dtype}{list(expected.shape)} committed")
+    if expected.dtype.kind != "f":
+        if expected.tobytes() == actual.tobytes():
+            return None
+        where = np.argwhere(expected != actual)
+        first = tuple(int(i) for i in where[0]) if where.size else ()
+        return (f"{len(where)} of {expected.size} values differ, first at {list(first)}: "
+                f"committed {expected[first]}, regenerated {actual[first]}")
+    e, a = expected.astype(np.float64), actual.astype(np.float64)
+    finite = np.isfinite(e)
+    if not np.array_equal(finite, np.isfinite(a)) or \
+            not np.array_equal(e[~finite], a[~finite], equal_nan=True):
+        return "non-finite values differ"
+    floor = np.abs(e[finite]).max(initial=0.0)
+    diff = np.abs(np.subtract(e, a, where=finite, out=np.zeros_like(e)))
+    limit = REGEN_RTOL * np.maximum(np.maximum(np.abs(e), np.abs(a)), floor)
+    bad = finite & (diff > limit)
+    if not bad.any():
+        return None
+    worst = np.unravel_index(np.argmax(np.where(bad, diff, -1.0)), e.shape)
+    return (f"{int(bad.sum())} of {e.size} values drift beyond {REGEN_RTOL:g} relative; worst at "
+            f"{[int(i) for i in worst]}: committed {float(e[worst])!r}, regenerated {float(a[worst])!r}")
+
+
+def metadata_drift(expected: Any, actual: Any, path: str) -> list[str]:
+    """Differences between two metadata trees, floats within REGEN_RTOL; the
+    provenance keys (generator version, numpy) and content_hash are not compared."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        problems = []
+        for key in sorted(set(expected) | set(actual)):
+            if key == "content_hash" or (path.endswith("generator") and key in PROVENANCE):
+                continue
+            if key not in actual or key not in expected:
+                side = "regenerated" if key not in expected else "committed"
+                problems.append(f"{path}.{key}: only in the {side} fixture")
+            else:
+                problems += metadata_drift(expected[key], actual[key], f"{path}.{key}")
+        return problems
+    if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
+        return [p for i, (e, a) in enumerate(zip(expected, actual))
+                for p in metadata_drift(e, a, f"{path}[{i}]")]
+    if (isinstance(expected, float) and isinstance(actual, (int, float))
+            and not isinstance(actual, bool)):
+        if abs(expected - actual) <= REGEN_RTOL * max(abs(expected), abs(actual)):
+            return []
+    elif expected == actual and type(expected) is type(actual):
+        return []
+    return [f"{path}: committed {expected!r}, regenerated {actual!r}"]

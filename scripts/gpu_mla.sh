@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The tree-verify MLA kernel on a GPU machine in one call: build, tests, compute-sanitizer
+# (memcheck, racecheck on small cases), benchmarks. Run from the checkout root:
+#
+#   PYTHONPATH=. bash scripts/gpu_mla.sh [all|tests|sanitize|bench]
+#
+# Logs go to $OUT (default ./out): build.log, tests.log, sanitizer.log, bench.log,
+# mla_bench.json. A library named by $KDTREE_KERNELS_LIB is used as it is (no build).
+# Wheels in .whl/ (google-crc32c for the golden file reader) are installed into /tmp/site
+# when present. Each stage has its own time limit; the last lines printed are the benchmark
+# table.
+set -uo pipefail
+stage="${1:-all}"
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-.}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+
+echo "== build"
+if [[ -n "${KDTREE_KERNELS_LIB:-}" ]]; then
+    echo "using $KDTREE_KERNELS_LIB" | tee "$OUT/build.log"
+elif timeout 240 python3 -m kernels_cuda.build --verbose >"$OUT/build.log" 2>&1; then
+    export KDTREE_KERNELS_LIB="$(tail -1 "$OUT/build.log")"
+else  # another kernel's source broke the shared build: build this kernel alone
+    tail -5 "$OUT/build.log"
+    echo "shared build failed; building mla_verify.cu alone"
+    nvcc -O3 -std=c++17 -shared -Xcompiler=-fPIC -lineinfo -cudart=static -Xptxas=-v \
+        -gencode=arch=compute_90a,code=sm_90a -Ikernels_cuda/csrc kernels_cuda/csrc/mla_verify.cu \
+        kernels_cuda/csrc/tree_status.cu -o /tmp/libmla.so >>"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+    export KDTREE_KERNELS_LIB=/tmp/libmla.so
+fi
+grep -A2 "mla_" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c
+
+if [[ "$stage" == all || "$stage" == tests ]]; then
+    echo "== tests"
+    timeout 150 python3 -m pytest tests/kernels/test_mla_verify.py -q -rfs --durations=5 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+
+if [[ "$stage" == all || "$stage" == sanitize ]]; then
+    echo "== compute-sanitizer"
+    cat >/tmp/mla_small.py <<'EOF'
+import math, torch
+from kernels_cuda.mla_ops import pack_visibility
+# small cases: tiny dims float32 (generic path) and K2 bf16 (tensor-core path), 3 splits then 1
+for heads, lora, rope, dtype in ((4, 64, 16, torch.float32), (64, 512, 64, torch.bfloat16)):
+    ctx, n = 77, 9
+    vis = torch.ones(n, n, dtype=torch.bool).tril()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda").to(dtype)
+    i = lambda *v: torch.tensor(v, dtype=torch.int32, device="cuda")
+    o = torch.empty(n, heads, lora, dtype=dtype, device="cuda"); lse = torch.empty(n, heads, device="cuda")
+    for splits, keys in ((3, 32), (1, 96)):
+        torch.ops.kdtree.mla_verify_out(r(n, heads, lora), r(n, heads, rope), r(ctx + n + 5, lora), r(ctx + n + 5, rope),
+            i(ctx), i(n), i(0, n), i(5), pack_visibility(vis).cuda(), 0.1, n, splits, keys, dtype == torch.float32, o, lse)
+    torch.cuda.synchronize()
+    assert not o.isnan().any()
+print("small cases ran")
+EOF
+    for tool in memcheck racecheck; do
+        echo "-- $tool" | tee -a "$OUT/sanitizer.log"
+        timeout 120 compute-sanitizer --tool "$tool" --kernel-name kns=mla python3 /tmp/mla_small.py >>"$OUT/sanitizer.log" 2>&1
+        echo "exit $?" | tee -a "$OUT/sanitizer.log"
+    done
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|small cases|exit|rror" "$OUT/sanitizer.log" | head -20
+fi
+
+if [[ "$stage" == all || "$stage" == bench ]]; then
+    echo "== benchmarks"
+    KDTREE_BENCH=1 KDTREE_BENCH_OUT="$OUT/mla_bench.json" timeout 200 \
+        python3 -m pytest tests/kernels/test_bench_mla.py -q -rs >"$OUT/bench.log" 2>&1
+    tail -3 "$OUT/bench.log"
+    python3 - "$OUT/mla_bench.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+c = d["ceilings"]
+print(f"{c['gpu']}: copy {c['copy_TBps']:.2f} TB/s, bf16 mma {c['bf16_TFLOPs']:.0f} TFLOP/s")
+print(f"{'ctx':>6} {'tree':>4} {'B':>3} {'ms':>8} {'floor':>7} {'TB/s':>5} {'%bw':>5} {'TF/s':>6} {'%mma':>5} {'torch':>8} {'x':>6} {'generic':>8} bound")
+for r in d["cases"]:
+    g = f"{r['generic_ms']:8.3f}" if "generic_ms" in r else " " * 8
+    t = f"{r['torch_ms']:8.3f} {r['speedup_vs_torch']:6.1f}" if "torch_ms" in r else " " * 15
+    print(f"{r['context']:>6} {r['tree']:>4} {r['batch']:>3} {r['kernel_ms']:8.3f} {r['floor_ms']:7.3f} {r['TBps']:5.2f} "
+          f"{100 * r['bw_fraction']:5.1f} {r['TFLOPs']:6.1f} {100 * r['mma_fraction']:5.1f} {t} {g} {r['bound']}")
+EOF
+fi

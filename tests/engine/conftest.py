@@ -1,0 +1,113 @@
+"""Shared fixtures for the engine tests: small models built once per session.
+
+- `model_zoo.get(name)` -> ModelCase: the config, float32 weights from
+  `refgen.weights.init_weights(cfg, SEED)`, the float64 numpy reference
+  `refgen.model.Model`, and `case.engine(device, dtype)`, the torch
+  `engine.model.Transformer` (built on first use, shared by the session).
+- A test taking `model_name` runs once per entry of MODELS: the presets
+  (`tiny`, `tiny2`, `kimi-k2`) plus `tiny-neox-yarn`, the `tiny` preset with
+  neox rope and YaRN whose two mscale factors differ, so that a rope pairing
+  or an mscale mistake changes its logits.
+- A test taking `device` runs on "cpu" and on "cuda" (skipped without a GPU).
+- Engine tests run torch with one intra-op thread (`one_torch_thread`).
+- `golden_path(preset)` -> tests/golden/<preset>.kdtr, or a skip naming the absent file.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread for numpy (refgen): tiny float64 matrices run faster on one core, and a
+# spinning second thread costs 10x when other processes share the cores. Only takes effect
+# when numpy is not imported yet (a top-level tests/conftest.py is the better home for this).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from kdtr_format import PRESETS, ModelConfig, YarnScaling
+
+SEED = 1234
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
+
+MODELS: dict[str, ModelConfig] = {
+    **PRESETS,
+    "tiny-neox-yarn": dataclasses.replace(
+        PRESETS["tiny"], rope_style="neox",
+        rope_scaling=YarnScaling(factor=8.0, original_max_position_embeddings=64, beta_fast=16.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=0.5)),
+}
+
+
+@dataclass
+class ModelCase:
+    cfg: ModelConfig
+    weights: dict[str, np.ndarray]
+    reference: object                          # refgen.model.Model
+    _engines: dict = field(default_factory=dict)
+
+    def engine(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        """The engine.model.Transformer of these weights on `device` in `dtype`."""
+        from engine.model import Transformer
+
+        if (device, dtype) not in self._engines:
+            self._engines[device, dtype] = Transformer(self.cfg, self.weights, device=device, dtype=dtype)
+        return self._engines[device, dtype]
+
+
+class ModelZoo:
+    def __init__(self) -> None:
+        self._cases: dict[str, ModelCase] = {}
+
+    def get(self, name: str) -> ModelCase:
+        if name not in self._cases:
+            from refgen.model import Model
+            from refgen.weights import init_weights
+
+            cfg = MODELS[name]
+            weights = init_weights(cfg, SEED)
+            self._cases[name] = ModelCase(cfg, weights, Model(cfg, weights))
+        return self._cases[name]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "model_name" in metafunc.fixturenames:
+        metafunc.parametrize("model_name", list(MODELS))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The engine tests run tiny matrices: one intra-op thread is faster than two on the
+    2-core CI, and far faster when other processes share the cores (threads spin-wait)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def model_zoo() -> ModelZoo:
+    return ModelZoo()
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA variant: no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def golden_path() -> Callable[[str], Path]:
+    def find(preset: str) -> Path:
+        path = GOLDEN_DIR / f"{preset}.kdtr"
+        if not path.exists():
+            pytest.skip(f"golden fixture {path} is absent (generate it with `refgen generate`)")
+        return path
+    return find

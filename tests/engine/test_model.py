@@ -1,0 +1,380 @@
+"""engine.model / engine.attention / engine.cache against the float64 reference (refgen).
+
+Every check compares the torch engine with `refgen.model.Model` run on the same
+weights: prefill, AR decode steps and tree verify for every model of the zoo
+(both rope styles, YaRN with differing mscale factors, q_lora or not, grouped
+routing), ragged batches against each request run alone, padding that must
+not reach real rows, the golden fixtures when present, and bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import torch_attention
+from kdtr_format import PRESETS
+from engine.cache import KVCache
+from engine.model import Transformer, rope_inv_freq, rope_mscale, route, softmax_scale
+from engine.stages import TorchStages
+from engine.weights import load_fixture_weights
+from refgen import ddtree
+from refgen import model as ref
+
+RTOL_F32 = 1e-5     # max |engine - reference| / max |reference|, float32 engine
+RTOL_BF16 = 6e-2    # the same for a bf16 engine through every layer
+
+
+def assert_close_to_scale(actual: np.ndarray, expected: np.ndarray, rtol: float) -> None:
+    """max |actual - expected| <= rtol * max |expected| (logits: errors scale with the spread)."""
+    assert actual.shape == expected.shape
+    assert np.isfinite(actual).all()
+    err = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert err <= rtol, f"relative error {err:.3g} exceeds {rtol:.1g}"
+
+
+@dataclass
+class Request:
+    """New tokens of one request: tokens/positions [n], visibility over them [n, n], cache start."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    visibility: np.ndarray
+    start: int
+
+
+def causal_request(tokens: np.ndarray, start: int) -> Request:
+    n = len(tokens)
+    return Request(np.asarray(tokens), start + np.arange(n), np.tril(np.ones((n, n), dtype=bool)), start)
+
+
+def tree_request(rng: np.random.Generator, vocab: int, start: int, budget: int, depth: int = 4) -> Request:
+    """A DDTree verify step: a best-first tree from random draft logits (refgen builds it)."""
+    topk_lp, topk_id = ddtree.topk_logprobs(rng.normal(size=(depth, vocab)) * 3, 8)
+    tree = ddtree.build_tree(topk_lp, topk_id, budget).with_root(int(rng.integers(vocab)))
+    compiled = ddtree.compile_tree(tree, start)
+    return Request(tree.tokens, compiled.positions, compiled.visibility, start)
+
+
+def reference_forward(model: ref.Model, cache: ref.KVCache, request: Request) -> np.ndarray:
+    n, s = len(request.tokens), request.start
+    visibility = np.concatenate([np.ones((n, s), dtype=bool), request.visibility], axis=1)
+    return model.forward(request.tokens, request.positions, visibility, cache, s)
+
+
+def engine_forward(engine: Transformer, cache: KVCache, requests: list[Request],
+                   garbage: np.random.Generator | None = None) -> list[np.ndarray]:
+    """One batched forward -> logits [n_b, V] per request. Padding rows hold random garbage
+    (tokens, positions, visibility) drawn from `garbage` (default: seed 0)."""
+    rng = garbage if garbage is not None else np.random.default_rng(0)
+    batch, width = len(requests), max(len(r.tokens) for r in requests)
+    tokens = rng.integers(0, engine.cfg.vocab_size, (batch, width))
+    positions = rng.integers(0, 1000, (batch, width))
+    visibility = rng.random((batch, width, width)) < 0.5
+    for b, r in enumerate(requests):
+        n = len(r.tokens)
+        tokens[b, :n], positions[b, :n], visibility[b, :n, :n] = r.tokens, r.positions, r.visibility
+    device = engine.device
+    logits = engine.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                            torch.tensor(visibility, device=device),
+                            torch.tensor([len(r.tokens) for r in requests], device=device),
+                            torch.tensor([r.start for r in requests], device=device), cache)
+    return [logits[b, :len(r.tokens)].cpu().numpy() for b, r in enumerate(requests)]
+
+
+# ---- one request against the reference ----
+
+def test_prefill_matches_reference(model_zoo, model_name, device):
+    case = model_zoo.get(model_name)
+    tokens = np.random.default_rng(1).integers(0, case.cfg.vocab_size, 13)
+    expected = case.reference.prefill(tokens, ref.KVCache.new(case.cfg, 16))
+    engine = case.engine(device)
+    (actual,) = engine_forward(engine, engine.new_cache(1, 16), [causal_request(tokens, 0)])
+    assert_close_to_scale(actual, expected, RTOL_F32)
+
+
+def test_decode_steps_match_one_prefill(model_zoo, model_name):
+    """Prefill 7 tokens, then 5 single-token steps through the cache == one causal prefill of 12."""
+    case = model_zoo.get(model_name)
+    tokens = np.random.default_rng(2).integers(0, case.cfg.vocab_size, 12)
+    expected = case.reference.prefill(tokens, ref.KVCache.new(case.cfg, 12))
+    engine = case.engine()
+    cache = engine.new_cache(1, 12)
+    actual = engine_forward(engine, cache, [causal_request(tokens[:7], 0)])
+    for t in range(7, 12):
+        actual += engine_forward(engine, cache, [causal_request(tokens[t:t + 1], t)])
+    assert_close_to_scale(np.concatenate(actual), expected, RTOL_F32)
+
+
+def test_tree_verify_matches_reference(model_zoo, model_name, device):
+    case = model_zoo.get(model_name)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, case.cfg.vocab_size, 9)
+    tree = tree_request(rng, case.cfg.vocab_size, start=9, budget=14)
+    ref_cache = ref.KVCache.new(case.cfg, 32)
+    case.reference.prefill(prompt, ref_cache)
+    expected = reference_forward(case.reference, ref_cache, tree)
+    engine = case.engine(device)
+    cache = engine.new_cache(1, 32)
+    engine_forward(engine, cache, [causal_request(prompt, 0)])
+    (actual,) = engine_forward(engine, cache, [tree])
+    assert_close_to_scale(actual, expected, RTOL_F32)
+
+
+# ---- ragged batches ----
+
+def ragged_rounds(vocab: int, seed: int) -> tuple[list[Request], list[Request]]:
+    """Three requests: prompts of 5, 11 and 1 tokens, then trees of budgets 0, 6 and 15."""
+    rng = np.random.default_rng(seed)
+    prompts = [causal_request(rng.integers(0, vocab, m), 0) for m in (5, 11, 1)]
+    trees = [tree_request(rng, vocab, start=len(p.tokens), budget=b) for p, b in zip(prompts, (0, 6, 15))]
+    return prompts, trees
+
+
+def test_ragged_batch_matches_reference_per_request(model_zoo, model_name):
+    case = model_zoo.get(model_name)
+    prompts, trees = ragged_rounds(case.cfg.vocab_size, seed=4)
+    engine = case.engine()
+    cache = engine.new_cache(3, 40)
+    garbage = np.random.default_rng(5)
+    actual = engine_forward(engine, cache, prompts, garbage) + engine_forward(engine, cache, trees, garbage)
+    for b in range(3):
+        ref_cache = ref.KVCache.new(case.cfg, 40)
+        assert_close_to_scale(actual[b], reference_forward(case.reference, ref_cache, prompts[b]), RTOL_F32)
+        assert_close_to_scale(actual[3 + b], reference_forward(case.reference, ref_cache, trees[b]), RTOL_F32)
+
+
+def test_ragged_batch_matches_each_request_alone(model_zoo):
+    case = model_zoo.get("tiny2")
+    prompts, trees = ragged_rounds(case.cfg.vocab_size, seed=6)
+    engine = case.engine()
+    cache = engine.new_cache(3, 40)
+    together = engine_forward(engine, cache, prompts) + engine_forward(engine, cache, trees)
+    for b in range(3):
+        alone_cache = engine.new_cache(1, 40)
+        alone = engine_forward(engine, alone_cache, [prompts[b]]) + engine_forward(engine, alone_cache, [trees[b]])
+        np.testing.assert_allclose(together[b], alone[0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(together[3 + b], alone[1], rtol=0, atol=1e-5)
+        torch.testing.assert_close(cache.c_kv[:, b], alone_cache.c_kv[:, 0], rtol=0, atol=1e-5)
+
+
+def test_padding_rows_never_change_real_rows_or_the_cache(model_zoo):
+    """Two different garbages in the padding rows: real logits bit-identical, and no slot
+    past starts + n_new is written (it keeps a sentinel)."""
+    case = model_zoo.get("tiny")
+    prompts, trees = ragged_rounds(case.cfg.vocab_size, seed=7)
+    engine = case.engine()
+    results, caches = [], []
+    for seed in (8, 9):
+        cache = engine.new_cache(3, 40)
+        cache.c_kv.fill_(7.0)
+        cache.k_pe.fill_(7.0)
+        garbage = np.random.default_rng(seed)
+        results.append(engine_forward(engine, cache, prompts, garbage) + engine_forward(engine, cache, trees, garbage))
+        caches.append(cache)
+    for first, second in zip(*results):
+        np.testing.assert_array_equal(first, second)
+    for cache in caches:
+        for b, (p, t) in enumerate(zip(prompts, trees)):
+            end = len(p.tokens) + len(t.tokens)
+            assert (cache.c_kv[:, b, end:] == 7.0).all() and (cache.k_pe[:, b, end:] == 7.0).all()
+            assert not (cache.c_kv[:, b, :end] == 7.0).any()
+
+
+# ---- the pieces ----
+
+def test_rope_and_scale_match_reference(model_zoo, model_name):
+    cfg = model_zoo.get(model_name).cfg
+    np.testing.assert_allclose(rope_inv_freq(cfg).numpy(), ref.rope_inv_freq(cfg), rtol=1e-15, atol=0)
+    assert softmax_scale(cfg) == pytest.approx(ref.softmax_scale(cfg), rel=1e-15)
+    positions = np.array([0, 1, 37, 511])
+    cos, _ = ref.rope_cos_sin(cfg, positions)
+    assert rope_mscale(cfg) == pytest.approx(cos[0, 0], rel=1e-15)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny2"])
+def test_route_matches_reference(model_zoo, preset):
+    """Group-limited sigmoid routing: the same experts, weights within float32 rounding."""
+    case = model_zoo.get(preset)
+    layer = case.cfg.first_k_dense_replace
+    gate = case.weights[f"layers.{layer}.moe.gate"]
+    bias = case.weights[f"layers.{layer}.moe.e_score_correction_bias"]
+    x = np.random.default_rng(10).normal(size=(200, case.cfg.hidden_size)).astype(np.float32)
+    idx, weight = route(case.cfg, torch.tensor(x), torch.tensor(gate), torch.tensor(bias))
+    ref_idx, ref_weight = ref.route(case.cfg, x.astype(np.float64), gate.astype(np.float64), bias.astype(np.float64))
+    np.testing.assert_array_equal(idx.numpy(), ref_idx)
+    np.testing.assert_allclose(weight.numpy(), ref_weight, rtol=1e-5)
+
+
+def test_torch_attention_matches_reference(device):
+    """The AttentionBackend on a ragged batch at Kimi K2 head dims against absorbed_attention."""
+    rng = np.random.default_rng(11)
+    heads, rank, rope_dim, width, slots = 8, 512, 64, 6, 40
+    starts, n_new = np.array([0, 17, 30]), np.array([6, 3, 1])
+    q_lat = rng.normal(size=(3, width, heads, rank))
+    q_pe = rng.normal(size=(3, width, heads, rope_dim))
+    c_kv, k_pe = rng.normal(size=(3, slots, rank)), rng.normal(size=(3, slots, rope_dim))
+    new_visibility = rng.random((3, width, width)) < 0.5
+    new_visibility |= np.eye(width, dtype=bool)
+    scale = 0.07
+    t = lambda a: torch.tensor(a, dtype=torch.float32, device=device)  # noqa: E731
+    o_lat = torch_attention(t(q_lat), t(q_pe), t(c_kv), t(k_pe), torch.tensor(starts, device=device),
+                            torch.tensor(n_new, device=device), torch.tensor(new_visibility, device=device),
+                            scale).cpu().numpy()
+    for b in range(3):
+        s, n = starts[b], n_new[b]
+        visibility = np.concatenate([np.ones((n, s), dtype=bool), new_visibility[b, :n, :n]], axis=1)
+        expected, _ = ref.absorbed_attention(q_lat[b, :n], q_pe[b, :n], c_kv[b, :s + n], k_pe[b, :s + n],
+                                             visibility, scale)
+        np.testing.assert_allclose(o_lat[b, :n], expected, rtol=1e-4, atol=1e-5)
+        assert (o_lat[b, n:] == 0).all()
+
+
+def test_bf16_engine_is_close_to_reference(model_zoo, device):
+    case = model_zoo.get("tiny")
+    tokens = np.random.default_rng(12).integers(0, case.cfg.vocab_size, 10)
+    expected = case.reference.prefill(tokens, ref.KVCache.new(case.cfg, 10))
+    engine = case.engine(device, torch.bfloat16)
+    (actual,) = engine_forward(engine, engine.new_cache(1, 10), [causal_request(tokens, 0)])
+    assert_close_to_scale(actual, expected, RTOL_BF16)
+
+
+def test_allocate_shapes_and_zero_lengths():
+    cfg = dataclasses.replace(PRESETS["tiny2"], num_hidden_layers=2)
+    cache = KVCache.allocate(cfg, batch=3, max_len=20)
+    assert cache.c_kv.shape == (2, 3, 20, cfg.kv_lora_rank)
+    assert cache.k_pe.shape == (2, 3, 20, cfg.qk_rope_head_dim)
+    assert cache.lengths.tolist() == [0, 0, 0] and cache.lengths.dtype == torch.int64
+    with pytest.raises(ValueError, match="max_len"):
+        KVCache.allocate(cfg, batch=1, max_len=-1)
+
+
+# ---- fixtures: loading and golden checks ----
+
+def test_from_fixture_round_trips_config_and_weights(model_zoo, tmp_path):
+    kdtr_format = pytest.importorskip("kdtr_format")
+    if not hasattr(kdtr_format, "write"):
+        pytest.skip("kdtr_format.write is not available yet")
+    case = model_zoo.get("tiny2")
+    path = tmp_path / "tiny2.kdtr"
+    kdtr_format.write(path, {f"weights/{k}": v for k, v in case.weights.items()},
+                      metadata={"config": case.cfg.to_dict()})
+    cfg, weights = load_fixture_weights(path)
+    assert cfg == case.cfg and set(weights) == set(case.weights)
+    engine = Transformer.from_fixture(path)
+    tokens = np.arange(5)
+    expected = engine_forward(case.engine(), case.engine().new_cache(1, 5), [causal_request(tokens, 0)])
+    actual = engine_forward(engine, engine.new_cache(1, 5), [causal_request(tokens, 0)])
+    np.testing.assert_array_equal(actual[0], expected[0])
+
+    kdtr_format.write(tmp_path / "bare.kdtr", {"weights/norm": np.ones(3, np.float32)}, metadata={})
+    with pytest.raises(ValueError, match="config"):
+        load_fixture_weights(tmp_path / "bare.kdtr")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny2", "kimi-k2"])
+def test_golden_fixture_replays(golden_path, preset):
+    """Prefill logits and every round's verify logits within the fixture's tolerance; top-k,
+    trees, compile, choices, accept and compaction exact, replaying the fixture's drafts."""
+    import kdtr_format
+
+    path = golden_path(preset)
+    stages = TorchStages()
+    with kdtr_format.open(path) as fixture:
+        meta = fixture.metadata
+        engine = Transformer.from_fixture(path)
+        tol = meta["tolerances"]["logits"]
+        for prompt in meta["prompts"]:
+            tokens = np.asarray(fixture[f"prompts/{prompt['name']}/tokens"])
+            (actual,) = engine_forward(engine, engine.new_cache(1, len(tokens)), [causal_request(tokens, 0)])
+            np.testing.assert_allclose(actual, fixture[f"prompts/{prompt['name']}/prefill_logits"],
+                                       rtol=tol["rtol"], atol=tol["atol"])
+        for trace in meta["traces"]:
+            replay_trace(engine, stages, fixture, trace, tol)
+
+
+def replay_trace(engine: Transformer, stages: TorchStages, fixture, trace: dict, tol: dict) -> None:
+    prompt = np.asarray(fixture[f"prompts/{trace['prompt']}/tokens"])
+    block = trace["ddtree"]["block_size"]
+    budget = trace["ddtree"]["budget"]
+    cache = engine.new_cache(1, len(prompt) + trace["max_new_tokens"] + block + budget + 1)
+    engine_forward(engine, cache, [causal_request(prompt, 0)])
+    for r in range(trace["rounds"]):
+        get = lambda name: torch.as_tensor(np.array(fixture[f"traces/{trace['name']}/rounds/{r}/{name}"]))  # noqa: E731
+        start = int(get("start"))
+        topk_lp, topk_id = stages.topk_logprobs(get("draft_logits")[None], get("topk_lp").shape[-1])
+        torch.testing.assert_close(topk_lp[0], get("topk_lp"), rtol=0, atol=0)
+        torch.testing.assert_close(topk_id[0], get("topk_id"), rtol=0, atol=0)
+        trees = stages.build_trees(topk_lp, topk_id, torch.tensor([budget]), get("root").reshape(1))
+        for name in ("parents", "tokens", "depths", "scores"):
+            torch.testing.assert_close(getattr(trees, name)[0], get(name), rtol=0, atol=0)
+        compiled = stages.compile_trees(trees, torch.tensor([start]))
+        torch.testing.assert_close(compiled.positions[0], get("positions"), rtol=0, atol=0)
+        bits = get("visibility_bits")
+        assert (compiled.visibility_bits[0].numpy().view(np.uint32) == bits.numpy()).all()
+        n_new = trees.n + 1
+        logits = engine.forward(trees.tokens, compiled.positions, compiled.visibility, n_new,
+                                torch.tensor([start]), cache)
+        np.testing.assert_allclose(logits[0].numpy(), get("verify_logits").numpy(), rtol=tol["rtol"], atol=tol["atol"])
+        choices = stages.greedy_choices(logits)
+        torch.testing.assert_close(choices[0], get("choices"), rtol=0, atol=0)
+        accepted, accept_len, next_root = stages.accept(trees, choices)
+        torch.testing.assert_close(accepted[0, :int(accept_len[0])], get("accepted"), rtol=0, atol=0)
+        assert int(next_root[0]) == int(get("next_root"))
+        stages.compact_kv(cache, torch.tensor([start]), accepted, accept_len)
+
+
+# ---- bad input ----
+
+def valid_call(engine: Transformer) -> dict:
+    n = 4
+    return dict(tokens=torch.arange(n)[None], positions=torch.arange(n)[None],
+                new_visibility=torch.ones(n, n, dtype=torch.bool).tril()[None], n_new=torch.tensor([n]),
+                starts=torch.tensor([0]), cache=engine.new_cache(1, 8))
+
+
+BAD_CALLS = {
+    "tokens int32": (lambda c, e: c.update(tokens=c["tokens"].int()), "tokens must be torch.int64"),
+    "tokens 1-D": (lambda c, e: c.update(tokens=c["tokens"][0]), "tokens must be"),
+    "tokens on meta": (lambda c, e: c.update(tokens=c["tokens"].to("meta")), "tokens is on meta"),
+    "token out of vocab": (lambda c, e: c["tokens"].__setitem__((0, 1), e.cfg.vocab_size), r"tokens must lie"),
+    "positions shape": (lambda c, e: c.update(positions=c["positions"][:, :3]), "positions shape"),
+    "visibility not bool": (lambda c, e: c.update(new_visibility=c["new_visibility"].int()), "new_visibility must"),
+    "visibility shape": (lambda c, e: c.update(new_visibility=c["new_visibility"][:, :3]), "new_visibility shape"),
+    "token blind to itself": (lambda c, e: c["new_visibility"].__setitem__((0, 2, 2), False), "see itself"),
+    "n_new too large": (lambda c, e: c.update(n_new=torch.tensor([5])), r"n_new must lie"),
+    "negative start": (lambda c, e: c.update(starts=torch.tensor([-1])), "starts must be >= 0"),
+    "prompt longer than the cache": (lambda c, e: c.update(starts=torch.tensor([6])), "longer than the cache"),
+    "cache batch": (lambda c, e: c.update(cache=e.new_cache(2, 8)), "cache holds 2 requests"),
+    "cache dtype": (lambda c, e: c.update(cache=KVCache.allocate(e.cfg, 1, 8, dtype=torch.float64)), "cache dtype"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_CALLS))
+def test_forward_rejects_bad_input(model_zoo, bad):
+    engine = model_zoo.get("tiny2").engine()
+    call = valid_call(engine)
+    engine.forward(**call)                       # the unmodified call is fine
+    mutate, message = BAD_CALLS[bad]
+    call = valid_call(engine)
+    mutate(call, engine)
+    with pytest.raises(ValueError, match=message):
+        engine.forward(**call)
+
+
+def test_constructor_rejects_bad_weights_and_dtype(model_zoo):
+    case = model_zoo.get("tiny2")
+    missing = {k: v for k, v in case.weights.items() if k != "layers.1.attn.wkv_b"}
+    with pytest.raises(ValueError, match=r"'layers.1.attn.wkv_b' is missing"):
+        Transformer(case.cfg, missing)
+    misshapen = {**case.weights, "norm": np.ones(7, np.float32)}
+    with pytest.raises(ValueError, match=r"'norm' has shape \[7\]"):
+        Transformer(case.cfg, misshapen)
+    with pytest.raises(ValueError, match="not part of this config"):
+        Transformer(case.cfg, {**case.weights, "layers.9.attn.wo": np.ones(1, np.float32)})
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Transformer(case.cfg, case.weights, dtype=torch.float64)

@@ -1,0 +1,396 @@
+"""The committed golden fixtures agree with their own contents, re-derived here
+independently of refgen (ancestor walks, bit packing, the accept walk,
+attention in float64); refgen's near-tie redraws and invariant refusal work;
+and a bug planted in the reference shows up as drift against the goldens."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kdtr_format
+import refgen.fixtures
+import refgen.kernel_cases
+import refgen.model
+from kdtr_format import PRESETS, DDTreeConfig
+from refgen.fixtures import (FixtureError, FixturePlan, TraceSpec, compare, model_fixture,
+                             stored_hash_problem, write_fixture)
+from refgen.kernel_cases import kernel_fixture
+
+MODEL_FIXTURES = ("tiny", "tiny2")
+KERNEL_FIXTURES = ("tree_build", "verify_attention", "accept_compact")
+ALL_FIXTURES = [f"{name}.kdtr" for name in MODEL_FIXTURES] + [f"kernels/{k}.kdtr" for k in KERNEL_FIXTURES]
+
+
+# ---------------------------------------------------------------------------- independent derivations
+
+def ancestor_visibility(parents: np.ndarray) -> np.ndarray:
+    """bool [n+1, n+1]: row i sees i and every ancestor, by walking up."""
+    size = len(parents)
+    visibility = np.zeros((size, size), dtype=bool)
+    for i in range(size):
+        j = i
+        while j != -1:
+            visibility[i, j] = True
+            j = parents[j]
+    return visibility
+
+
+def pack_rows(visibility: np.ndarray) -> np.ndarray:
+    """bool [rows, cols] -> uint32 [rows, ceil(cols/32)], bit j % 32 of word j // 32."""
+    rows, cols = visibility.shape
+    words = np.zeros((rows, -(-cols // 32)), dtype=np.uint64)
+    for i, j in zip(*np.nonzero(visibility)):
+        words[i, j // 32] |= np.uint64(1 << (j % 32))
+    return words.astype(np.uint32)
+
+
+def walk(parents: np.ndarray, tokens: np.ndarray, choices: np.ndarray) -> tuple[list[int], int]:
+    """The accept walk: follow the child whose token is the current node's choice."""
+    path = [0]
+    while True:
+        child = [j for j in range(1, len(parents)) if parents[j] == path[-1] and tokens[j] == choices[path[-1]]]
+        if not child:
+            return path, int(choices[path[-1]])
+        path.append(child[0])
+
+
+def top2_gap(logits: np.ndarray) -> np.ndarray:
+    ordered = np.sort(logits, axis=-1)
+    return ordered[..., -1] - ordered[..., -2]
+
+
+def check_tree(parents, tokens, depths, ranks, scores, topk_lp, topk_id, budget, start, positions,
+               visibility_bits) -> None:
+    """A built tree against its top-k: shape, pop rule invariants, encodings."""
+    L, K = topk_lp.shape
+    possible = sum(K ** d for d in range(1, L + 1))
+    assert len(parents) == min(budget, possible) + 1
+    assert parents[0] == -1 and depths[0] == 0 and scores[0] == 0.0
+    for i in range(1, len(parents)):
+        p, d, r = parents[i], depths[i], ranks[i]
+        assert 0 <= p < i and d == depths[p] + 1
+        assert tokens[i] == topk_id[d - 1, r]
+        assert scores[i] == scores[p] + np.float64(topk_lp[d - 1, r])      # exactly
+    siblings = {}
+    for i in range(1, len(parents)):
+        assert (parents[i], tokens[i]) not in siblings
+        siblings[(parents[i], tokens[i])] = i
+    np.testing.assert_array_equal(positions, start + depths)
+    np.testing.assert_array_equal(visibility_bits, pack_rows(ancestor_visibility(parents)))
+
+
+def documented_hash(metadata: dict, reader: kdtr_format.Reader) -> str:
+    """docs/fixtures.md's content_hash, computed here from the rule as written."""
+    digest = hashlib.sha256()
+    body = {k: v for k, v in metadata.items() if k != "content_hash"}
+    digest.update(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
+    for name in sorted(reader.names(), key=lambda n: n.encode()):
+        digest.update(np.ascontiguousarray(reader[name]).tobytes())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------- every file
+
+@pytest.mark.parametrize("relative", ALL_FIXTURES)
+def test_content_hash_matches_the_documented_rule(open_golden, relative):
+    reader = open_golden(relative)
+    reader.verify()
+    meta = reader.metadata
+    assert meta["kdtree_fixture"] == 1
+    assert meta["content_hash"] == documented_hash(meta, reader)
+    assert stored_hash_problem(reader) is None
+    assert set(meta["generator"]) == {"name", "version", "numpy", "seed"}
+
+
+# ---------------------------------------------------------------------------- model fixtures
+
+@pytest.mark.parametrize("preset", MODEL_FIXTURES)
+def test_model_fixture_matches_its_preset_and_margins(open_golden, preset):
+    f = open_golden(f"{preset}.kdtr")
+    meta = f.metadata
+    assert meta["kind"] == "model" and meta["source"] == "preset"
+    assert meta["config"] == PRESETS[preset].to_dict()
+    threshold = meta["margin_threshold"]
+    assert threshold == pytest.approx(1e-3 * meta["logit_scale"])
+    decisions = []
+    for p in meta["prompts"]:
+        prefix = f"prompts/{p['name']}"
+        tokens, ar_tokens, margins = f[f"{prefix}/tokens"], f[f"{prefix}/ar/tokens"], f[f"{prefix}/ar/margins"]
+        prefill = f[f"{prefix}/prefill_logits"]
+        assert len(tokens) == p["length"] and prefill.shape == (p["length"], PRESETS[preset].vocab_size)
+        assert ar_tokens[0] == np.argmax(prefill[-1])
+        assert margins[0] == pytest.approx(top2_gap(prefill[-1]), rel=1e-12)
+        assert f[f"{prefix}/ar/target_forwards"] == len(ar_tokens)
+        decisions.extend(margins)
+    for t in meta["traces"]:
+        for r in range(t["rounds"]):
+            rp = f"traces/{t['name']}/rounds/{r}"
+            decisions.extend(f[f"{rp}/margins"][f[f"{rp}/accepted"]])
+    assert min(decisions) >= threshold
+    assert meta["min_margin"] == pytest.approx(min(decisions), rel=1e-12)
+    kinds = {"logits", "logprobs", "scores"}
+    assert set(meta["tolerances"]) == kinds and set(meta["tolerances_bf16"]) == kinds
+
+
+@pytest.mark.parametrize("preset", MODEL_FIXTURES)
+def test_model_fixture_traces_are_self_consistent(open_golden, preset):
+    f = open_golden(f"{preset}.kdtr")
+    meta = f.metadata
+    V = meta["config"]["vocab_size"]
+    prompts = {p["name"]: p for p in meta["prompts"]}
+    covered = {"budget0": False, "budget1": False, "unfillable": False, "non_prefix": False, "random": False}
+    for t in meta["traces"]:
+        ddtree = DDTreeConfig.from_dict(t["ddtree"])
+        L, budget, K = ddtree.depth, ddtree.budget, min(ddtree.budget, V)
+        prefix = f"traces/{t['name']}"
+        ar_tokens = f[f"prompts/{t['prompt']}/ar/tokens"]
+        tokens = f[f"{prefix}/tokens"]
+        np.testing.assert_array_equal(tokens, ar_tokens[:t["max_new_tokens"]])        # the invariant
+        assert f[f"{prefix}/target_forwards"] == 1 + t["rounds"] == t["target_forwards"]
+        start, root = prompts[t["prompt"]]["length"], ar_tokens[0]
+        committed = [root]
+        for r in range(t["rounds"]):
+            g = lambda name: f[f"{prefix}/rounds/{r}/{name}"]                     # noqa: E731
+            assert g("start") == start and g("root") == root
+            draft, topk_lp, topk_id = g("draft_logits"), g("topk_lp"), g("topk_id")
+            assert draft.shape == (L, V) and draft.dtype == np.float32 and topk_lp.shape == (L, K)
+            lp = draft.astype(np.float64)
+            lp = (lp - (lp.max(1, keepdims=True) + np.log(np.exp(lp - lp.max(1, keepdims=True)).sum(1, keepdims=True)))).astype(np.float32)
+            order = np.lexsort((np.arange(V)[None, :].repeat(L, 0), -lp), axis=1)[:, :K]
+            np.testing.assert_array_equal(topk_id, order)
+            np.testing.assert_allclose(topk_lp, np.take_along_axis(lp, order, 1), rtol=0, atol=1e-6)
+            parents, tree_tokens = g("parents"), g("tokens")
+            assert tree_tokens[0] == root
+            check_tree(parents, tree_tokens, g("depths"), g("ranks"), g("scores"), topk_lp, topk_id,
+                       budget, start, g("positions"), g("visibility_bits"))
+            verify_logits = g("verify_logits")
+            assert verify_logits.shape == (len(parents), V)
+            np.testing.assert_array_equal(g("choices"), np.argmax(verify_logits, axis=1))
+            np.testing.assert_allclose(g("margins"), top2_gap(verify_logits), rtol=1e-12)
+            path, next_root = walk(parents, tree_tokens, g("choices"))
+            np.testing.assert_array_equal(g("accepted"), path)
+            assert g("next_root") == next_root
+            np.testing.assert_array_equal(g("compaction_src"), start + np.array(path))
+            assert f[f"{prefix}/acceptance_lengths"][r] == len(path)
+            covered["non_prefix"] |= path != list(range(len(path)))
+            committed += [*tree_tokens[path[1:]], next_root]
+            start, root = start + len(path), next_root
+        np.testing.assert_array_equal(committed[:len(tokens)], tokens)
+        assert len(committed) >= len(tokens)
+        covered["budget0"] |= budget == 0
+        covered["budget1"] |= budget == 1
+        covered["unfillable"] |= budget > sum(K ** d for d in range(1, L + 1))
+        covered["random"] |= t["drafter"]["kind"] == "random"
+    assert all(covered.values()), covered
+
+
+# ---------------------------------------------------------------------------- kernel cases
+
+def test_tree_build_cases(open_golden):
+    f = open_golden("kernels/tree_build.kdtr")
+    names = set()
+    for case in f.metadata["cases"]:
+        g = lambda name: f[f"cases/{case['name']}/{name}"]                             # noqa: E731
+        parents = g("parents")
+        assert g("tokens")[0] == -1
+        check_tree(parents, g("tokens"), g("depths"), g("ranks"), g("scores"), g("topk_lp"), g("topk_id"),
+                   case["budget"], case["start"], g("positions"), g("visibility_bits"))
+        first_child = [next((j for j in range(1, len(parents)) if parents[j] == i), -1) for i in range(len(parents))]
+        next_sibling = [next((j for j in range(i + 1, len(parents)) if parents[j] == parents[i]), -1) if i else -1
+                        for i in range(len(parents))]
+        np.testing.assert_array_equal(g("first_child"), first_child)
+        np.testing.assert_array_equal(g("next_sibling"), next_sibling)
+        if f"cases/{case['name']}/draft_logits" in f:
+            draft = g("draft_logits")
+            assert draft.shape == (case["depth"], case["vocab"])
+            assert case["k"] == min(case["budget"], case["vocab"])
+        names.add(case["name"])
+        assert case["nodes"] == len(parents)
+    by_name = {c["name"]: c for c in f.metadata["cases"]}
+    assert by_name["budget0"]["nodes"] == 1 and by_name["budget1"]["nodes"] == 2
+    assert by_name["beyond_possible"]["nodes"] == 1 + 3 + 9 + 27
+    assert by_name["k_capped"]["k"] == 5 and by_name["depth0"]["nodes"] == 1
+    assert f["cases/random_l15/visibility_bits"].shape[1] == 4
+
+
+def test_verify_attention_cases_match_float64_attention(open_golden):
+    f = open_golden("kernels/verify_attention.kdtr")
+    for case in f.metadata["cases"]:
+        g = lambda name: f[f"cases/{case['name']}/{name}"]                             # noqa: E731
+        q_lat, q_pe, c_kv, k_pe = (g(n).astype(np.float64) for n in ("q_lat", "q_pe", "c_kv", "k_pe"))
+        context, sizes, q_offsets, kv_offsets, bits = (g(n) for n in ("context", "tree_sizes", "q_offsets",
+                                                                      "kv_offsets", "visibility_bits"))
+        assert q_lat.shape[1:] == (case["heads"], case["kv_lora_rank"])
+        read = np.zeros(len(c_kv), dtype=bool)
+        for b in range(case["batch"]):
+            keys = slice(kv_offsets[b], kv_offsets[b] + context[b] + sizes[b])
+            read[keys] = True
+            for i in range(sizes[b]):
+                t = q_offsets[b] + i
+                row = [(int(bits[t, j // 32]) >> (j % 32)) & 1 for j in range(32 * bits.shape[1])]
+                assert row[i] == 1 and row[0] == 1 and not any(row[sizes[b]:])
+                visible = np.concatenate([np.ones(context[b], dtype=bool), np.array(row[:sizes[b]], dtype=bool)])
+                scores = (np.einsum("hr,sr->hs", q_lat[t], c_kv[keys]) +
+                          np.einsum("hr,sr->hs", q_pe[t], k_pe[keys]))[:, visible] * case["scale"]
+                peak = scores.max(axis=1, keepdims=True)
+                weights = np.exp(scores - peak)
+                lse = peak[:, 0] + np.log(weights.sum(axis=1))
+                o = (weights / weights.sum(axis=1, keepdims=True)) @ c_kv[keys][visible]
+                np.testing.assert_allclose(g("lse")[t], lse, rtol=1e-12)
+                np.testing.assert_allclose(g("o_lat")[t], o, rtol=1e-6, atol=1e-6)
+        assert (c_kv[~read] == refgen.kernel_cases.JUNK).all()
+    dims = {(c["heads"], c["kv_lora_rank"], c["qk_rope_head_dim"]) for c in f.metadata["cases"]}
+    assert (64, 512, 64) in dims
+
+
+def test_accept_compact_cases(open_golden):
+    f = open_golden("kernels/accept_compact.kdtr")
+    prefixes = set()
+    for case in f.metadata["cases"]:
+        g = lambda name: f[f"cases/{case['name']}/{name}"]                             # noqa: E731
+        path, next_root = walk(g("parents"), g("tokens"), g("choices"))
+        np.testing.assert_array_equal(g("accepted"), path)
+        assert g("next_root") == next_root
+        for cache in ("c_kv", "k_pe"):
+            expected = g(cache).copy()
+            start = case["start"]
+            for k, node in enumerate(path):
+                expected[start + k] = expected[start + node]
+            np.testing.assert_array_equal(g(f"{cache}_after"), expected)
+        prefixes.add(case["prefix"])
+    assert prefixes == {True, False}
+    assert list(f["cases/non_prefix/accepted"]) == [0, 2, 5]
+
+
+# ---------------------------------------------------------------------------- generator behaviour
+
+SMALL_PLAN = FixturePlan(prompt_lengths=(6,), ar_new_tokens=4,
+                         traces=(TraceSpec("t0", 0, "oracle", 0.9, DDTreeConfig(block_size=3, budget=4), 4),))
+
+
+def test_a_prompt_whose_margin_is_too_small_is_redrawn():
+    cfg = PRESETS["tiny2"]
+    first = model_fixture(cfg, "tiny2", seed=5, plan=SMALL_PLAN).metadata
+    assert first["prompts"][0]["draw"] == 0
+    # Demand a margin just above what draw 0 reached: draw 0 is refused, a later draw kept.
+    margin_rel = first["min_margin"] * 1.0001 / first["logit_scale"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(refgen.fixtures, "MARGIN_REL", margin_rel)
+        redrawn = model_fixture(cfg, "tiny2", seed=5, plan=SMALL_PLAN).metadata
+    assert redrawn["prompts"][0]["draw"] >= 1
+    assert redrawn["prompts"][0]["seed"] != first["prompts"][0]["seed"]
+    assert redrawn["min_margin"] >= redrawn["margin_threshold"] > first["min_margin"]
+
+
+def test_impossible_margins_and_gaps_end_in_a_clear_error(monkeypatch):
+    monkeypatch.setattr(refgen.fixtures, "MAX_DRAWS", 2)
+    with monkeypatch.context() as mp:
+        mp.setattr(refgen.fixtures, "MARGIN_REL", 1e6)
+        with pytest.raises(FixtureError, match="prompt p0: no draw out of 2"):
+            model_fixture(PRESETS["tiny2"], "tiny2", plan=SMALL_PLAN)
+    monkeypatch.setattr(refgen.fixtures, "TOPK_GAP_MIN", 1e3)
+    with pytest.raises(FixtureError, match="trace t0: no drafter seed"):
+        model_fixture(PRESETS["tiny2"], "tiny2", plan=SMALL_PLAN)
+
+
+def test_a_trace_that_breaks_the_invariant_is_refused(monkeypatch):
+    real = refgen.fixtures.ddtree_decode
+
+    def off_by_one(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.tokens[-1] = (result.tokens[-1] + 1) % PRESETS["tiny2"].vocab_size
+        return result
+
+    monkeypatch.setattr(refgen.fixtures, "ddtree_decode", off_by_one)
+    with pytest.raises(FixtureError, match="trace t0: DDTree tokens .* refusing"):
+        model_fixture(PRESETS["tiny2"], "tiny2", plan=SMALL_PLAN)
+
+
+def test_a_plan_beyond_max_position_embeddings_names_the_field():
+    plan = FixturePlan(prompt_lengths=(600,), ar_new_tokens=4, traces=())
+    with pytest.raises(FixtureError, match="max_position_embeddings"):
+        model_fixture(PRESETS["tiny2"], "tiny2", plan=plan)
+
+
+# ---------------------------------------------------------------------------- planted bugs
+
+def regenerate_and_compare(fixture, committed: Path, tmp_path: Path) -> list[str]:
+    write_fixture(tmp_path / "regenerated.kdtr", fixture)
+    with kdtr_format.open(committed) as committed, \
+            kdtr_format.open(tmp_path / "regenerated.kdtr") as regenerated:
+        return compare(committed, regenerated)
+
+
+def test_planted_routing_bug_drifts_from_the_golden_logits(golden, tmp_path, monkeypatch):
+    """Dropping routed_scaling_factor in route changes every MoE layer's output."""
+    ar_only = FixturePlan(prompt_lengths=(5,), ar_new_tokens=2, traces=())
+    drift_line = "prompts/p0/prefill_logits:"
+    clean = regenerate_and_compare(model_fixture(PRESETS["tiny"], "tiny", plan=ar_only), golden("tiny.kdtr"), tmp_path)
+    assert not any(line.startswith(drift_line) for line in clean)
+
+    real_route = refgen.model.route
+
+    def unscaled_route(cfg, x, gate, bias):
+        idx, weight = real_route(cfg, x, gate, bias)
+        return idx, weight / cfg.routed_scaling_factor
+
+    monkeypatch.setattr(refgen.model, "route", unscaled_route)
+    planted = regenerate_and_compare(model_fixture(PRESETS["tiny"], "tiny", plan=ar_only), golden("tiny.kdtr"), tmp_path)
+    assert any(line.startswith(drift_line) and "drift beyond" in line for line in planted), planted
+
+
+def test_planted_sibling_score_bug_drifts_from_the_golden_trees(golden, tmp_path, monkeypatch):
+    """Scoring every sibling with the first sibling's log-prob changes scores and shapes."""
+    assert regenerate_and_compare(kernel_fixture("tree_build"), golden("kernels/tree_build.kdtr"), tmp_path) == []
+    real_build = refgen.kernel_cases.build_tree
+
+    def first_sibling_scores(topk_lp, topk_id, budget):
+        return real_build(np.repeat(topk_lp[:, :1], topk_lp.shape[1], axis=1), topk_id, budget)
+
+    monkeypatch.setattr(refgen.kernel_cases, "build_tree", first_sibling_scores)
+    planted = regenerate_and_compare(kernel_fixture("tree_build"), golden("kernels/tree_build.kdtr"), tmp_path)
+    assert any(line.startswith("cases/random/scores:") for line in planted), planted
+    assert any(line.startswith("cases/random/parents:") for line in planted), planted
+
+
+def test_regeneration_is_deterministic_in_memory():
+    a, b = kernel_fixture("accept_compact", seed=3), kernel_fixture("accept_compact", seed=3)
+    assert a.metadata == b.metadata and a.tensors.keys() == b.tensors.keys()
+    for name in a.tensors:
+        assert a.tensors[name].tobytes() == b.tensors[name].tobytes(), name
+    assert kernel_fixture("accept_compact", seed=4).tensors["cases/random_b16/c_kv"].tobytes() != \
+        a.tensors["cases/random_b16/c_kv"].tobytes()
+
+
+# ---------------------------------------------------------------------------- the regeneration rule
+
+@pytest.mark.parametrize("expected, actual, drifts", [
+    (np.array([1.0, -2.0]), np.array([1.0, -2.0 * (1 + 5e-13)]), False),
+    (np.array([1.0, -2.0]), np.array([1.0, -2.0 * (1 + 5e-12)]), True),
+    (np.array([100.0, 0.0]), np.array([100.0, 5e-11]), False),          # floor: 1e-12 x the largest value
+    (np.array([100.0, 0.0]), np.array([100.0, 5e-10]), True),
+    (np.array([np.nan, np.inf, 1.0]), np.array([np.nan, np.inf, 1.0]), False),
+    (np.array([np.inf, 1.0]), np.array([-np.inf, 1.0]), True),
+    (np.array([3, 4], dtype=np.int64), np.array([3, 5], dtype=np.int64), True),
+    (np.array(7), np.array(7), False),
+    (np.zeros((2, 3), np.uint32), np.zeros((3, 2), np.uint32), True),
+    (np.zeros(3, np.float32), np.zeros(3, np.float64), True),
+])
+def test_tensor_drift_rule(expected, actual, drifts):
+    assert (refgen.fixtures.tensor_drift(expected, actual) is not None) == drifts
+
+
+def testmetadata_drift_ignores_only_provenance():
+    base = {"generator": {"name": "refgen", "version": "1", "numpy": "2.0", "seed": 0},
+            "min_margin": 0.5, "traces": [{"rounds": 3}], "content_hash": "a"}
+    same = {**base, "generator": {**base["generator"], "version": "2", "numpy": "2.1"}, "content_hash": "b",
+            "min_margin": 0.5 * (1 + 1e-13)}
+    assert refgen.fixtures.metadata_drift(base, same, "metadata") == []
+    for changed in ({**base, "generator": {**base["generator"], "seed": 1}}, {**base, "traces": [{"rounds": 4}]},
+                    {**base, "min_margin": 0.6}, {**base, "extra": 1}):
+        assert len(refgen.fixtures.metadata_drift(base, changed, "metadata")) == 1
