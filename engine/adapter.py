@@ -165,7 +165,7 @@ class TorchAdapter:
 
     # model
     def load_weights(self, config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
-        self.weights = {name: torch.as_tensor(np.asarray(w)) for name, w in weights.items()}
+        self.weights = {name: torch.tensor(np.asarray(w)) for name, w in weights.items()}
         self.model = Transformer(config, self.weights, device=self.device, dtype=self.dtype,
                                  attention=self.attention_backend)
 
@@ -185,8 +185,8 @@ class TorchAdapter:
         if not visibility[:, :start].all():
             raise ValueError("the torch engine sees every cached slot: visibility[:, :start] must be all True")
         dev = self.device
-        logits = model.forward(torch.as_tensor(np.asarray(tokens), dtype=torch.int64, device=dev)[None],
-                               torch.as_tensor(np.asarray(positions), dtype=torch.int64, device=dev)[None],
+        logits = model.forward(torch.tensor(np.asarray(tokens), dtype=torch.int64, device=dev)[None],
+                               torch.tensor(np.asarray(positions), dtype=torch.int64, device=dev)[None],
                                torch.as_tensor(visibility[:, start:], device=dev)[None],
                                torch.tensor([n], device=dev), torch.tensor([start], device=dev), self.cache)
         return logits[0].cpu().numpy()
@@ -194,14 +194,14 @@ class TorchAdapter:
     # stages
     def topk_logprobs(self, draft_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """draft_logits [L, V] float32 -> (topk_lp [L, K] float32, topk_id [L, K] int64)."""
-        lp, ids = self.stages.topk_logprobs(torch.as_tensor(np.asarray(draft_logits), device=self.device)[None], k)
+        lp, ids = self.stages.topk_logprobs(torch.tensor(np.asarray(draft_logits), device=self.device)[None], k)
         return lp[0].cpu().numpy(), ids[0].cpu().numpy()
 
     def build_tree(self, topk_lp: np.ndarray, topk_id: np.ndarray, budget: int,
                    root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> parents, tokens, depths [n+1] int64."""
-        trees = self.stages.build_trees(torch.as_tensor(np.asarray(topk_lp), device=self.device)[None],
-                                        torch.as_tensor(np.asarray(topk_id), device=self.device)[None],
+        trees = self.stages.build_trees(torch.tensor(np.asarray(topk_lp), device=self.device)[None],
+                                        torch.tensor(np.asarray(topk_id), device=self.device)[None],
                                         torch.tensor([budget], device=self.device),
                                         torch.tensor([root], device=self.device))
         count = int(trees.n[0]) + 1
@@ -209,16 +209,16 @@ class TorchAdapter:
 
     def accept(self, parents: np.ndarray, tokens: np.ndarray, choices: np.ndarray) -> tuple[np.ndarray, int]:
         """parents, tokens, choices [n+1] -> (accepted [a], next_root)."""
-        parents = torch.as_tensor(np.asarray(parents), dtype=torch.int64, device=self.device)
+        parents = torch.tensor(np.asarray(parents), dtype=torch.int64, device=self.device)
         depths = torch.zeros_like(parents)
         for i in range(1, len(parents)):
             depths[i] = depths[parents[i]] + 1
         trees = TreeBatch(n=torch.tensor([len(parents) - 1], device=self.device), parents=parents[None],
-                          tokens=torch.as_tensor(np.asarray(tokens), dtype=torch.int64, device=self.device)[None],
+                          tokens=torch.tensor(np.asarray(tokens), dtype=torch.int64, device=self.device)[None],
                           depths=depths[None], scores=torch.zeros(1, len(parents), dtype=torch.float64,
                                                                   device=self.device),
                           depth=int(depths.max()))
-        choices_t = torch.as_tensor(np.asarray(choices), dtype=torch.int64, device=self.device)[None]
+        choices_t = torch.tensor(np.asarray(choices), dtype=torch.int64, device=self.device)[None]
         accepted, accept_len, next_root = self.stages.accept(trees, choices_t)
         return accepted[0, :int(accept_len[0])].cpu().numpy(), int(next_root[0])
 
@@ -228,7 +228,7 @@ class TorchAdapter:
         cache = KVCache(c_kv=torch.tensor(np.asarray(c_kv), device=self.device)[None, None],
                         k_pe=torch.tensor(np.asarray(k_pe), device=self.device)[None, None],
                         lengths=torch.tensor([start], device=self.device))
-        path = torch.as_tensor(np.asarray(accepted), dtype=torch.int64, device=self.device)[None]
+        path = torch.tensor(np.asarray(accepted), dtype=torch.int64, device=self.device)[None]
         self.stages.compact_kv(cache, torch.tensor([start], device=self.device), path,
                                torch.tensor([path.shape[1]], device=self.device))
         return cache.c_kv[0, 0].cpu().numpy(), cache.k_pe[0, 0].cpu().numpy()
@@ -243,7 +243,7 @@ class TorchAdapter:
         dev = self.device
 
         def put(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(a), device=dev)[None]
+            return torch.tensor(np.asarray(a), device=dev)[None]
 
         o_lat = self.attention_backend(put(q_lat), put(q_pe), put(c_kv), put(k_pe),
                                        torch.tensor([context], device=dev), torch.tensor([n], device=dev),

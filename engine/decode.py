@@ -12,8 +12,9 @@ forward with the ancestor-only mask, follows the target's choices down the
 tree, compacts the accepted path's KV to slots start .. start + a - 1 and
 commits a tokens. DDTree greedy emits exactly the AR greedy tokens.
 
-`max_new_tokens` counts every committed token, the first one (the argmax of
-the prefill's last logits) included, as the fixtures' `ar/tokens` do.
+`max_new_tokens` (one for all requests, or one per request) counts every
+committed token, the first one (the argmax of the prefill's last logits)
+included, as the fixtures' `ar/tokens` do.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kdtr_format import DDTreeConfig
@@ -70,7 +72,7 @@ class DecodeResult:
         return [r.tokens for r in self.requests]
 
 
-def ar_decode(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
+def ar_decode(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int | Sequence[int], *,
               stop_tokens: Sequence[int] = (), temperature: float = 0.0,
               generator: torch.Generator | None = None,
               stages: Stages | None = None) -> DecodeResult:
@@ -104,7 +106,7 @@ def ar_decode(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
 
 
 def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int] | torch.Tensor],
-                  ddtree: DDTreeConfig, max_new_tokens: int, *, stop_tokens: Sequence[int] = (),
+                  ddtree: DDTreeConfig, max_new_tokens: int | Sequence[int], *, stop_tokens: Sequence[int] = (),
                   budgets: Sequence[int] | None = None, generator: torch.Generator | None = None,
                   uniforms: Sequence[torch.Tensor] | None = None, stages: Stages | None = None,
                   record: bool = False) -> DecodeResult:
@@ -201,24 +203,27 @@ def _tree_capacity(depth: int, vocab: int) -> int:
 class _Batch:
     """Per-request outputs, starts and activity for one decode call."""
 
-    def __init__(self, model, prompts, max_new_tokens: int, stop_tokens: Sequence[int],
+    def __init__(self, model, prompts, max_new_tokens: int | Sequence[int], stop_tokens: Sequence[int],
                  extra_slots: int) -> None:
         cfg = model.cfg
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         self.model = model
         self.prompts = [_as_prompt(p, cfg.vocab_size, i) for i, p in enumerate(prompts)]
         if not self.prompts:
             raise ValueError("no prompts given")
-        longest = max(len(p) for p in self.prompts)
-        if longest + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens {max_new_tokens} exceeds "
-                             f"max_position_embeddings {cfg.max_position_embeddings}")
         self.size = len(self.prompts)
-        self.max_new_tokens = max_new_tokens
+        limits = [max_new_tokens] * self.size if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(limits) != self.size or any(not isinstance(n, int) or n < 1 for n in limits):
+            raise ValueError(f"max_new_tokens must be an integer >= 1 or one per prompt, got {max_new_tokens!r}")
+        self.max_new_tokens = limits
+        ends = [len(p) + n for p, n in zip(self.prompts, limits)]
+        longest = max(ends)
+        if longest > cfg.max_position_embeddings:
+            b = ends.index(longest)
+            raise ValueError(f"prompt {b} ({len(self.prompts[b])} tokens) plus max_new_tokens {limits[b]} "
+                             f"exceeds max_position_embeddings {cfg.max_position_embeddings}")
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
         self.device = torch.device(model.device)
-        self.cache = KVCache.allocate(cfg, self.size, longest + max_new_tokens + extra_slots,
+        self.cache = KVCache.allocate(cfg, self.size, longest + extra_slots,
                                       self.device, model.dtype)
         self.starts = torch.tensor([len(p) for p in self.prompts], dtype=torch.int64)
         self.requests = [RequestResult([], [], 0, []) for _ in self.prompts]
@@ -268,7 +273,7 @@ class _Batch:
         for token, margin in zip(tokens, margins):
             request.tokens.append(token)
             request.margins.append(margin)
-            if len(request.tokens) >= self.max_new_tokens or token in self.stop_tokens:
+            if len(request.tokens) >= self.max_new_tokens[b] or token in self.stop_tokens:
                 self.done[b] = True
                 return
 
@@ -286,7 +291,7 @@ class _Batch:
 
 def _as_prompt(prompt, vocab_size: int, index: int) -> torch.Tensor:
     """prompt [m] int64 on the CPU, checked against the vocabulary."""
-    tokens = torch.as_tensor(prompt).reshape(-1).to(torch.int64).cpu()
+    tokens = torch.tensor(np.asarray(prompt), dtype=torch.int64).reshape(-1)
     if tokens.numel() == 0:
         raise ValueError(f"prompt {index} is empty")
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:

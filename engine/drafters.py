@@ -80,7 +80,7 @@ class OracleDrafter:
                  device: str | torch.device = "cpu") -> None:
         if not 0.0 <= accuracy <= 1.0:
             raise ValueError(f"oracle accuracy must lie in [0, 1], got {accuracy}")
-        self.sequences = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).cpu() for s in sequences]
+        self.sequences = [torch.tensor(np.asarray(s), dtype=torch.int64).reshape(-1) for s in sequences]
         self.vocab_size, self.accuracy, self.seed, self.confidence = vocab_size, accuracy, seed, confidence
         self.device = torch.device(device)
 
@@ -111,22 +111,27 @@ class OracleDrafter:
 
 
 class ReplayDrafter:
-    """Recorded draft logits: recorded[b][start] = [L, V] for request b at cache length start."""
+    """Recorded draft logits: recorded[b][start] = [L, V] for request b at cache length start.
 
-    def __init__(self, recorded: Sequence[Mapping[int, torch.Tensor | np.ndarray]],
+    A start with no record (a request that is already done, or one that left
+    the recorded path) gets flat logits; a comparison of the rounds against the
+    trace is what tells the second case.
+    """
+
+    def __init__(self, recorded: Sequence[Mapping[int, torch.Tensor | np.ndarray]], vocab_size: int,
                  device: str | torch.device = "cpu") -> None:
-        self.recorded = [{int(s): torch.as_tensor(np.asarray(v), dtype=torch.float32) for s, v in r.items()}
+        self.recorded = [{int(s): torch.tensor(np.asarray(v), dtype=torch.float32) for s, v in r.items()}
                          for r in recorded]
+        self.vocab_size = vocab_size
         self.device = torch.device(device)
 
     def draft(self, contexts: Sequence[torch.Tensor], roots: torch.Tensor, depth: int) -> torch.Tensor:
         out = []
         for b, ctx in enumerate(contexts):
-            logits = self.recorded[b].get(len(ctx))
-            if logits is None:
-                raise ValueError(f"replay drafter: no recorded draft for request {b} at start {len(ctx)}")
-            if logits.shape[0] != depth:
-                raise ValueError(f"replay drafter: recorded depth {logits.shape[0]} != requested {depth}")
+            logits = self.recorded[b].get(len(ctx), torch.zeros(depth, self.vocab_size))
+            if logits.shape != (depth, self.vocab_size):
+                raise ValueError(f"replay drafter: request {b} recorded {list(logits.shape)}, "
+                                 f"requested {[depth, self.vocab_size]}")
             out.append(logits)
         return torch.stack(out).to(self.device)
 

@@ -203,8 +203,7 @@ class MoE:
 
     def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str):
         self.cfg = cfg
-        self.gate = w[prefix + "gate"].float()
-        self.bias = w[prefix + "e_score_correction_bias"].float()
+        self.gate, self.bias = w[prefix + "gate"], w[prefix + "e_score_correction_bias"]
         self.w_gate, self.w_up, self.w_down = (w[prefix + "experts." + n] for n in ("w_gate", "w_up", "w_down"))
         self.shared = DenseMLP(w, prefix + "shared.") if cfg.n_shared_experts else None
 
@@ -254,10 +253,10 @@ class Transformer:
         self.device = torch.device(device)
         self.dtype = dtype
         self.attention: AttentionBackend = attention if attention is not None else torch_attention
-        w = {name: as_tensor(value).to(device=self.device, dtype=dtype) for name, value in weights.items()}
-        for name in weights:                       # routing keeps float32 scores whatever the dtype
-            if name.endswith(("moe.gate", "moe.e_score_correction_bias")):
-                w[name] = as_tensor(weights[name]).to(device=self.device, dtype=torch.float32)
+        router = ("moe.gate", "moe.e_score_correction_bias")    # routing stays float32 in any dtype
+        w = {name: as_tensor(value).to(device=self.device,
+                                       dtype=torch.float32 if name.endswith(router) else dtype)
+             for name, value in weights.items()}
         self.embed, self.norm, self.lm_head = w["embed_tokens"], w["norm"], w["lm_head"]
         self.layers = [Block(cfg, w, i) for i in range(cfg.num_hidden_layers)]
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
@@ -273,7 +272,7 @@ class Transformer:
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.allocate(self.cfg, batch, max_len, self.device, self.dtype)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, new_visibility: torch.Tensor,
                 n_new: torch.Tensor, starts: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens [B, N] int64, positions [B, N] int64, new_visibility [B, N, N] bool,

@@ -71,8 +71,7 @@ def _check_size(size: int) -> None:
 
 def _first(mask: np.ndarray) -> int | None:
     """Index of the first True in a boolean array, or None."""
-    hits = np.flatnonzero(mask)
-    return int(hits[0]) if hits.size else None
+    return int(mask.argmax()) if mask.any() else None
 
 
 class Reader:
@@ -154,7 +153,7 @@ class Reader:
             seen: set[str] = set()
             duplicate = next(n for n in self._names if n in seen or seen.add(n))
             raise FormatError("duplicate tensor name", offset=t.index_offset, tensor=duplicate)
-        self._columns = self._check_records(records, t.index_offset, t.index_offset)
+        self._columns = self._check_records(records, t.index_offset)
 
         metadata_at = names_at + t.names_size
         metadata_raw = self._span(metadata_at, t.metadata_size)
@@ -194,14 +193,17 @@ class Reader:
             raise FormatError(f"name of record {record} is not valid UTF-8", offset=names_at + e.start) from None
         return text.split("\0")[:-1]
 
-    def _check_records(self, records: np.ndarray, index_at: int, index_offset: int) -> "_Columns":
+    def _check_records(self, records: np.ndarray, index_offset: int) -> "_Columns":
         """Vectorized checks of every record; returns the records as contiguous columns."""
         c = _Columns.of(records)
         if len(records) == 0:
             if index_offset != fmt.align_up(fmt.HEADER_SIZE, self.alignment):
                 raise FormatError(f"index offset {index_offset} with no tensors, expected {self.alignment}", offset=index_offset)
             return c
-        record_at = lambda i, field: index_at + i * fmt.RECORD_SIZE + field
+
+        def record_at(i: int, field: int) -> int:
+            return index_offset + i * fmt.RECORD_SIZE + field
+
         known = np.zeros(256, bool)
         known[list(fmt.DTYPE_BY_CODE)] = True
         bad = _first(~known[c.dtype])
@@ -210,8 +212,10 @@ class Reader:
         bad = _first(c.ndim > fmt.MAX_NDIM)
         if bad is not None:
             raise FormatError(f"ndim {int(c.ndim[bad])} exceeds {fmt.MAX_NDIM}", offset=record_at(bad, 33), tensor=self._names[bad])
-        unused_nonzero = np.zeros(len(records), bool)
-        for d in range(fmt.MAX_NDIM):
+        # dimensions past the largest ndim are checked at once; the loops below stop there
+        top = int(c.ndim.max())
+        unused_nonzero = np.any(c.shape[:, top:] != 0, axis=1)
+        for d in range(top):
             unused_nonzero |= (c.ndim <= d) & (c.shape[:, d] != 0)
         bad = _first(unused_nonzero)
         if bad is not None:
@@ -227,13 +231,13 @@ class Reader:
         estimate = itemsize.astype(np.float64)
         exact = itemsize.copy()
         elements = np.ones(len(records), np.uint64)
-        for d in range(fmt.MAX_NDIM):
+        for d in range(top):
             dim = c.shape[:, d]
             estimate *= np.maximum(dim, 1).astype(np.float64)
             elements *= np.where(c.ndim > d, dim, np.uint64(1))
         bad = _first(estimate > 2.0**63)
         if bad is None:
-            for d in range(fmt.MAX_NDIM):
+            for d in range(top):
                 exact *= np.maximum(c.shape[:, d], np.uint64(1))
             bad = _first(exact > fmt.MAX_ELEMENT_BYTES)
         if bad is not None:

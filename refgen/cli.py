@@ -402,7 +402,8 @@ def _show_model(meta: dict[str, Any], console: Console) -> None:
         traces.add_column(column)
     for t in meta.get("traces", []):
         drafter = t["drafter"]
-        label = drafter["kind"] + (f" {drafter['accuracy']}" if "accuracy" in drafter else "")
+        label = drafter["kind"] + (f" {drafter['accuracy']}" if "accuracy" in drafter else "") + \
+            (f" (draw {drafter['draw']})" if drafter.get("draw") else "")
         traces.add_row(t["name"], t["prompt"], label, str(t["ddtree"]["block_size"]),
                        str(t["ddtree"]["budget"]), str(t["max_new_tokens"]), str(t["rounds"]),
                        f"{t['target_forwards']}/{t['ar_target_forwards']}", str(t["non_prefix_rounds"]),

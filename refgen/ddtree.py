@@ -28,6 +28,8 @@ def _check_logits(logits: np.ndarray, name: str) -> np.ndarray:
         raise ValueError(f"{name}: the vocabulary is empty (shape {logits.shape})")
     if np.isnan(logits).any():
         raise ValueError(f"{name}: contains NaN")
+    if len(logits) and not np.isfinite(logits.max(axis=1)).all():
+        raise ValueError(f"{name}: every row needs a finite maximum (no +inf, not all -inf)")
     return logits
 
 

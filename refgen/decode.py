@@ -79,12 +79,14 @@ class Round:
 @dataclass
 class DDTreeResult:
     """tokens int64 [N]; target_forwards = 1 (prefill) + len(rounds);
-    acceptance_lengths int64 [R] (a per round, before truncation); rounds."""
+    acceptance_lengths int64 [R] (a per round, before truncation); rounds;
+    prefill_uniform: the uniform that sampled the first token (None when greedy)."""
 
     tokens: np.ndarray
     target_forwards: int
     acceptance_lengths: np.ndarray
     rounds: list[Round] = field(default_factory=list)
+    prefill_uniform: float | None = None
 
 
 def _check_prompt(prompt: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -179,7 +181,8 @@ def ddtree_decode(target: Target, drafter: Drafter, prompt: np.ndarray, ddtree: 
     cache, prefill_logits = _prefill(target, prompt, m + max_new_tokens + n_max)
     if max_new_tokens == 0:
         return DDTreeResult(np.zeros(0, dtype=np.int64), 1, np.zeros(0, dtype=np.int64))
-    output = [int(choose(prefill_logits[-1:])[0][0])]
+    first, _, prefill_uniform = choose(prefill_logits[-1:])
+    output = [int(first[0])]
     start, rounds = m, []
     stopped = output[-1] in stop_tokens
     while len(output) < max_new_tokens and not stopped:
@@ -206,4 +209,5 @@ def ddtree_decode(target: Target, drafter: Drafter, prompt: np.ndarray, ddtree: 
         stopped = any(token in stop_tokens for token in committed)
         start += len(accepted)
     return DDTreeResult(_until_stop(output, max_new_tokens, stop_tokens), 1 + len(rounds),
-                        np.array([len(r.accepted) for r in rounds], dtype=np.int64), rounds)
+                        np.array([len(r.accepted) for r in rounds], dtype=np.int64), rounds,
+                        None if prefill_uniform is None else float(prefill_uniform[0]))

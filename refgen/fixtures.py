@@ -9,11 +9,11 @@ written (`FixtureError`).
 
 Near ties. Exact token comparison is fair only away from ties, so:
 
-- every greedy decision a consumer must reproduce (each AR token, and each
-  choice along a round's accepted path, the last of which is next_root) has a
-  top-1 minus top-2 logit margin >= `margin_threshold` = MARGIN_REL x
-  `logit_scale` (the standard deviation of a probe prompt's prefill logits);
-  a prompt that breaks this is redrawn from its next sub-seed;
+- every greedy decision (each AR token, and the target's choice at every node
+  of every verified tree) has a top-1 minus top-2 logit margin >=
+  `margin_threshold` = MARGIN_REL x `logit_scale` (the standard deviation of a
+  probe prompt's prefill logits); a prompt whose AR run breaks this is redrawn
+  from its next sub-seed, a drafter seed whose trees do, likewise;
 - within every draft's top K + 1 log-probs, two adjacent values are either
   exactly equal (the tie rule orders them; every implementation agrees) or at
   least TOPK_GAP_MIN apart; a drafter seed that breaks this is redrawn.
@@ -62,10 +62,6 @@ Progress = Callable[[int], None]     # called with the number of steps just fini
 
 class FixtureError(ValueError):
     """A fixture that cannot be generated as asked (broken invariant, impossible plan)."""
-
-
-class _NearTie(Exception):
-    """A draw whose margins fall below the threshold: redraw from the next sub-seed."""
 
 
 def sub_seed(seed: int, stream: int, index: int, draw: int) -> int:
@@ -263,9 +259,8 @@ def _prompt_block(model: Model, plan: FixturePlan, seed: int, index: int, thresh
         prompt_seed = sub_seed(seed, _PROMPT, index, draw)
         prompt = np.random.default_rng(prompt_seed).integers(
             0, V, size=plan.prompt_lengths[index], dtype=np.int64)
-        try:
-            block = _prompt_block_once(model, plan, seed, index, prompt, threshold)
-        except _NearTie:
+        block = _prompt_block_once(model, plan, seed, index, prompt, threshold)
+        if block is None:
             continue
         block.prompt.update(seed=prompt_seed, draw=draw)
         step(1 + len(block.traces))
@@ -275,11 +270,12 @@ def _prompt_block(model: Model, plan: FixturePlan, seed: int, index: int, thresh
 
 
 def _prompt_block_once(model: Model, plan: FixturePlan, seed: int, index: int, prompt: np.ndarray,
-                       threshold: float) -> _Block:
+                       threshold: float) -> _Block | None:
+    """One draw of prompt `index`; None when an AR margin is below the threshold."""
     name = f"p{index}"
     ar = ar_greedy(model, prompt, plan.ar_new_tokens)
     if ar.margins.min(initial=np.inf) < threshold:
-        raise _NearTie
+        return None
     tensors = {f"prompts/{name}/tokens": prompt,
                f"prompts/{name}/prefill_logits": ar.prefill_logits,
                f"prompts/{name}/ar/tokens": ar.tokens,
@@ -308,8 +304,8 @@ def _drafter(spec: TraceSpec, prompt: np.ndarray, ar: ARResult, vocab_size: int,
 
 def _trace(model: Model, prompt: np.ndarray, ar: ARResult, spec: TraceSpec, seed: int,
            trace_index: int, threshold: float) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """One DDTree trace; the drafter seed is redrawn while a top-k gap is too small.
-    Raises _NearTie when an accepted path's margin is below the threshold."""
+    """One DDTree trace; the drafter seed is redrawn while a tree node's margin or
+    a top-k gap is too small."""
     if spec.max_new_tokens > len(ar.tokens):
         raise FixtureError(f"trace {spec.name}: max_new_tokens {spec.max_new_tokens} exceeds the "
                            f"{len(ar.tokens)} AR tokens it is checked against")
@@ -322,16 +318,14 @@ def _trace(model: Model, prompt: np.ndarray, ar: ARResult, spec: TraceSpec, seed
             raise FixtureError(f"trace {spec.name}: DDTree tokens {result.tokens.tolist()} differ "
                                f"from AR tokens {expected.tolist()}; refusing to write a fixture "
                                "that breaks the invariant")
-        path_margin = min(float(r.margins[r.accepted].min()) for r in result.rounds) \
-            if result.rounds else np.inf
-        if path_margin < threshold:
-            raise _NearTie
+        node_margin = min((float(r.margins.min()) for r in result.rounds), default=np.inf)
         gaps = [topk_gaps(r.draft_logits, spec.ddtree.budget) for r in result.rounds]
-        if all(_gap_ok(adjacent) and _gap_ok(boundary) for adjacent, boundary in gaps):
+        if node_margin >= threshold and all(_gap_ok(a) and _gap_ok(b) for a, b in gaps):
             break
     else:
         raise FixtureError(f"trace {spec.name}: no drafter seed out of {MAX_DRAWS} keeps every "
-                           f"top-k gap above {TOPK_GAP_MIN}")
+                           f"tree node's margin above {threshold:.3g} and every top-k gap above "
+                           f"{TOPK_GAP_MIN}")
 
     prefix = f"traces/{spec.name}"
     tensors = {f"{prefix}/tokens": result.tokens,
@@ -353,8 +347,7 @@ def _trace(model: Model, prompt: np.ndarray, ar: ARResult, spec: TraceSpec, seed
         "ar_target_forwards": spec.max_new_tokens,       # prefill + one per token after the first
         "non_prefix_rounds": sum(int(not np.array_equal(r.accepted, np.arange(len(r.accepted))))
                                  for r in result.rounds),
-        "min_margin": min(path_margin, float(ar.margins[:spec.max_new_tokens].min())),
-        "min_tree_margin": min((float(r.margins.min()) for r in result.rounds), default=None),
+        "min_margin": min(node_margin, float(ar.margins[:spec.max_new_tokens].min())),
         "min_topk_gap": _smallest(*(adjacent for adjacent, _ in gaps)),
         "min_topk_boundary_gap": _smallest(*(boundary for _, boundary in gaps)),
     }

@@ -31,6 +31,7 @@ LOGIT_QUANTUM = 2.0 ** -10   # random draft logits are multiples of this
 KV_GAP_ROWS = 3              # junk rows between two requests' keys in a verify batch
 JUNK = 1e4                   # their value: any kernel that reads them is visibly wrong
 SCORE_STD = 2.0              # random attention inputs give scores of about this spread
+_TREE, _ATTENTION, _ACCEPT = 10, 11, 12   # sub-seed streams (refgen.fixtures uses 0..2)
 
 TOLERANCES = {"o_lat": {"rtol": 1e-5, "atol": 1e-5}, "lse": {"rtol": 1e-5, "atol": 1e-5},
               "scores": {"rtol": 0.0, "atol": 0.0}, "cache": {"rtol": 0.0, "atol": 0.0}}
@@ -98,7 +99,7 @@ def _hand_topk(case: TreeCase, rng: np.random.Generator) -> tuple[np.ndarray, np
 
 
 def _tree_case(case: TreeCase, seed: int, index: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    rng = np.random.default_rng(sub_seed(seed, 10, index, 0))
+    rng = np.random.default_rng(sub_seed(seed, _TREE, index, 0))
     tensors: dict[str, np.ndarray] = {}
     if case.logits == "hand":
         topk_lp, topk_id = _hand_topk(case, rng)
@@ -168,7 +169,7 @@ def _attention_case(case: AttentionCase, seed: int, index: int) -> tuple[dict[st
     cfg = PRESETS[case.preset]
     H, R, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     scale = softmax_scale(cfg)
-    rng = np.random.default_rng(sub_seed(seed, 11, index, 0))
+    rng = np.random.default_rng(sub_seed(seed, _ATTENTION, index, 0))
     q_std = SCORE_STD / (scale * np.sqrt(R + dr))
     trees = [_tree_shape(shape, nodes, rng) for shape, nodes in case.trees]
     sizes = np.array([t.n + 1 for t in trees], dtype=np.int64)
@@ -262,7 +263,7 @@ def _random_walk(tree: Tree, vocab: int, rng: np.random.Generator) -> np.ndarray
 
 def _accept_case(case: AcceptCase, seed: int, index: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     cfg = PRESETS[case.preset]
-    rng = np.random.default_rng(sub_seed(seed, 12, index, 0))
+    rng = np.random.default_rng(sub_seed(seed, _ACCEPT, index, 0))
     if case.parents:
         tree = Tree.from_parents(np.array(case.parents), np.array(case.tokens))
         choices = np.array(case.choices, dtype=np.int64)

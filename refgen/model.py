@@ -28,7 +28,8 @@ Attention = Literal["absorbed", "naive"]
 # ---------------------------------------------------------------------------- pieces
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x [..., d], w [d] -> [..., d]: x / sqrt(mean(x^2) + eps) * w."""
+    """x [..., d], w [d] -> [..., d] float64: x / sqrt(mean(x^2) + eps) * w."""
+    x = np.asarray(x, dtype=np.float64)
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
@@ -50,8 +51,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         return (d * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
                 / (2 * math.log(theta)))
 
-    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), d - 1)
+    low = min(max(math.floor(correction_dim(yarn.beta_fast)), 0), d - 1)
+    high = min(max(math.ceil(correction_dim(yarn.beta_slow)), 0), d - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
@@ -74,6 +75,10 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, cfg: ModelConfig) -> np.nda
     `interleave` pairs (x[2i], x[2i+1]) (the official layout); `neox` pairs
     (x[i], x[i + dr/2]). Pair i turns by positions * inv_freq[i].
     """
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim < 2 or x.shape[-2:] != (len(positions), cfg.qk_rope_head_dim):
+        raise ValueError(f"apply_rope: x has shape {x.shape}, expected [..., {len(positions)} "
+                         f"positions, qk_rope_head_dim {cfg.qk_rope_head_dim}]")
     cos, sin = rope_cos_sin(cfg, positions)
     if cfg.rope_style == "interleave":
         a, b = x[..., 0::2], x[..., 1::2]
@@ -109,8 +114,13 @@ def absorbed_attention(q_lat: np.ndarray, q_pe: np.ndarray, c_kv: np.ndarray, k_
     q_lat [n, H, R], q_pe [n, H, dr], c_kv [S, R], k_pe [S, dr], visibility [n, S] bool
     -> o_lat [n, H, R], lse [n, H] (natural log of sum_s exp(score), over visible s).
     score(t, h, s) = (q_lat[t, h] . c_kv[s] + q_pe[t, h] . k_pe[s]) * scale.
-    Every query must see at least one key.
+    Inputs are widened to float64. Every query must see at least one key.
     """
+    q_lat, q_pe, c_kv, k_pe = (np.asarray(a, dtype=np.float64) for a in (q_lat, q_pe, c_kv, k_pe))
+    if (q_lat.ndim, q_pe.ndim, c_kv.ndim, k_pe.ndim) != (3, 3, 2, 2):
+        raise ValueError(f"absorbed_attention: expected q_lat [n, H, R], q_pe [n, H, dr], c_kv "
+                         f"[S, R], k_pe [S, dr], got ndim {q_lat.ndim}, {q_pe.ndim}, {c_kv.ndim}, "
+                         f"{k_pe.ndim}")
     n, H, R = q_lat.shape
     S = c_kv.shape[0]
     if q_pe.shape[:2] != (n, H) or c_kv.shape != (S, R) or k_pe.shape != (S, q_pe.shape[2]):
@@ -146,6 +156,7 @@ def route(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray,
     the lower index; groups likewise), in descending order. weight = s[idx],
     divided by its sum when norm_topk_prob, times routed_scaling_factor.
     """
+    x, gate, bias = (np.asarray(a, dtype=np.float64) for a in (x, gate, bias))
     n = x.shape[0]
     E, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
     s = np.exp(-np.logaddexp(0.0, -(x @ gate.T)))

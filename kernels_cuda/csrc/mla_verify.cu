@@ -172,12 +172,7 @@ constexpr int kChunks = kD / 8;   // 16-byte chunks per row
 constexpr int kHalfD = kD / 2;    // score dims per warp half: 288 = 18 k-steps of 16
 constexpr int kHalfR = kR / 2;    // output columns per warp half: 256 = 32 n-tiles of 8
 constexpr int kStages = 3;
-constexpr size_t kExchangeBytes = 8 * 16 * 32 * sizeof(float);  // partial scores, 8 warps
-#ifdef KDTREE_MLA_Q_IN_SMEM
-constexpr size_t kSmemBytes = (size_t)(kBM + kStages * kBN) * kLd * sizeof(bf16) + kExchangeBytes;
-#else
 constexpr size_t kSmemBytes = (size_t)(kBM + kStages * kBN) * kLd * sizeof(bf16);
-#endif
 }  // namespace k2
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -225,11 +220,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1) mla_k2_bf16(MlaParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* sQ = reinterpret_cast<bf16*>(smem_raw);   // [kBM][kLd]; then the score exchange
     bf16* sK = sQ + kBM * kLd;                      // [kStages][kBN][kLd]
-#ifdef KDTREE_MLA_Q_IN_SMEM
-    float* sX = reinterpret_cast<float*>(sK + kStages * kBN * kLd);
-#else
     float* sX = reinterpret_cast<float*>(smem_raw); // [8 warps][16][32 lanes] partial scores
-#endif
 
     const int b = blockIdx.z, split = blockIdx.y;
     const int tree = p.tree[b], context = p.context[b];
@@ -277,12 +268,10 @@ __global__ void __launch_bounds__(k2::kThreads, 1) mla_k2_bf16(MlaParams p) {
     cp_async_wait<kStages - 1>();  // the Q group is complete
     __syncthreads();
 
-#ifndef KDTREE_MLA_Q_IN_SMEM
     uint32_t qa[kHalfD / 16][4];    // this warp's 16 rows x 288 dims, as mma A fragments
 #pragma unroll
     for (int ks = 0; ks < kHalfD / 16; ++ks)
         ldmatrix_x4(qa[ks], sQ + (16 * mi + (lane & 15)) * kLd + kHalfD * nj + 16 * ks + (lane >> 4) * 8);
-#endif
 
     // Rows g and g + 8 of this warp's group: their visibility row, and whether they exist.
     int vis_token[2];
@@ -311,37 +300,17 @@ __global__ void __launch_bounds__(k2::kThreads, 1) mla_k2_bf16(MlaParams p) {
         float s[4][4];
 #pragma unroll
         for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#ifdef KDTREE_MLA_QK_TWO_ACC
-        float s_odd[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) s_odd[n][0] = s_odd[n][1] = s_odd[n][2] = s_odd[n][3] = 0.f;
-#endif
 #pragma unroll
         for (int ks = 0; ks < kHalfD / 16; ++ks) {
-#ifdef KDTREE_MLA_Q_IN_SMEM
-            uint32_t qf[4];
-            ldmatrix_x4(qf, sQ + (16 * mi + (lane & 15)) * kLd + kHalfD * nj + 16 * ks + (lane >> 4) * 8);
-#else
-            const uint32_t (&qf)[4] = qa[ks];
-#endif
 #pragma unroll
             for (int kp = 0; kp < 2; ++kp) {
                 uint32_t kb[4];
                 ldmatrix_x4(kb, sKt + (16 * kp + (lane & 7) + ((lane >> 4) << 3)) * kLd + kHalfD * nj + 16 * ks +
                                     ((lane >> 3) & 1) * 8);
-#ifdef KDTREE_MLA_QK_TWO_ACC
-                float (&acc)[4][4] = (ks & 1) ? s_odd : s;
-#else
-                float (&acc)[4][4] = s;
-#endif
-                mma_bf16(acc[2 * kp], qf, kb[0], kb[1]);
-                mma_bf16(acc[2 * kp + 1], qf, kb[2], kb[3]);
+                mma_bf16(s[2 * kp], qa[ks], kb[0], kb[1]);
+                mma_bf16(s[2 * kp + 1], qa[ks], kb[2], kb[3]);
             }
         }
-#ifdef KDTREE_MLA_QK_TWO_ACC
-#pragma unroll
-        for (int i = 0; i < 16; ++i) s[i / 4][i % 4] += s_odd[i / 4][i % 4];
-#endif
         // Sum the pair's partial tiles (a + b == b + a, so both warps hold the same bits).
         float* mine = sX + warp * 16 * 32 + lane;
         const float* other = sX + (warp ^ 4) * 16 * 32 + lane;

@@ -220,11 +220,14 @@ __global__ void __launch_bounds__(kThreads) compile_trees_kernel(
                     bits + row * ((width + 31) / 32), first_child + row, next_sibling + row);
 }
 
+// The device's opt-in shared memory per block, read once per device.
 int max_smem_optin() {
-    int device = 0, bytes = 0;
+    static int cached[64] = {};
+    int device = 0;
     cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    return bytes;
+    if (device >= 64) device = 63;
+    if (cached[device] == 0) cudaDeviceGetAttribute(&cached[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    return cached[device];
 }
 
 }  // namespace

@@ -6,18 +6,20 @@
 // lp = x - lse rounded once to float32, lse = max + log(sum exp(x - max)) accumulated in
 // float64; each row descending in lp, equal lp values ordered by the smaller id.
 //
-// Per row:
-//   pass A    one read of the row: the online (max, sum) for lse and a 4096-bin histogram
-//             of the top 12 bits of an order-preserving key of x;
-//   select    the bin holding the K-th largest x; the candidate threshold is that bin's
-//             lowest x, lowered to the smallest x whose lp equals that x's lp (two different
-//             logits can round to one lp, and the smaller id then goes first);
-//   gather    a second read (in reverse, to hit what pass A left in L2) collects every
-//             element at or above the threshold into shared memory, keyed (lp desc, id asc);
-//   sort      a bitonic sort of the candidates; the first K are the answer.
-// If the candidates do not fit (kCap), the histogram is refined on the next 12, then 8 bits
-// (one more read each); if they still do not fit (massive exact ties), the elements above
-// the K-th lp are gathered and the tied ones are taken in id order by a block-wide scan.
+// Per row (NOTES-tree.md has the reasoning and the measurements):
+//   prefilter a lower bound of the K-th largest x from the row's first `chunk` elements
+//             (their own K-th largest, to 24 bits): two histogram passes over the chunk;
+//   pass A    the one full read: the online (max, sum) for lse; elements at or above the
+//             bound go to a 4096-bin histogram of the top 12 key bits and to the candidates;
+//   sort      a bitonic sort of the candidates keyed (lp desc, id asc); the first K are the
+//             answer unless an element below the bound ties the K-th lp.
+// General path (candidates overflow, or that tie): the histogram gives the bin holding the
+// K-th largest x; the threshold is that bin's lowest x, lowered to the smallest x whose lp
+// equals that x's lp (two different logits can round to one lp, and the smaller id then
+// goes first); a second read gathers every element at or above it. If those do not fit,
+// the histogram is refined on the next 12, then 8 bits (one more read each); if they still
+// do not fit (massive exact ties), the elements above the K-th lp are gathered and the tied
+// ones taken in id order by a block-wide scan.
 #include "common.cuh"
 
 #include <cub/block/block_reduce.cuh>
@@ -29,7 +31,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kBins = 4096;                 // the widest histogram level (12 bits)
-constexpr int kCap = 4096;                  // candidates held in shared memory
+constexpr int kCap = 8192;                  // candidates held in shared memory
 constexpr int kUnroll = 4;                  // 16-byte loads in flight per thread
 constexpr uint32_t kMinKey = 0x007FFFFFu;   // order_key(-inf)
 constexpr uint32_t kMaxKey = 0xFF800000u;   // order_key(+inf)
@@ -52,13 +54,15 @@ __device__ __forceinline__ float log_prob(float x, double lse) {
     return static_cast<float>(static_cast<double>(x) - lse);
 }
 
-// e^(x - m): float exp of the exact float64 difference, corrected to first order for the
-// rounding of that difference to float32 (relative error about 1e-7 per term, summed in float64).
+// e^(x - m) to about 1e-7 relative: float exp of the rounded difference d, corrected to first
+// order by the difference's exact rounding error (TwoSum), so the argument is exact; one
+// float -> double conversion per element (the sum is float64).
 __device__ __forceinline__ double exp_diff(float x, float m) {
-    double d = static_cast<double>(x) - static_cast<double>(m);
-    float f = static_cast<float>(d);
-    double e = expf(f);
-    return e == 0.0 ? 0.0 : e * (1.0 + (d - static_cast<double>(f)));
+    const float d = x - m;
+    const float xv = d + m, mv = d - xv;
+    const float err = (x - xv) - (m + mv);                  // x - m = d + err exactly
+    const float e = expf(d);
+    return e > 0.0f ? static_cast<double>(fmaf(e, err, e)) : 0.0;
 }
 
 // Candidate sort key: ascending order = lp descending, then id ascending.
@@ -157,6 +161,34 @@ __device__ void select_bin(const uint32_t* hist, int nbins, int need, Scalars* s
     __syncthreads();
 }
 
+// Bitonic sort of cand[0 .. count) ascending (padded to a power of two with the largest key).
+__device__ void sort_candidates(uint64_t* cand, int count) {
+    int size = 1;
+    while (size < count) size <<= 1;
+    for (int i = count + threadIdx.x; i < size; i += kThreads) cand[i] = ~0ull;
+    __syncthreads();
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < size; i += kThreads) {
+                int partner = i ^ j;
+                if (partner > i) {
+                    uint64_t a = cand[i], b = cand[partner];
+                    if ((a > b) == ((i & k) == 0)) { cand[i] = b; cand[partner] = a; }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// Rows longer than this get a prefilter threshold from their first `chunk` elements.
+__device__ inline int prefilter_chunk(int V, int K) {
+    if (V <= kCap) return 0;                                     // everything fits: no filter
+    long long want = 2LL * K * V / kCap;                         // ~kCap / 2 candidates expected
+    int chunk = static_cast<int>(((max(want, 8192LL) + 1023) / 1024) * 1024);
+    return chunk >= V ? 0 : chunk;
+}
+
 template <typename T, bool kVector>
 __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
     const T* __restrict__ logits, int V, int K, float* __restrict__ topk_lp, int64_t* __restrict__ topk_id) {
@@ -174,16 +206,44 @@ __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
     if (threadIdx.x == 0) { s.above = 0; s.count = 0; }
     __syncthreads();
 
-    // Pass A: online max / float64 sum, and the top-12-bit histogram.
+    // Prefilter: the first `chunk` elements' K-th largest key, to 24 bits (rounded down), is a
+    // lower bound of the row's K-th largest: the chunk alone has K elements at or above it.
+    uint32_t floor_key = kMinKey;
+    if (const int chunk = prefilter_chunk(V, K)) {
+        uint32_t prefix = 0;
+        for (int level = 0; level < 2; ++level) {
+            for_each<T, kVector, false>(row, chunk, [&](float x, int) {
+                const uint32_t k = order_key(x);
+                if (level == 0) atomicAdd(&sh.hist[k >> 20], 1u);
+                else if ((k >> 20) == prefix) atomicAdd(&sh.hist[(k >> 8) & 0xFFF], 1u);
+            });
+            __syncthreads();
+            select_bin(sh.hist, kBins, K - s.above, &s, tmp.scan);
+            prefix = (prefix << 12) | static_cast<uint32_t>(s.bin);
+            for (int b = threadIdx.x; b < kBins; b += kThreads) sh.hist[b] = 0;
+            __syncthreads();
+        }
+        floor_key = max(prefix << 8, kMinKey);
+        if (threadIdx.x == 0) s.above = 0;
+        __syncthreads();
+    }
+
+    // Pass A, the one full read: online max / float64 sum for lse; every element at or above
+    // floor_key goes to the top-12-bit histogram and, while they fit, to the candidates.
     float m = -INFINITY;
     double sum = 0.0;
-    for_each<T, kVector, false>(row, V, [&](float x, int) {
-        atomicAdd(&sh.hist[order_key(x) >> 20], 1u);
+    for_each<T, kVector, false>(row, V, [&](float x, int id) {
         if (x > m) {
             sum = (m == -INFINITY) ? 0.0 : sum * exp(static_cast<double>(m) - static_cast<double>(x));
             m = x;
         }
         sum += exp_diff(x, m);
+        const uint32_t k = order_key(x);
+        if (k >= floor_key) {
+            atomicAdd(&sh.hist[k >> 20], 1u);
+            const int slot = atomicAdd(&s.count, 1);
+            if (slot < kCap) sh.cand[slot] = (static_cast<uint64_t>(k) << 32) | static_cast<uint32_t>(id);
+        }
     });
     float block_max = BlockReduceF(tmp.reduce_f).Reduce(m, MaxOp());
     if (threadIdx.x == 0) s.max = block_max;
@@ -194,95 +254,97 @@ __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
     __syncthreads();
     const double lse = s.lse;
 
-    // Radix levels: 12 bits, 12 bits, 8 bits of the key.
-    constexpr int kShift[3] = {20, 8, 0};
-    constexpr int kBits[3] = {12, 12, 8};
-    uint32_t prefix = 0;
-    bool done = false;
-    for (int level = 0; level < 3 && !done; ++level) {
-        if (level > 0) {
-            const int shift_prev = kShift[level - 1];
-            __syncthreads();                                  // every thread has read hist[s.bin]
-            for (int b = threadIdx.x; b < (1 << kBits[level]); b += kThreads) sh.hist[b] = 0;
+    // Fast path: every element >= floor_key was kept. The answer is among them unless an element
+    // below floor_key ties the K-th log-prob (then the general path below decides).
+    bool sorted = false;
+    if (s.count <= kCap) {
+        const int count = s.count;
+        for (int i = threadIdx.x; i < count; i += kThreads) {
+            const uint64_t c = sh.cand[i];
+            sh.cand[i] = candidate(log_prob(key_value(static_cast<uint32_t>(c >> 32)), lse), static_cast<int>(c & 0xFFFFFFFFu));
+        }
+        __syncthreads();
+        sort_candidates(sh.cand, count);
+        const float lp_k = key_value(~static_cast<uint32_t>(sh.cand[K - 1] >> 32));
+        sorted = floor_key == kMinKey || log_prob(key_value(floor_key - 1), lse) < lp_k;
+        __syncthreads();
+    }
+
+    if (!sorted) {
+        // General path. Radix levels: 12 bits (the pass-A histogram of keys >= floor_key, exact
+        // above the boundary since the K-th largest is >= floor_key), then 12 and 8 bits.
+        constexpr int kShift[3] = {20, 8, 0};
+        constexpr int kBits[3] = {12, 12, 8};
+        uint32_t prefix = 0;
+        bool gathered = false;
+        for (int level = 0; level < 3 && !gathered; ++level) {
+            if (level > 0) {
+                const int shift_prev = kShift[level - 1];
+                __syncthreads();                                  // every thread has read hist[s.bin]
+                for (int b = threadIdx.x; b < (1 << kBits[level]); b += kThreads) sh.hist[b] = 0;
+                __syncthreads();
+                const uint32_t mask = (1u << kBits[level]) - 1;
+                for_each<T, kVector, true>(row, V, [&](float x, int) {
+                    uint32_t k = order_key(x);
+                    if ((k >> shift_prev) == prefix) atomicAdd(&sh.hist[(k >> kShift[level]) & mask], 1u);
+                });
+                __syncthreads();
+            }
+            select_bin(sh.hist, 1 << kBits[level], K - s.above, &s, tmp.scan);
+            prefix = (prefix << kBits[level]) | static_cast<uint32_t>(s.bin);
+            const uint32_t lo_key = prefix << kShift[level];
+            if (s.above + static_cast<int>(sh.hist[s.bin]) > kCap) continue;   // cannot fit: refine
+
+            if (threadIdx.x == 0) {
+                const float lp_lo = log_prob(key_value(lo_key), lse);
+                s.threshold = first_true(kMinKey, lo_key, [&](uint32_t k) { return log_prob(key_value(k), lse) >= lp_lo; });
+                s.count = 0;
+            }
             __syncthreads();
-            const uint32_t mask = (1u << kBits[level]) - 1;
-            for_each<T, kVector, true>(row, V, [&](float x, int) {
-                uint32_t k = order_key(x);
-                if ((k >> shift_prev) == prefix) atomicAdd(&sh.hist[(k >> kShift[level]) & mask], 1u);
+            const uint32_t threshold = s.threshold;
+            for_each<T, kVector, true>(row, V, [&](float x, int id) {
+                if (order_key(x) >= threshold) {
+                    int slot = atomicAdd(&s.count, 1);
+                    if (slot < kCap) sh.cand[slot] = candidate(log_prob(x, lse), id);
+                }
             });
             __syncthreads();
+            gathered = s.count <= kCap;
+            __syncthreads();
         }
-        select_bin(sh.hist, 1 << kBits[level], K - s.above, &s, tmp.scan);
-        prefix = (prefix << kBits[level]) | static_cast<uint32_t>(s.bin);
-        const uint32_t lo_key = prefix << kShift[level];
-        if (s.above + static_cast<int>(sh.hist[s.bin]) > kCap) continue;   // cannot fit: refine
 
-        if (threadIdx.x == 0) {
-            const float lp_lo = log_prob(key_value(lo_key), lse);
-            s.threshold = first_true(kMinKey, lo_key, [&](uint32_t k) { return log_prob(key_value(k), lse) >= lp_lo; });
-            s.count = 0;
-        }
-        __syncthreads();
-        const uint32_t threshold = s.threshold;
-        for_each<T, kVector, true>(row, V, [&](float x, int id) {
-            if (order_key(x) >= threshold) {
-                int slot = atomicAdd(&s.count, 1);
-                if (slot < kCap) sh.cand[slot] = candidate(log_prob(x, lse), id);
+        if (!gathered) {
+            // Massive ties: prefix is the exact key of the K-th largest x. Take every element with
+            // lp above lp_K (fewer than K), then the ones tied at lp_K in increasing id order.
+            if (threadIdx.x == 0) {
+                const float lp_k = log_prob(key_value(prefix), lse);
+                s.threshold = first_true(prefix, kMaxKey, [&](uint32_t k) { return log_prob(key_value(k), lse) > lp_k; });
+                s.count = 0;
             }
-        });
-        __syncthreads();
-        done = s.count <= kCap;
-        __syncthreads();
-    }
-
-    if (!done) {
-        // Massive ties: prefix is the exact key of the K-th largest x. Take every element with
-        // lp above lp_K (fewer than K), then the ones tied at lp_K in increasing id order.
-        if (threadIdx.x == 0) {
+            __syncthreads();
+            const uint32_t strict = s.threshold;
             const float lp_k = log_prob(key_value(prefix), lse);
-            s.threshold = first_true(prefix, kMaxKey, [&](uint32_t k) { return log_prob(key_value(k), lse) > lp_k; });
-            s.count = 0;
-        }
-        __syncthreads();
-        const uint32_t strict = s.threshold;
-        const float lp_k = log_prob(key_value(prefix), lse);
-        for_each<T, kVector, true>(row, V, [&](float x, int id) {
-            if (order_key(x) >= strict) sh.cand[atomicAdd(&s.count, 1)] = candidate(log_prob(x, lse), id);
-        });
-        __syncthreads();
-        const int strict_count = s.count;
-        int taken = 0;
-        for (int base = 0; base < V && strict_count + taken < K; base += kThreads) {
-            const int id = base + threadIdx.x;
-            const bool tie = id < V && log_prob(to_float(row[id]), lse) == lp_k;
-            int rank, ties;
-            BlockScan(tmp.scan).ExclusiveSum(tie ? 1 : 0, rank, ties);
-            if (tie && strict_count + taken + rank < K) sh.cand[strict_count + taken + rank] = candidate(lp_k, id);
-            taken += ties;
+            for_each<T, kVector, true>(row, V, [&](float x, int id) {
+                if (order_key(x) >= strict) sh.cand[atomicAdd(&s.count, 1)] = candidate(log_prob(x, lse), id);
+            });
+            __syncthreads();
+            const int strict_count = s.count;
+            int taken = 0;
+            for (int base = 0; base < V && strict_count + taken < K; base += kThreads) {
+                const int id = base + threadIdx.x;
+                const bool tie = id < V && log_prob(to_float(row[id]), lse) == lp_k;
+                int rank, ties;
+                BlockScan(tmp.scan).ExclusiveSum(tie ? 1 : 0, rank, ties);
+                if (tie && strict_count + taken + rank < K) sh.cand[strict_count + taken + rank] = candidate(lp_k, id);
+                taken += ties;
+                __syncthreads();
+            }
+            if (threadIdx.x == 0) s.count = K;
             __syncthreads();
         }
-        if (threadIdx.x == 0) s.count = K;
-        __syncthreads();
+        sort_candidates(sh.cand, s.count);
     }
 
-    // Bitonic sort of the candidates (padded to a power of two with the largest key).
-    const int count = s.count;
-    int size = 1;
-    while (size < count) size <<= 1;
-    for (int i = count + threadIdx.x; i < size; i += kThreads) sh.cand[i] = ~0ull;
-    __syncthreads();
-    for (int k = 2; k <= size; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = threadIdx.x; i < size; i += kThreads) {
-                int partner = i ^ j;
-                if (partner > i) {
-                    uint64_t a = sh.cand[i], b = sh.cand[partner];
-                    if ((a > b) == ((i & k) == 0)) { sh.cand[i] = b; sh.cand[partner] = a; }
-                }
-            }
-            __syncthreads();
-        }
-    }
     float* out_lp = topk_lp + static_cast<size_t>(blockIdx.x) * K;
     int64_t* out_id = topk_id + static_cast<size_t>(blockIdx.x) * K;
     for (int r = threadIdx.x; r < K; r += kThreads) {

@@ -26,7 +26,7 @@ from refgen import ddtree
 from refgen import model as ref
 
 RTOL_F32 = 1e-5     # max |engine - reference| / max |reference|, float32 engine
-RTOL_BF16 = 6e-2    # the same for a bf16 engine through every layer
+RTOL_BF16 = 2e-2    # the same for a bf16 engine (about 0.8e-2 seen on every preset)
 
 
 def assert_close_to_scale(actual: np.ndarray, expected: np.ndarray, rtol: float) -> None:
@@ -234,8 +234,52 @@ def test_torch_attention_matches_reference(device):
         assert (o_lat[b, n:] == 0).all()
 
 
-def test_bf16_engine_is_close_to_reference(model_zoo, device):
-    case = model_zoo.get("tiny")
+def unpack_bits(bits: np.ndarray) -> np.ndarray:
+    """uint32 [rows, W] -> bool [rows, 32 W]: bit b of word w is column 32 w + b."""
+    shifts = np.arange(32, dtype=np.uint64)
+    return ((bits.astype(np.uint64)[..., None] >> shifts) & 1).astype(bool).reshape(len(bits), -1)
+
+
+def padded_from_ragged(case: dict, get) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """A ragged verify_attention case -> ([q_lat, q_pe, c_kv, k_pe] padded per request,
+    starts, n_new, new_visibility [B, N, N])."""
+    context, sizes = get("context"), get("tree_sizes")
+    q_offsets, kv_offsets, seen = get("q_offsets"), get("kv_offsets"), unpack_bits(get("visibility_bits"))
+    batch, width, slots = len(sizes), int(sizes.max()), int((context + sizes).max())
+    ragged = {name: get(name) for name in ("q_lat", "q_pe", "c_kv", "k_pe")}
+    padded = {name: np.zeros((batch, width if name.startswith("q") else slots) + a.shape[1:])
+              for name, a in ragged.items()}
+    new_visibility = np.zeros((batch, width, width), dtype=bool)
+    for b in range(batch):
+        queries = slice(q_offsets[b], q_offsets[b + 1])
+        keys = slice(kv_offsets[b], kv_offsets[b] + context[b] + sizes[b])
+        for name in ("q_lat", "q_pe"):
+            padded[name][b, :sizes[b]] = ragged[name][queries]
+        for name in ("c_kv", "k_pe"):
+            padded[name][b, :context[b] + sizes[b]] = ragged[name][keys]
+        new_visibility[b, :sizes[b], :sizes[b]] = seen[queries, :sizes[b]]
+    return [padded[name] for name in ("q_lat", "q_pe", "c_kv", "k_pe")], context, sizes, new_visibility
+
+
+def test_torch_attention_on_golden_verify_cases(golden_path):
+    """Each ragged case of tests/golden/kernels/verify_attention.kdtr, regrouped as a padded batch."""
+    import kdtr_format
+
+    with kdtr_format.open(golden_path("kernels/verify_attention")) as fixture:
+        tol = fixture.metadata["tolerances"]["o_lat"]
+        for case in fixture.metadata["cases"]:
+            get = lambda name: np.array(fixture[f"cases/{case['name']}/{name}"])  # noqa: E731
+            inputs, starts, n_new, new_visibility = padded_from_ragged(case, get)
+            o_lat = torch_attention(*(torch.tensor(a, dtype=torch.float32) for a in inputs),
+                                    torch.tensor(starts), torch.tensor(n_new), torch.tensor(new_visibility),
+                                    case["scale"]).numpy()
+            actual = np.concatenate([o_lat[b, :n] for b, n in enumerate(n_new)])
+            np.testing.assert_allclose(actual, get("o_lat"), rtol=tol["rtol"], atol=tol["atol"],
+                                       err_msg=case["name"])
+
+
+def test_bf16_engine_is_close_to_reference(model_zoo, model_name, device):
+    case = model_zoo.get(model_name)
     tokens = np.random.default_rng(12).integers(0, case.cfg.vocab_size, 10)
     expected = case.reference.prefill(tokens, ref.KVCache.new(case.cfg, 10))
     engine = case.engine(device, torch.bfloat16)

@@ -20,11 +20,20 @@ from refgen import ddtree
 STAGES = TorchStages()
 
 
-def random_topk(rng: np.random.Generator, batch: int, depth: int, vocab: int, k: int, spread: float = 2.5
+def random_topk(rng: np.random.Generator, batch: int, depth: int, vocab: int, k: int
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Reference top-K of random draft logits (std `spread`) -> topk_lp float32 [B, L, K], topk_id [B, L, K]."""
-    pairs = [ddtree.topk_logprobs(rng.normal(size=(max(depth, 1), vocab)) * spread, k) for _ in range(batch)]
+    """Reference top-K of random draft logits -> topk_lp float32 [B, L, K], topk_id [B, L, K]."""
+    pairs = [ddtree.topk_logprobs(rng.normal(size=(max(depth, 1), vocab)) * 2.5, k) for _ in range(batch)]
     return np.stack([p[0][:depth] for p in pairs]), np.stack([p[1][:depth] for p in pairs])
+
+
+def wide_range_topk(rng: np.random.Generator, batch: int, depth: int, vocab: int, k: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Hand-made top-K with log-probs from -1e-12 to -100: float64 scores then round, so only
+    parent score + one log-prob (never an incremental sibling update) reproduces them."""
+    topk_lp = -np.sort(10.0 ** rng.uniform(-12, 2, (batch, depth, k)), axis=-1).astype(np.float32)
+    topk_id = np.argsort(rng.random((batch, depth, vocab)), axis=-1)[..., :k]
+    return topk_lp, topk_id
 
 
 def tied_topk(batch: int, depth: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -49,25 +58,23 @@ def unpadded(t: torch.Tensor, b: int, size: int) -> np.ndarray:
     return t[b, :size].cpu().numpy()
 
 
-# depth L, vocab V, top-k k, budgets per request (0, 1, small, more than the tree can hold, ...),
-# spread of the draft logits (a large spread gives log-probs from -1e-12 to -100, so that float64
-# scores round: only parent score + one log-prob reproduces them)
+# top-k source, depth L, vocab V, top-k k, budgets per request (0, 1, small, more than the tree can hold)
 TREE_CASES = {
-    "random": (4, 50, 8, [0, 1, 6, 33, 200], 2.5),
-    "L=1": (1, 50, 8, [0, 1, 3, 8, 20], 2.5),
-    "L=0": (0, 50, 8, [0, 5], 2.5),
-    "small vocab, budget beyond every node": (3, 3, 8, [2, 13, 39, 500], 2.5),
-    "K=1 chain": (6, 40, 1, [0, 3, 6, 10], 2.5),
-    "wide: visibility spans 3 words": (5, 300, 16, [70, 5, 0], 2.5),
-    "peaked: scores round in float64": (8, 60, 6, [40, 120, 300], 12.0),
+    "random": (random_topk, 4, 50, 8, [0, 1, 6, 33, 200]),
+    "L=1": (random_topk, 1, 50, 8, [0, 1, 3, 8, 20]),
+    "L=0": (random_topk, 0, 50, 8, [0, 5]),
+    "small vocab, budget beyond every node": (random_topk, 3, 3, 8, [2, 13, 39, 500]),
+    "K=1 chain": (random_topk, 6, 40, 1, [0, 3, 6, 10]),
+    "wide: visibility spans 3 words": (random_topk, 5, 300, 16, [70, 5, 0]),
+    "log-probs from -1e-12 to -100": (wide_range_topk, 8, 60, 6, [40, 120, 300]),
 }
 
 
 @pytest.mark.parametrize("case", list(TREE_CASES))
 def test_build_and_compile_match_reference(case, device):
-    depth, vocab, k, budgets, spread = TREE_CASES[case]
+    make_topk, depth, vocab, k, budgets = TREE_CASES[case]
     rng = np.random.default_rng(len(case))
-    topk_lp, topk_id = random_topk(rng, len(budgets), depth, vocab, k, spread)
+    topk_lp, topk_id = make_topk(rng, len(budgets), depth, vocab, k)
     roots = rng.integers(0, vocab, len(budgets)).tolist()
     starts = rng.integers(0, 100, len(budgets))
     trees = build_batch(topk_lp, topk_id, budgets, roots, device)
@@ -240,3 +247,54 @@ def test_other_stages_reject_bad_input():
         STAGES.compact_kv(cache, torch.tensor([0, 0]), accepted, torch.tensor([2, 0]))
     with pytest.raises(ValueError, match="beyond the cache"):
         STAGES.compact_kv(cache, torch.tensor([6, 0]), accepted, torch.tensor([2, 1]))
+
+
+# ---- golden kernel cases (tests/golden/kernels/, written by `refgen generate`) ----
+
+def test_golden_tree_build_cases(golden_path):
+    import kdtr_format
+
+    with kdtr_format.open(golden_path("kernels/tree_build")) as fixture:
+        for case in fixture.metadata["cases"]:
+            get = lambda name: torch.as_tensor(np.array(fixture[f"cases/{case['name']}/{name}"]))  # noqa: E731
+            topk_lp, topk_id = get("topk_lp"), get("topk_id")
+            if f"cases/{case['name']}/draft_logits" in fixture:
+                lp, ids = STAGES.topk_logprobs(get("draft_logits")[None], topk_lp.shape[-1])
+                assert torch.equal(lp[0], topk_lp) and torch.equal(ids[0], topk_id), case["name"]
+            trees = STAGES.build_trees(topk_lp[None], topk_id[None], torch.tensor([case["budget"]]),
+                                       torch.tensor([-1]))
+            compiled = STAGES.compile_trees(trees, torch.tensor([case["start"]]))
+            for name, actual in (("parents", trees.parents), ("tokens", trees.tokens), ("depths", trees.depths),
+                                 ("scores", trees.scores), ("positions", compiled.positions),
+                                 ("first_child", compiled.first_child), ("next_sibling", compiled.next_sibling)):
+                assert torch.equal(actual[0], get(name)), f"{case['name']}: {name}"
+            bits = get("visibility_bits").numpy()
+            assert (compiled.visibility_bits[0].numpy().view(np.uint32) == bits).all(), case["name"]
+
+
+def tree_from_parents(parents: torch.Tensor, tokens: torch.Tensor) -> TreeBatch:
+    """A one-request TreeBatch from a hand-made tree (depths derived from parents)."""
+    depths = [0]
+    for p in parents.tolist()[1:]:
+        depths.append(depths[p] + 1)
+    return TreeBatch(n=torch.tensor([len(depths) - 1]), parents=parents[None], tokens=tokens[None],
+                     depths=torch.tensor([depths]), scores=torch.zeros(1, len(depths), dtype=torch.float64),
+                     depth=max(depths))
+
+
+def test_golden_accept_compact_cases(golden_path):
+    import kdtr_format
+
+    with kdtr_format.open(golden_path("kernels/accept_compact")) as fixture:
+        for case in fixture.metadata["cases"]:
+            get = lambda name: torch.as_tensor(np.array(fixture[f"cases/{case['name']}/{name}"]))  # noqa: E731
+            trees = tree_from_parents(get("parents"), get("tokens"))
+            accepted, accept_len, next_root = STAGES.accept(trees, get("choices")[None])
+            assert torch.equal(accepted[0, :int(accept_len[0])], get("accepted")), case["name"]
+            assert int(next_root[0]) == int(get("next_root")), case["name"]
+            c_kv, k_pe = get("c_kv"), get("k_pe")
+            cache = KVCache(c_kv=c_kv[None, None].clone(), k_pe=k_pe[None, None].clone(),
+                            lengths=torch.zeros(1, dtype=torch.int64))
+            STAGES.compact_kv(cache, torch.tensor([case["start"]]), accepted, accept_len)
+            assert torch.equal(cache.c_kv[0, 0], get("c_kv_after")), case["name"]
+            assert torch.equal(cache.k_pe[0, 0], get("k_pe_after")), case["name"]

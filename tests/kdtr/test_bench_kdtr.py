@@ -90,7 +90,7 @@ def test_full_read(benchmark, files, reader):
 
 WRITERS = {
     "kdtr": kdtr_format.write,
-    "safetensors": safetensors_numpy.save_file,
+    "safetensors": lambda path, tensors: safetensors_numpy.save_file(tensors, path),
     "npz": lambda path, tensors: np.savez(path, **tensors),
     "h5py": _write_h5,
 }

@@ -297,3 +297,19 @@ def test_non_contiguous_and_big_endian_inputs_are_stored_little_endian(tmp_path)
         assert f["t"].dtype == np.dtype("<i4")
         assert np.array_equal(f["t"], base.T) and np.array_equal(f["big"], base)
         assert f.raw("big")[:4].tolist() == [0, 0, 0, 0] and f.raw("big")[4:8].tolist() == [1, 0, 0, 0]
+
+
+def test_spec_worked_example_is_what_the_writer_writes(tmp_path):
+    """SPEC.md's hexdump must stay byte-identical to the writer's output."""
+    spec = (REPO / "kdtr_format" / "SPEC.md").read_text()
+    example = spec[spec.index("## 8. Worked example") :]
+    dump = bytes(
+        int(token, 16)
+        for line in example.splitlines()
+        if len(line) > 10 and line[8:10] == ": " and all(c in "0123456789abcdef" for c in line[:8])
+        for token in line[10:58].split()
+    )
+    path = tmp_path / "example.kdtr"
+    kdtr_format.write(path, {"w": np.array([1.0, -2.0], np.float32), "q": np.array([1, -2, 7], ml_dtypes.int4)},
+                      metadata={"k": 1})
+    assert dump == path.read_bytes()

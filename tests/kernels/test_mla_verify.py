@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +22,6 @@ from kdtr_format import PRESETS
 from kernels_cuda.mla_ops import MlaInputError, mla_verify, pack_visibility, plan_splits
 from refgen.model import absorbed_attention
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "kernels" / "verify_attention.kdtr"
 DIMS = {name: (PRESETS[name].num_attention_heads, PRESETS[name].kv_lora_rank, PRESETS[name].qk_rope_head_dim)
         for name in ("tiny", "tiny2", "kimi-k2")}
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -297,12 +295,9 @@ def test_rows_that_see_nothing_are_zero_not_nan():
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_golden_cases(dtype):
+def test_golden_cases(golden_kernels, dtype):
     """refgen's float32 cases; bf16 runs them on rounded inputs (K2 cases: the tensor cores)."""
-    if not GOLDEN.is_file():
-        pytest.skip(f"golden file {GOLDEN} is absent (refgen writes it)")
-    import kdtr_format
-    with kdtr_format.open(GOLDEN) as f:
+    with golden_kernels("verify_attention") as f:
         for spec in f.metadata["cases"]:
             name = spec["name"]
 

@@ -71,7 +71,7 @@ def random_topk(rng: np.random.Generator, batch: int, depth: int, k: int, vocab:
 
 
 def cuda(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+    return torch.from_numpy(np.array(a)).cuda()
 
 
 def vec(values: list[int]) -> torch.Tensor:
@@ -214,6 +214,32 @@ def test_compile_hand_made_trees() -> None:
         np.testing.assert_array_equal(first_child[b, :len(p)].cpu().numpy(), compiled.first_child)
         np.testing.assert_array_equal(next_sibling[b, :len(p)].cpu().numpy(), compiled.next_sibling)
         assert (first_child[b, len(p):] == -1).all() and (next_sibling[b, len(p):] == -1).all()
+
+
+@needs_gpu
+def test_ops_replay_in_a_cuda_graph() -> None:
+    """Launches go on torch's current stream: captured once, replayed on new inputs, equal to eager."""
+    logits = torch.randn(3, 5, 3000, device="cuda")
+    budgets, roots, starts = vec([20, 0, 33]), vec([1, 2, 3]), vec([4, 5, 6])
+
+    def stages():
+        lp, ids = tree_ops.topk_logprobs(logits, 33)
+        out = tree_ops.build_compiled_trees(lp, ids, budgets, roots, starts, 34)
+        return [lp, ids, *out, *tree_ops.accept_greedy(out[1], out[2], out[0], out[2].roll(-1, 1), 6)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stages()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = stages()
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, stages()):
+        assert torch.equal(got, want)
 
 
 @needs_gpu

@@ -61,6 +61,8 @@ def test_topk_equal_float32_lp_goes_to_smaller_id() -> None:
     (np.zeros((2, 4), dtype=np.int64), 2, "floating"),
     (np.zeros((2, 0)), 2, "empty"),
     (np.array([[0.0, np.nan]]), 1, "NaN"),
+    (np.array([[0.0, 1.0], [-np.inf, -np.inf]]), 1, "finite maximum"),
+    (np.array([[0.0, np.inf]]), 1, "finite maximum"),
     (np.zeros((2, 4)), -1, ">= 0"),
 ])
 def test_topk_bad_input(logits: np.ndarray, k: int, message: str) -> None:

@@ -59,6 +59,17 @@ def walk(parents: np.ndarray, tokens: np.ndarray, choices: np.ndarray) -> tuple[
         path.append(child[0])
 
 
+def check_topk(draft: np.ndarray, topk_lp: np.ndarray, topk_id: np.ndarray) -> None:
+    """Top-k of float32-rounded float64 log-probs: descending, equal values by smaller id."""
+    x = draft.astype(np.float64)
+    peak = x.max(axis=1, keepdims=True)
+    lp = (x - peak - np.log(np.exp(x - peak).sum(axis=1, keepdims=True))).astype(np.float32)
+    ids = np.broadcast_to(np.arange(x.shape[1]), x.shape)
+    order = np.lexsort((ids, -lp), axis=1)[:, :topk_id.shape[1]]
+    np.testing.assert_array_equal(topk_id, order)
+    np.testing.assert_allclose(topk_lp, np.take_along_axis(lp, order, axis=1), rtol=0, atol=1e-6)
+
+
 def top2_gap(logits: np.ndarray) -> np.ndarray:
     ordered = np.sort(logits, axis=-1)
     return ordered[..., -1] - ordered[..., -2]
@@ -130,7 +141,7 @@ def test_model_fixture_matches_its_preset_and_margins(open_golden, preset):
     for t in meta["traces"]:
         for r in range(t["rounds"]):
             rp = f"traces/{t['name']}/rounds/{r}"
-            decisions.extend(f[f"{rp}/margins"][f[f"{rp}/accepted"]])
+            decisions.extend(f[f"{rp}/margins"])
     assert min(decisions) >= threshold
     assert meta["min_margin"] == pytest.approx(min(decisions), rel=1e-12)
     kinds = {"logits", "logprobs", "scores"}
@@ -155,15 +166,13 @@ def test_model_fixture_traces_are_self_consistent(open_golden, preset):
         start, root = prompts[t["prompt"]]["length"], ar_tokens[0]
         committed = [root]
         for r in range(t["rounds"]):
-            g = lambda name: f[f"{prefix}/rounds/{r}/{name}"]                     # noqa: E731
+            def g(name: str) -> np.ndarray:
+                return f[f"{prefix}/rounds/{r}/{name}"]
+
             assert g("start") == start and g("root") == root
             draft, topk_lp, topk_id = g("draft_logits"), g("topk_lp"), g("topk_id")
             assert draft.shape == (L, V) and draft.dtype == np.float32 and topk_lp.shape == (L, K)
-            lp = draft.astype(np.float64)
-            lp = (lp - (lp.max(1, keepdims=True) + np.log(np.exp(lp - lp.max(1, keepdims=True)).sum(1, keepdims=True)))).astype(np.float32)
-            order = np.lexsort((np.arange(V)[None, :].repeat(L, 0), -lp), axis=1)[:, :K]
-            np.testing.assert_array_equal(topk_id, order)
-            np.testing.assert_allclose(topk_lp, np.take_along_axis(lp, order, 1), rtol=0, atol=1e-6)
+            check_topk(draft, topk_lp, topk_id)
             parents, tree_tokens = g("parents"), g("tokens")
             assert tree_tokens[0] == root
             check_tree(parents, tree_tokens, g("depths"), g("ranks"), g("scores"), topk_lp, topk_id,
@@ -191,26 +200,31 @@ def test_model_fixture_traces_are_self_consistent(open_golden, preset):
 
 # ---------------------------------------------------------------------------- kernel cases
 
+def eagle_lists(parents: np.ndarray) -> tuple[list[int], list[int]]:
+    """(first_child, next_sibling): the smallest child, the next larger index under the same parent."""
+    size = range(len(parents))
+    first_child = [next((j for j in size if j > 0 and parents[j] == i), -1) for i in size]
+    next_sibling = [next((j for j in size if j > i and parents[j] == parents[i]), -1) if i else -1 for i in size]
+    return first_child, next_sibling
+
+
 def test_tree_build_cases(open_golden):
     f = open_golden("kernels/tree_build.kdtr")
-    names = set()
     for case in f.metadata["cases"]:
-        g = lambda name: f[f"cases/{case['name']}/{name}"]                             # noqa: E731
+        def g(name: str) -> np.ndarray:
+            return f[f"cases/{case['name']}/{name}"]
+
         parents = g("parents")
-        assert g("tokens")[0] == -1
+        assert g("tokens")[0] == -1 and case["nodes"] == len(parents)
         check_tree(parents, g("tokens"), g("depths"), g("ranks"), g("scores"), g("topk_lp"), g("topk_id"),
                    case["budget"], case["start"], g("positions"), g("visibility_bits"))
-        first_child = [next((j for j in range(1, len(parents)) if parents[j] == i), -1) for i in range(len(parents))]
-        next_sibling = [next((j for j in range(i + 1, len(parents)) if parents[j] == parents[i]), -1) if i else -1
-                        for i in range(len(parents))]
+        first_child, next_sibling = eagle_lists(parents)
         np.testing.assert_array_equal(g("first_child"), first_child)
         np.testing.assert_array_equal(g("next_sibling"), next_sibling)
-        if f"cases/{case['name']}/draft_logits" in f:
-            draft = g("draft_logits")
-            assert draft.shape == (case["depth"], case["vocab"])
+        if case["logits"] != "hand":
+            assert g("draft_logits").shape == (case["depth"], case["vocab"])
             assert case["k"] == min(case["budget"], case["vocab"])
-        names.add(case["name"])
-        assert case["nodes"] == len(parents)
+            check_topk(g("draft_logits"), g("topk_lp"), g("topk_id"))
     by_name = {c["name"]: c for c in f.metadata["cases"]}
     assert by_name["budget0"]["nodes"] == 1 and by_name["budget1"]["nodes"] == 2
     assert by_name["beyond_possible"]["nodes"] == 1 + 3 + 9 + 27
@@ -221,7 +235,9 @@ def test_tree_build_cases(open_golden):
 def test_verify_attention_cases_match_float64_attention(open_golden):
     f = open_golden("kernels/verify_attention.kdtr")
     for case in f.metadata["cases"]:
-        g = lambda name: f[f"cases/{case['name']}/{name}"]                             # noqa: E731
+        def g(name: str) -> np.ndarray:
+            return f[f"cases/{case['name']}/{name}"]
+
         q_lat, q_pe, c_kv, k_pe = (g(n).astype(np.float64) for n in ("q_lat", "q_pe", "c_kv", "k_pe"))
         context, sizes, q_offsets, kv_offsets, bits = (g(n) for n in ("context", "tree_sizes", "q_offsets",
                                                                       "kv_offsets", "visibility_bits"))
@@ -252,7 +268,9 @@ def test_accept_compact_cases(open_golden):
     f = open_golden("kernels/accept_compact.kdtr")
     prefixes = set()
     for case in f.metadata["cases"]:
-        g = lambda name: f[f"cases/{case['name']}/{name}"]                             # noqa: E731
+        def g(name: str) -> np.ndarray:
+            return f[f"cases/{case['name']}/{name}"]
+
         path, next_root = walk(g("parents"), g("tokens"), g("choices"))
         np.testing.assert_array_equal(g("accepted"), path)
         assert g("next_root") == next_root
@@ -273,18 +291,37 @@ SMALL_PLAN = FixturePlan(prompt_lengths=(6,), ar_new_tokens=4,
                          traces=(TraceSpec("t0", 0, "oracle", 0.9, DDTreeConfig(block_size=3, budget=4), 4),))
 
 
-def test_a_prompt_whose_margin_is_too_small_is_redrawn():
+AR_ONLY = FixturePlan(prompt_lengths=(6,), ar_new_tokens=4, traces=())
+
+
+def smallest_margins(fixture) -> tuple[float, float]:
+    """(smallest AR margin, smallest tree-node margin) of a SMALL_PLAN fixture."""
+    tree = [v.min() for k, v in fixture.tensors.items() if k.startswith("traces/") and k.endswith("/margins")]
+    return fixture.tensors["prompts/p0/ar/margins"].min(), min(tree, default=np.inf)
+
+
+def test_a_prompt_whose_margin_is_too_small_is_redrawn(monkeypatch):
     cfg = PRESETS["tiny2"]
-    first = model_fixture(cfg, "tiny2", seed=5, plan=SMALL_PLAN).metadata
-    assert first["prompts"][0]["draw"] == 0
+    first = model_fixture(cfg, "tiny2", seed=5, plan=AR_ONLY)
+    assert first.metadata["prompts"][0]["draw"] == 0
     # Demand a margin just above what draw 0 reached: draw 0 is refused, a later draw kept.
-    margin_rel = first["min_margin"] * 1.0001 / first["logit_scale"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(refgen.fixtures, "MARGIN_REL", margin_rel)
-        redrawn = model_fixture(cfg, "tiny2", seed=5, plan=SMALL_PLAN).metadata
+    ar_margin, _ = smallest_margins(first)
+    monkeypatch.setattr(refgen.fixtures, "MARGIN_REL", ar_margin * 1.0001 / first.metadata["logit_scale"])
+    redrawn = model_fixture(cfg, "tiny2", seed=5, plan=AR_ONLY).metadata
     assert redrawn["prompts"][0]["draw"] >= 1
-    assert redrawn["prompts"][0]["seed"] != first["prompts"][0]["seed"]
-    assert redrawn["min_margin"] >= redrawn["margin_threshold"] > first["min_margin"]
+    assert redrawn["prompts"][0]["seed"] != first.metadata["prompts"][0]["seed"]
+    assert redrawn["min_margin"] >= redrawn["margin_threshold"] > ar_margin
+
+
+def test_a_drafter_whose_tree_has_a_near_tie_is_redrawn(monkeypatch):
+    cfg = PRESETS["tiny2"]
+    first = model_fixture(cfg, "tiny2", seed=3, plan=SMALL_PLAN)
+    ar_margin, tree_margin = smallest_margins(first)
+    assert tree_margin < ar_margin            # seed 3: an off-path node is the closest call
+    monkeypatch.setattr(refgen.fixtures, "MARGIN_REL", tree_margin * 1.0001 / first.metadata["logit_scale"])
+    redrawn = model_fixture(cfg, "tiny2", seed=3, plan=SMALL_PLAN).metadata
+    assert redrawn["prompts"][0]["draw"] == 0 and redrawn["traces"][0]["drafter"]["draw"] >= 1
+    assert redrawn["min_margin"] >= redrawn["margin_threshold"] > tree_margin
 
 
 def test_impossible_margins_and_gaps_end_in_a_clear_error(monkeypatch):
@@ -319,19 +356,23 @@ def test_a_plan_beyond_max_position_embeddings_names_the_field():
 
 # ---------------------------------------------------------------------------- planted bugs
 
-def regenerate_and_compare(fixture, committed: Path, tmp_path: Path) -> list[str]:
+def regenerate_and_compare(fixture, committed_path: Path, tmp_path: Path) -> list[str]:
     write_fixture(tmp_path / "regenerated.kdtr", fixture)
-    with kdtr_format.open(committed) as committed, \
+    with kdtr_format.open(committed_path) as committed, \
             kdtr_format.open(tmp_path / "regenerated.kdtr") as regenerated:
         return compare(committed, regenerated)
 
 
 def test_planted_routing_bug_drifts_from_the_golden_logits(golden, tmp_path, monkeypatch):
     """Dropping routed_scaling_factor in route changes every MoE layer's output."""
-    ar_only = FixturePlan(prompt_lengths=(5,), ar_new_tokens=2, traces=())
+    ar_only = FixturePlan(prompt_lengths=(5,), ar_new_tokens=2, traces=())   # p0 as committed, shorter
+
+    def drift() -> list[str]:
+        fixture = model_fixture(PRESETS["tiny"], "tiny", plan=ar_only)
+        return regenerate_and_compare(fixture, golden("tiny.kdtr"), tmp_path)
+
     drift_line = "prompts/p0/prefill_logits:"
-    clean = regenerate_and_compare(model_fixture(PRESETS["tiny"], "tiny", plan=ar_only), golden("tiny.kdtr"), tmp_path)
-    assert not any(line.startswith(drift_line) for line in clean)
+    assert not any(line.startswith(drift_line) for line in drift())
 
     real_route = refgen.model.route
 
@@ -340,7 +381,7 @@ def test_planted_routing_bug_drifts_from_the_golden_logits(golden, tmp_path, mon
         return idx, weight / cfg.routed_scaling_factor
 
     monkeypatch.setattr(refgen.model, "route", unscaled_route)
-    planted = regenerate_and_compare(model_fixture(PRESETS["tiny"], "tiny", plan=ar_only), golden("tiny.kdtr"), tmp_path)
+    planted = drift()
     assert any(line.startswith(drift_line) and "drift beyond" in line for line in planted), planted
 
 

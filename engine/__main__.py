@@ -1,0 +1,5 @@
+"""`python -m engine` runs the `kdtree` command line."""
+
+from .cli import main
+
+main()
