@@ -37,13 +37,13 @@ class CudaAttention:
                  k_pe: torch.Tensor, starts: torch.Tensor, n_new: torch.Tensor,
                  new_visibility: torch.Tensor, scale: float) -> torch.Tensor:
         batch, n, heads, kv_lora = q_lat.shape
+        o_lat = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
+        if batch == 0 or n == 0:
+            return o_lat
         c_rows, stride = _key_rows(c_kv)
         k_rows, k_stride = _key_rows(k_pe)
         if k_stride != stride:
             (c_rows, stride), (k_rows, _) = _key_rows(c_kv.contiguous()), _key_rows(k_pe.contiguous())
-        o_lat = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
-        if batch == 0 or n == 0:
-            return o_lat
         max_kv, min_new = torch.stack([(starts + n_new).max(), n_new.min()]).tolist()
         if min_new < n:
             o_lat.zero_()

@@ -134,7 +134,7 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
     batch = _Batch(model, prompts, max_new_tokens, stop_tokens,
                    extra_slots=min(max(request_budgets), _tree_capacity(depth, model.cfg.vocab_size)) + 1)
     vocab = model.cfg.vocab_size
-    k = min(max(max(request_budgets), 1), vocab)
+    k = min(max(request_budgets), vocab)            # K = min(B, V); the widest budget serves all
     roots = batch.prefill(stages, ddtree.temperature, generator)
     while batch.any_active:
         active = batch.active_mask()

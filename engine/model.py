@@ -248,9 +248,11 @@ class Transformer:
                  attention: AttentionBackend | None = None):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Transformer: dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"Transformer: device {str(device)!r} requested but CUDA is not available")
         check_weights(cfg, weights)
         self.cfg = cfg
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device      # "cuda" -> "cuda:0", comparable with tensors
         self.dtype = dtype
         self.attention: AttentionBackend = attention if attention is not None else torch_attention
         router = ("moe.gate", "moe.e_score_correction_bias")    # routing stays float32 in any dtype

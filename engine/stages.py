@@ -214,7 +214,7 @@ class TorchStages:
         padded[..., :width] = visibility
         weights = torch.ones(32, dtype=torch.int64, device=device) << torch.arange(32, device=device)
         packed = (padded.view(batch, width, words, 32) * weights).sum(-1)     # [B, Nmax, W] in [0, 2^32)
-        visibility_bits = packed.flip(-1).to(torch.int32)   # same bits, signed
+        visibility_bits = (packed - ((packed >> 31) << 32)).to(torch.int32)   # same bits, signed
 
         is_child = (trees.parents >= 0) & real
         first_child = torch.full((batch, width), width, dtype=torch.int64, device=device)

@@ -56,8 +56,3 @@ def crc32c(data: np.ndarray | bytes | memoryview, crc: int = 0) -> int:
     for start in range(0, nbytes, _CHUNK):
         crc = google_crc32c.extend(crc, flat[start : start + _CHUNK].tobytes())
     return crc
-
-
-def is_accelerated() -> bool:
-    """True when the zero-copy C path is in use."""
-    return _extend is not None

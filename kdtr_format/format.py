@@ -86,11 +86,7 @@ class DType:
     code: int
     name: str
     numpy: np.dtype
-    itemsize: int
-
-    def nbytes(self, count: int) -> int:
-        """Stored byte length of `count` elements (int4 packs two per byte)."""
-        return (count + 1) // 2 if self.name == "int4" else count * self.itemsize
+    itemsize: int  # bytes per element; int4 is packed two per byte on disk, one per byte in numpy
 
 
 DTYPES: tuple[DType, ...] = tuple(
@@ -137,8 +133,8 @@ def check_alignment(alignment: int) -> None:
         raise WriterError(f"alignment must be a power of two from {MIN_ALIGNMENT} to {MAX_ALIGNMENT}, got {alignment!r}")
 
 
-def pack_header(alignment: int, minor: int = VERSION_MINOR) -> bytes:
-    return HEADER.pack(MAGIC, VERSION_MAJOR, minor, BYTE_ORDER_MARK, alignment, bytes(44))
+def pack_header(alignment: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION_MAJOR, VERSION_MINOR, BYTE_ORDER_MARK, alignment, bytes(44))
 
 
 @dataclass(frozen=True)

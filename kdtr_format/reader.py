@@ -1,7 +1,7 @@
 """KDTR reader: mmap, validate the whole layout at open, hand out zero-copy views.
 
 Opening reads only the header, trailer, index and metadata (vectorized checks,
-so 10k tensors cost about a millisecond). Tensor bytes are checksummed on
+so 10k tensors cost a few milliseconds). Tensor bytes are checksummed on
 first access to each tensor, and all at once by `verify()`.
 
 The file is mapped copy-on-write: numpy views are read-only, torch tensors

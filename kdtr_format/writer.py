@@ -5,9 +5,10 @@ renamed over the final name only after everything is written and fsynced, so
 a crash, an exception or a kill never leaves a partial file under that name
 (a killed process may leave its `.<name>.*.tmp` behind; an exception removes it).
 
-On Linux the writer starts the disk writeback of every 32 MiB as it goes
-(sync_file_range), so the final fsync waits for little and a durable write of a
-large file costs about what a non-durable npz write does.
+`durable=False` skips the fsyncs: the commit stays atomic against a crash of
+the process, not against a power loss (for scratch files and tests). Durable
+writers on Linux start the disk writeback of every 32 MiB as they go
+(sync_file_range), so the final fsync waits for less.
 """
 
 from __future__ import annotations
@@ -89,10 +90,12 @@ class Writer:
         # committed here; on an exception nothing appears under "fixture.kdtr"
     """
 
-    def __init__(self, path: str | os.PathLike, alignment: int = fmt.DEFAULT_ALIGNMENT, metadata: Mapping | None = None):
+    def __init__(self, path: str | os.PathLike, alignment: int = fmt.DEFAULT_ALIGNMENT, metadata: Mapping | None = None,
+                 durable: bool = True):
         fmt.check_alignment(alignment)
         self.path = os.fspath(path)
         self.alignment = alignment
+        self.durable = durable
         self._metadata: dict = {}
         self.set_metadata(metadata)
         directory, base = os.path.split(os.path.abspath(self.path))
@@ -144,7 +147,7 @@ class Writer:
         self._position += raw.nbytes
         self._records.append((offset, raw.nbytes, crc32c(raw), dtype, tuple(int(d) for d in shape), name_raw))
         self._names.add(name)
-        if _sync_file_range is not None and self._position - self._written_back >= _WRITEBACK_EVERY:
+        if self.durable and _sync_file_range is not None and self._position - self._written_back >= _WRITEBACK_EVERY:
             self._file.flush()
             _sync_file_range(self._file.fileno(), self._written_back, self._position - self._written_back, _SYNC_FILE_RANGE_WRITE)
             self._written_back = self._position
@@ -180,14 +183,16 @@ class Writer:
             self._file.write(records + names + metadata + trailer)
             self._file.flush()
             os.fchmod(self._file.fileno(), 0o666 & ~_umask())
-            os.fsync(self._file.fileno())
+            if self.durable:
+                os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self._tmp_path, self.path)
             self._done = True
         except BaseException:
             self.abort()
             raise
-        _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+        if self.durable:
+            _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
 
     def abort(self) -> None:
         """Drop everything written so far; the final path is left untouched."""
@@ -228,8 +233,8 @@ def _fsync_directory(directory: str) -> None:
 
 
 def write(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: Mapping | None = None,
-          alignment: int = fmt.DEFAULT_ALIGNMENT) -> None:
+          alignment: int = fmt.DEFAULT_ALIGNMENT, durable: bool = True) -> None:
     """Write `tensors` (name -> numpy array or torch tensor, in mapping order) and `metadata` atomically."""
-    with Writer(path, alignment=alignment, metadata=metadata) as writer:
+    with Writer(path, alignment=alignment, metadata=metadata, durable=durable) as writer:
         for name, array in tensors.items():
             writer.add(name, array)

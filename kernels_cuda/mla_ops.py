@@ -55,7 +55,8 @@ class SplitPlan:
 
 
 def uses_tensor_cores(dtype: torch.dtype, kv_lora: int, rope_dim: int) -> bool:
-    """Whether `mla_verify` takes the tensor-core path for these inputs."""
+    """Whether `mla_verify` takes the tensor-core path for inputs of this dtype and these dims
+    (when they are also 16-byte aligned, as torch allocations are)."""
     return dtype == torch.bfloat16 and kv_lora == 512 and rope_dim == 64
 
 

@@ -33,7 +33,8 @@ def _check_logits(logits: np.ndarray, name: str) -> np.ndarray:
     return logits
 
 
-def _check_int(value: int, name: str, minimum: int = 0) -> int:
+def check_int(value: int, name: str, minimum: int = 0) -> int:
+    """value as an int; a ValueError naming `name` unless it is an integer >= minimum."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name}: expected an integer, got {value!r}")
     if value < minimum:
@@ -56,11 +57,19 @@ def topk_logprobs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     the smaller token id first.
     """
     logits = _check_logits(logits, "logits")
-    k = _check_int(k, "k")
+    k = check_int(k, "k")
     lp = log_softmax(logits).astype(np.float32)                     # [L, V]
     K = min(k, lp.shape[1])
     topk_id = np.argsort(-lp, axis=1, kind="stable")[:, :K]        # stable: ties keep id order
     return np.take_along_axis(lp, topk_id, axis=1), topk_id.astype(np.int64)
+
+
+def _check_parents(parents: np.ndarray) -> None:
+    """parents int64 [n+1]: node 0 is the root (-1), every other parent comes first."""
+    if len(parents) == 0 or parents[0] != -1:
+        raise ValueError("Tree.parents: node 0 must be the root (parents[0] = -1)")
+    if ((parents[1:] < 0) | (parents[1:] >= np.arange(1, len(parents)))).any():
+        raise ValueError("Tree.parents: every node's parent must come before it (0 <= parents[i] < i)")
 
 
 @dataclass(frozen=True)
@@ -87,13 +96,9 @@ class Tree:
             object.__setattr__(self, name, array)
             if array.ndim != 1 or len(array) != size:
                 raise ValueError(f"Tree.{name}: expected shape [{size}], got {array.shape}")
-        if size == 0 or self.parents[0] != -1 or self.depths[0] != 0:
-            raise ValueError("Tree: node 0 must be the root (parents[0] = -1, depths[0] = 0)")
-        child = np.arange(1, size)
-        if ((self.parents[1:] < 0) | (self.parents[1:] >= child)).any():
-            raise ValueError("Tree.parents: every node's parent must come before it (0 <= parents[i] < i)")
-        if (self.depths[1:] != self.depths[self.parents[1:]] + 1).any():
-            raise ValueError("Tree.depths: depths[i] must equal depths[parents[i]] + 1")
+        _check_parents(self.parents)
+        if self.depths[0] != 0 or (self.depths[1:] != self.depths[self.parents[1:]] + 1).any():
+            raise ValueError("Tree.depths: need depths[0] = 0 and depths[i] = depths[parents[i]] + 1")
 
     @property
     def n(self) -> int:
@@ -103,7 +108,7 @@ class Tree:
     def with_root(self, token: int) -> "Tree":
         """The same tree with tokens[0] = token (the round's root, the last committed token)."""
         tokens = self.tokens.copy()
-        tokens[0] = _check_int(token, "root token")
+        tokens[0] = check_int(token, "root token")
         return replace(self, tokens=tokens)
 
     @classmethod
@@ -115,7 +120,7 @@ class Tree:
         if parents.ndim != 1 or parents.shape != tokens.shape:
             raise ValueError(f"Tree.from_parents: parents {parents.shape} and tokens {tokens.shape} "
                              "must be 1-D of one length")
-        # Out-of-order parents give garbage depths here; the constructor rejects them.
+        _check_parents(parents)
         depths = np.zeros(len(parents), dtype=np.int64)
         ranks = np.full(len(parents), -1, dtype=np.int64)
         children_so_far = np.zeros(len(parents), dtype=np.int64)
@@ -151,7 +156,7 @@ def build_tree(topk_lp: np.ndarray, topk_id: np.ndarray, budget: int) -> Tree:
         raise ValueError("topk_lp: each row must be non-increasing and free of NaN")
     if any(len(set(row.tolist())) != len(row) for row in topk_id):
         raise ValueError("topk_id: a row repeats a token id (siblings must be distinct)")
-    budget = _check_int(budget, "budget")
+    budget = check_int(budget, "budget")
     L, K = topk_lp.shape
     lp64 = topk_lp.astype(np.float64)
 
@@ -213,7 +218,7 @@ def pack_bits(visibility: np.ndarray) -> np.ndarray:
 
 def compile_tree(tree: Tree, start: int) -> CompiledTree:
     """Tree, cache length `start` -> CompiledTree (positions, masks, EAGLE lists)."""
-    start = _check_int(start, "start")
+    start = check_int(start, "start")
     size = tree.n + 1
     visibility = np.zeros((size, size), dtype=bool)
     first_child = np.full(size, -1, dtype=np.int64)
@@ -241,7 +246,7 @@ def compile_tree(tree: Tree, start: int) -> CompiledTree:
 
 def visibility_over_cache(compiled: CompiledTree, start: int) -> np.ndarray:
     """bool [n+1, start+n+1]: every cached key (slots < start) visible, then the tree block."""
-    start = _check_int(start, "start")
+    start = check_int(start, "start")
     size = len(compiled.visibility)
     return np.concatenate([np.ones((size, start), dtype=bool), compiled.visibility], axis=1)
 
@@ -307,7 +312,7 @@ def accept(tree: Tree, choices: np.ndarray) -> tuple[np.ndarray, int]:
 def compact(array: np.ndarray, start: int, accepted: np.ndarray) -> None:
     """Contract section 7, in place on one cache array [S, ...]:
     row start + k <- row start + accepted[k], for k = 0 .. a-1 in increasing k."""
-    start = _check_int(start, "start")
+    start = check_int(start, "start")
     accepted = np.asarray(accepted)
     if accepted.ndim != 1 or len(accepted) == 0 or accepted[0] != 0:
         raise ValueError(f"accepted: expected a 1-D path starting at node 0, got {accepted!r}")

@@ -18,8 +18,8 @@ import numpy as np
 
 from kdtr_format import DDTreeConfig, ModelConfig
 
-from .ddtree import (CompiledTree, Tree, accept, build_tree, compact, compile_tree, greedy_choices,
-                     max_nodes, sample_choices, topk_logprobs, visibility_over_cache)
+from .ddtree import (CompiledTree, Tree, accept, build_tree, check_int, compact, compile_tree,
+                     greedy_choices, max_nodes, sample_choices, topk_logprobs, visibility_over_cache)
 from .drafters import Drafter
 from .model import KVCache
 
@@ -98,13 +98,6 @@ def _check_prompt(prompt: np.ndarray, vocab_size: int) -> np.ndarray:
     return prompt.astype(np.int64)
 
 
-def _check_max_new(max_new_tokens: int) -> int:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-            or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected an integer >= 0, got {max_new_tokens!r}")
-    return int(max_new_tokens)
-
-
 def _prefill(target: Target, prompt: np.ndarray, max_len: int) -> tuple[KVCache, np.ndarray]:
     """Causal forward of the prompt at positions 0..m-1 -> (cache, logits float64 [m, V])."""
     m = len(prompt)
@@ -127,7 +120,7 @@ def ar_greedy(target: Target, prompt: np.ndarray, max_new_tokens: int,
               stop_tokens: Sequence[int] = ()) -> ARResult:
     """Prefill, then one single-token forward per generated token after the first."""
     prompt = _check_prompt(prompt, target.cfg.vocab_size)
-    max_new_tokens = _check_max_new(max_new_tokens)
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
     m = len(prompt)
     cache, prefill_logits = _prefill(target, prompt, m + max_new_tokens)
     forwards = 1
@@ -155,8 +148,8 @@ def ddtree_decode(target: Target, drafter: Drafter, prompt: np.ndarray, ddtree: 
 
     temperature 0: greedy choices (the output equals `ar_greedy`'s). temperature > 0:
     every choice, the first token's included, is sampled by inverse CDF from uniforms
-    drawn by np.random.default_rng(uniforms_seed): one for the first token, then n+1
-    per round (recorded in Round.uniforms).
+    drawn by np.random.default_rng(uniforms_seed): one for the first token (recorded in
+    DDTreeResult.prefill_uniform), then n+1 per round (recorded in Round.uniforms).
     """
     if not isinstance(ddtree, DDTreeConfig):
         raise ValueError(f"ddtree: expected a kdtr_format.DDTreeConfig, got {type(ddtree).__name__}")
@@ -164,7 +157,7 @@ def ddtree_decode(target: Target, drafter: Drafter, prompt: np.ndarray, ddtree: 
     if drafter.vocab_size != vocab_size:
         raise ValueError(f"drafter: vocab_size {drafter.vocab_size} differs from the target's {vocab_size}")
     prompt = _check_prompt(prompt, vocab_size)
-    max_new_tokens = _check_max_new(max_new_tokens)
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
     L, budget, temperature = ddtree.depth, ddtree.budget, ddtree.temperature
     rng = np.random.default_rng(uniforms_seed)
 

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .ddtree import check_int
+
 _LAST_TOKENS_SEEDED = 8  # how many trailing context tokens feed a draft's seed
 _LOWER_RANKS = 7         # a wrong draft puts the truth at rank 1 .. this (or out of the top)
 
@@ -40,15 +42,8 @@ def _check_call(context: np.ndarray, depth: int) -> np.ndarray:
                          f"got {context.dtype} {context.shape}")
     if (context < 0).any():
         raise ValueError("context: token ids must be >= 0")
-    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
-        raise ValueError(f"depth: expected an integer >= 0, got {depth!r}")
+    check_int(depth, "depth")
     return context.astype(np.int64)
-
-
-def _check_vocab(vocab_size: int) -> int:
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
-        raise ValueError(f"vocab_size: expected a positive integer, got {vocab_size!r}")
-    return int(vocab_size)
 
 
 def context_rng(seed: int, context: np.ndarray) -> np.random.Generator:
@@ -61,8 +56,8 @@ class RandomDrafter:
     """Standard-normal logits (scaled by 2) that ignore the context's meaning."""
 
     def __init__(self, vocab_size: int, seed: int) -> None:
-        self.vocab_size = _check_vocab(vocab_size)
-        self.seed = int(seed)
+        self.vocab_size = check_int(vocab_size, "vocab_size", minimum=1)
+        self.seed = check_int(seed, "seed")
 
     def __call__(self, context: np.ndarray, depth: int) -> np.ndarray:
         """context int64 [c] -> float32 [depth, V]."""
@@ -77,13 +72,13 @@ class OracleDrafter:
     At depth d the true token is true_sequence[len(context) + d - 1] (true_sequence
     holds the prompt and its continuation). With probability `accuracy` it is
     top-1, 1 + ln V logits above the rest (so that it holds most of the
-    probability at any vocabulary size: the heap then drafts deep); otherwise, with equal odds, it sits at a
-    random rank 1 .. 7 or at the very bottom. Depths past the end of
-    true_sequence are pure noise.
+    probability at any vocabulary size, and the heap drafts deep); otherwise,
+    with equal odds, it sits at a random rank 1 .. 7 or at the very bottom.
+    Depths past the end of true_sequence are pure noise.
     """
 
     def __init__(self, true_sequence: np.ndarray, vocab_size: int, accuracy: float, seed: int) -> None:
-        self.vocab_size = _check_vocab(vocab_size)
+        self.vocab_size = check_int(vocab_size, "vocab_size", minimum=1)
         true_sequence = np.asarray(true_sequence)
         if true_sequence.ndim != 1 or not np.issubdtype(true_sequence.dtype, np.integer):
             raise ValueError(f"true_sequence: expected a 1-D integer array, "
@@ -94,7 +89,7 @@ class OracleDrafter:
             raise ValueError(f"accuracy: expected a number in [0, 1], got {accuracy!r}")
         self.true_sequence = true_sequence.astype(np.int64)
         self.accuracy = float(accuracy)
-        self.seed = int(seed)
+        self.seed = check_int(seed, "seed")
 
     def __call__(self, context: np.ndarray, depth: int) -> np.ndarray:
         """context int64 [c] -> float32 [depth, V]."""

@@ -38,7 +38,7 @@ grep -A2 -E "topk_logprobs|build_trees|compile_trees|accept_greedy|compact_kv" "
 
 if [[ "$stage" == all || "$stage" == tests ]]; then
     echo "== tests"
-    timeout 200 python3 -m pytest tests/kernels/test_tree_kernels.py tests/kernels/test_build.py -q -rfs \
+    timeout 150 python3 -m pytest tests/kernels/test_tree_kernels.py tests/kernels/test_build.py -q -rfs \
         --durations=5 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -30
 fi
 
@@ -66,7 +66,7 @@ print("small cases ran")
 PY
     for tool in memcheck racecheck; do
         echo "-- $tool" | tee -a "$OUT/sanitizer.log"
-        timeout 150 compute-sanitizer --tool "$tool" python3 /tmp/tree_small.py >>"$OUT/sanitizer.log" 2>&1
+        timeout 100 compute-sanitizer --tool "$tool" python3 /tmp/tree_small.py >>"$OUT/sanitizer.log" 2>&1
         echo "exit $?" | tee -a "$OUT/sanitizer.log"
     done
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|small cases|exit|rror" "$OUT/sanitizer.log" | head -20
@@ -74,7 +74,7 @@ fi
 
 if [[ "$stage" == all || "$stage" == bench ]]; then
     echo "== benchmarks"
-    KDTREE_BENCH="${KDTREE_BENCH:-1}" KDTREE_BENCH_OUT="$OUT/tree_bench.json" timeout 280 \
+    KDTREE_BENCH="${KDTREE_BENCH:-1}" KDTREE_BENCH_OUT="$OUT/tree_bench.json" timeout "${BENCH_TIMEOUT:-280}" \
         python3 -m pytest tests/kernels/test_bench_tree.py -q -rs -p no:cacheprovider >"$OUT/bench.log" 2>&1
     tail -3 "$OUT/bench.log"
     python3 - "$OUT/tree_bench.json" "$OUT/tree-kernels-h200.md" <<'PY'

@@ -45,15 +45,19 @@ __device__ int rank_path(uint32_t p, const uint32_t* node, int* ranks) {
     return d;
 }
 
-// Contract order: the higher score first; on equal scores the lexicographically smaller rank path.
-__device__ bool better(double sa, uint32_t pa, double sb, uint32_t pb, const uint32_t* node) {
-    if (sa != sb) return sa > sb;
+// Rank path of candidate pa < that of pb (lexicographic; out of line: only exact score ties get here).
+__device__ __noinline__ bool path_less(uint32_t pa, uint32_t pb, const uint32_t* node) {
     if (parent_of(pa) == parent_of(pb)) return rank_of(pa) < rank_of(pb);
     int ra[kMaxDepth], rb[kMaxDepth];
     int la = rank_path(pa, node, ra), lb = rank_path(pb, node, rb);
     for (int i = 0; i < min(la, lb); ++i)
         if (ra[i] != rb[i]) return ra[i] < rb[i];
     return la < lb;
+}
+
+// Contract order: the higher score first; on equal scores the lexicographically smaller rank path.
+__device__ __forceinline__ bool better(double sa, uint32_t pa, double sb, uint32_t pb, const uint32_t* node) {
+    return sa != sb ? sa > sb : path_less(pa, pb, node);
 }
 
 __device__ void sift_down(BuildSmem& s, int size, double sc, uint32_t key) {

@@ -9,19 +9,20 @@
 // Per row (NOTES-tree.md has the reasoning and the measurements):
 //   prefilter a lower bound of the K-th largest x from the row's first `chunk` elements
 //             (their own K-th largest, to 24 bits): two histogram passes over the chunk;
-//   pass A    the one full read: the online (max, sum) for lse; elements at or above the
-//             bound go to a 4096-bin histogram of the top 12 key bits and to the candidates;
+//   pass A    the one full read: per-thread (reference max, float64 sum) for lse; elements at
+//             or above the bound are appended to the shared-memory candidates;
 //   sort      a bitonic sort of the candidates keyed (lp desc, id asc); the first K are the
 //             answer unless an element below the bound ties the K-th lp.
-// General path (candidates overflow, or that tie): the histogram gives the bin holding the
-// K-th largest x; the threshold is that bin's lowest x, lowered to the smallest x whose lp
-// equals that x's lp (two different logits can round to one lp, and the smaller id then
-// goes first); a second read gathers every element at or above it. If those do not fit,
-// the histogram is refined on the next 12, then 8 bits (one more read each); if they still
-// do not fit (massive exact ties), the elements above the K-th lp are gathered and the tied
-// ones taken in id order by a block-wide scan.
+// General path (candidates overflow, or that tie): a histogram pass finds the 12-bit bin
+// holding the K-th largest x; the threshold is that bin's lowest x, lowered to the smallest
+// x whose lp equals that x's lp (two different logits can round to one lp, and the smaller
+// id then goes first); another read gathers every element at or above it. If those do not
+// fit, the histogram is refined on the next 12, then 8 bits (one more read each); if they
+// still do not fit (massive exact ties), the elements above the K-th lp are gathered and the
+// tied ones taken in id order by a block-wide scan.
 #include "common.cuh"
 
+#include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
@@ -35,6 +36,7 @@ constexpr int kCap = 8192;                  // candidates held in shared memory
 constexpr int kUnroll = 4;                  // 16-byte loads in flight per thread
 constexpr uint32_t kMinKey = 0x007FFFFFu;   // order_key(-inf)
 constexpr uint32_t kMaxKey = 0xFF800000u;   // order_key(+inf)
+constexpr float kRescale = 16.0f;           // pass A's reference max may lag the max by this
 
 __device__ __forceinline__ uint32_t order_key(float x) {
     uint32_t u = __float_as_uint(x);
@@ -228,21 +230,26 @@ __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
         __syncthreads();
     }
 
-    // Pass A, the one full read: online max / float64 sum for lse; every element at or above
-    // floor_key goes to the top-12-bit histogram and, while they fit, to the candidates.
+    // Pass A, the one full read: per-thread (reference m, float64 sum of e^(x - m)) for lse, m
+    // raised only when x exceeds it by more than kRescale (terms stay below e^kRescale, and
+    // warps rarely diverge into the float64 rescale); every element at or above floor_key is
+    // appended to the candidates while they fit (one shared atomic per warp).
+    const float floor_value = key_value(floor_key);
     float m = -INFINITY;
     double sum = 0.0;
     for_each<T, kVector, false>(row, V, [&](float x, int id) {
-        if (x > m) {
+        if (x > m + kRescale) {
             sum = (m == -INFINITY) ? 0.0 : sum * exp(static_cast<double>(m) - static_cast<double>(x));
             m = x;
         }
         sum += exp_diff(x, m);
-        const uint32_t k = order_key(x);
-        if (k >= floor_key) {
-            atomicAdd(&sh.hist[k >> 20], 1u);
-            const int slot = atomicAdd(&s.count, 1);
-            if (slot < kCap) sh.cand[slot] = (static_cast<uint64_t>(k) << 32) | static_cast<uint32_t>(id);
+        if (x >= floor_value) {
+            namespace cg = cooperative_groups;
+            const cg::coalesced_group group = cg::coalesced_threads();
+            int base = 0;
+            if (group.thread_rank() == 0) base = atomicAdd(&s.count, static_cast<int>(group.size()));
+            const int slot = group.shfl(base, 0) + static_cast<int>(group.thread_rank());
+            if (slot < kCap) sh.cand[slot] = (static_cast<uint64_t>(order_key(x)) << 32) | static_cast<uint32_t>(id);
         }
     });
     float block_max = BlockReduceF(tmp.reduce_f).Reduce(m, MaxOp());
@@ -254,7 +261,8 @@ __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
     __syncthreads();
     const double lse = s.lse;
 
-    // Fast path: every element >= floor_key was kept. The answer is among them unless an element
+    // Fast path: every element >= floor_key was kept (x >= floor_value: -0.0 passes with +0.0,
+    // an extra candidate that the sort orders correctly). The answer is among them unless an element
     // below floor_key ties the K-th log-prob (then the general path below decides).
     bool sorted = false;
     if (s.count <= kCap) {
@@ -271,25 +279,24 @@ __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
     }
 
     if (!sorted) {
-        // General path. Radix levels: 12 bits (the pass-A histogram of keys >= floor_key, exact
-        // above the boundary since the K-th largest is >= floor_key), then 12 and 8 bits.
+        // General path. Radix levels over the keys >= floor_key (the K-th largest is among them):
+        // 12, 12, then 8 bits, one read each.
         constexpr int kShift[3] = {20, 8, 0};
         constexpr int kBits[3] = {12, 12, 8};
         uint32_t prefix = 0;
         bool gathered = false;
         for (int level = 0; level < 3 && !gathered; ++level) {
-            if (level > 0) {
-                const int shift_prev = kShift[level - 1];
-                __syncthreads();                                  // every thread has read hist[s.bin]
-                for (int b = threadIdx.x; b < (1 << kBits[level]); b += kThreads) sh.hist[b] = 0;
-                __syncthreads();
-                const uint32_t mask = (1u << kBits[level]) - 1;
-                for_each<T, kVector, true>(row, V, [&](float x, int) {
-                    uint32_t k = order_key(x);
-                    if ((k >> shift_prev) == prefix) atomicAdd(&sh.hist[(k >> kShift[level]) & mask], 1u);
-                });
-                __syncthreads();
-            }
+            const int shift_prev = level > 0 ? kShift[level - 1] : 32;
+            __syncthreads();                                      // every thread has read hist[s.bin]
+            for (int b = threadIdx.x; b < (1 << kBits[level]); b += kThreads) sh.hist[b] = 0;
+            __syncthreads();
+            const uint32_t mask = (1u << kBits[level]) - 1;
+            for_each<T, kVector, true>(row, V, [&](float x, int) {
+                const uint32_t k = order_key(x);
+                if (k >= floor_key && (level == 0 || (k >> shift_prev) == prefix))
+                    atomicAdd(&sh.hist[(k >> kShift[level]) & mask], 1u);
+            });
+            __syncthreads();
             select_bin(sh.hist, 1 << kBits[level], K - s.above, &s, tmp.scan);
             prefix = (prefix << kBits[level]) | static_cast<uint32_t>(s.bin);
             const uint32_t lo_key = prefix << kShift[level];

@@ -15,13 +15,6 @@
 
 from __future__ import annotations
 
-import os
-
-# One BLAS thread for numpy (refgen): tiny float64 matrices run faster on one core, and a
-# spinning second thread costs 10x when other processes share the cores. Only takes effect
-# when numpy is not imported yet (a top-level tests/conftest.py is the better home for this).
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -53,7 +53,7 @@ def test_ddtree_greedy_equals_ar(model_zoo, data, lengths, budget, block_size, d
     assert result.metrics.target_forwards <= ar.metrics.target_forwards
 
 
-@pytest.mark.parametrize("preset", ["tiny2", "kimi-k2"])
+@pytest.mark.parametrize("preset", ["tiny2"])
 def test_invariant_other_presets(model_zoo, preset):
     case = model_zoo.get(preset)
     model = case.engine()
@@ -138,18 +138,22 @@ def test_oracle_at_full_accuracy_accepts_whole_chains(model_zoo):
     assert result.metrics.target_forwards == 5
 
 
-def test_layerskip_with_every_layer_is_the_target(model_zoo):
-    """All layers: the drafter's greedy chain is the target's, so every round accepts L + 1
-    (this holds only if its cache, positions and incremental prefill are right)."""
+def test_layerskip_with_every_layer_drafts_the_target_chain(model_zoo):
+    """All layers: the drafter's greedy chain is the target's own AR continuation, round
+    after round (this holds only if its cache reuse, positions and greedy steps are right)."""
     case = model_zoo.get("tiny")
     model = case.engine()
     prompts = [[7, 1, 7, 2, 9], [4, 4]]
-    ar = ar_decode(model, prompts, 17)
+    depth = 5
+    ar = ar_decode(model, prompts, 16).tokens
     drafter = LayerSkipDrafter(case.cfg, case.weights, case.cfg.num_hidden_layers)
-    result = ddtree_decode(model, drafter, prompts, DDTreeConfig(block_size=5, budget=4), 17)
-    assert result.tokens == ar.tokens
-    assert all(r.acceptance_lengths == [5, 5, 5, 5] for r in result.requests), \
-        [r.acceptance_lengths for r in result.requests]
+    for committed in (1, 4, 5, 9):          # growing contexts: the drafter reuses its cache
+        contexts = [torch.tensor(p + t[:committed - 1]) for p, t in zip(prompts, ar)]
+        roots = torch.tensor([t[committed - 1] for t in ar])
+        logits = drafter.draft(contexts, roots, depth)
+        assert logits.shape == (2, depth, case.cfg.vocab_size)
+        for b in range(2):
+            assert logits[b].argmax(-1).tolist() == ar[b][committed:committed + depth], (committed, b)
 
 
 def test_stop_tokens_truncate_both_loops(model_zoo):

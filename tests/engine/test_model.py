@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from engine.attention import torch_attention
-from kdtr_format import PRESETS
 from engine.cache import KVCache
-from engine.model import Transformer, rope_inv_freq, rope_mscale, route, softmax_scale
+from engine.model import Transformer, apply_rope, rope_cos_sin, rope_inv_freq, route, softmax_scale
 from engine.stages import TorchStages
 from engine.weights import load_fixture_weights
+from kdtr_format import PRESETS
 from refgen import ddtree
 from refgen import model as ref
 
@@ -192,8 +192,10 @@ def test_rope_and_scale_match_reference(model_zoo, model_name):
     np.testing.assert_allclose(rope_inv_freq(cfg).numpy(), ref.rope_inv_freq(cfg), rtol=1e-15, atol=0)
     assert softmax_scale(cfg) == pytest.approx(ref.softmax_scale(cfg), rel=1e-15)
     positions = np.array([0, 1, 37, 511])
-    cos, _ = ref.rope_cos_sin(cfg, positions)
-    assert rope_mscale(cfg) == pytest.approx(cos[0, 0], rel=1e-15)
+    x = np.random.default_rng(9).normal(size=(len(positions), cfg.qk_rope_head_dim))
+    cos, sin = rope_cos_sin(cfg, torch.tensor(positions), rope_inv_freq(cfg))
+    rotated = apply_rope(torch.tensor(x, dtype=torch.float32), cos, sin, cfg.rope_style)
+    np.testing.assert_allclose(rotated.numpy(), ref.apply_rope(x, positions, cfg), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny2"])
@@ -232,6 +234,29 @@ def test_torch_attention_matches_reference(device):
                                              visibility, scale)
         np.testing.assert_allclose(o_lat[b, :n], expected, rtol=1e-4, atol=1e-5)
         assert (o_lat[b, n:] == 0).all()
+
+
+def test_attention_backend_is_the_seam(model_zoo):
+    """A backend passed to the Transformer gets every layer's attention call, with the cache
+    already holding the new tokens, and its output is what the model uses."""
+    case = model_zoo.get("tiny")
+    calls = []
+
+    def recording(q_lat, q_pe, c_kv, k_pe, starts, n_new, new_visibility, scale):
+        calls.append((tuple(q_lat.shape), tuple(c_kv.shape), scale))
+        return torch_attention(q_lat, q_pe, c_kv, k_pe, starts, n_new, new_visibility, scale)
+
+    tokens = np.arange(6)
+    expected = engine_forward(case.engine(), case.engine().new_cache(1, 8), [causal_request(tokens, 0)])
+    engine = Transformer(case.cfg, case.weights, attention=recording)
+    actual = engine_forward(engine, engine.new_cache(1, 8), [causal_request(tokens, 0)])
+    np.testing.assert_array_equal(actual[0], expected[0])
+    heads, rank = case.cfg.num_attention_heads, case.cfg.kv_lora_rank
+    assert calls == [((1, 6, heads, rank), (1, 8, rank), softmax_scale(case.cfg))] * case.cfg.num_hidden_layers
+
+    zeros = Transformer(case.cfg, case.weights, attention=lambda q_lat, *rest: torch.zeros_like(q_lat))
+    changed = engine_forward(zeros, zeros.new_cache(1, 8), [causal_request(tokens, 0)])
+    assert not np.allclose(changed[0], expected[0])
 
 
 def unpack_bits(bits: np.ndarray) -> np.ndarray:
@@ -422,3 +447,6 @@ def test_constructor_rejects_bad_weights_and_dtype(model_zoo):
         Transformer(case.cfg, {**case.weights, "layers.9.attn.wo": np.ones(1, np.float32)})
     with pytest.raises(ValueError, match="dtype must be one of"):
         Transformer(case.cfg, case.weights, dtype=torch.float64)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            Transformer(case.cfg, case.weights, device="cuda")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.cache import KVCache
 from engine.stages import TorchStages, TreeBatch
@@ -112,6 +114,37 @@ def test_build_breaks_exact_ties_like_reference(depth, k, device):
         np.testing.assert_array_equal(unpadded(trees.parents, b, size), tree.parents)
         np.testing.assert_array_equal(unpadded(trees.tokens, b, size), tree.tokens)
         np.testing.assert_array_equal(unpadded(trees.scores, b, size), tree.scores)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 4), depth=st.integers(0, 5), vocab=st.integers(1, 30),
+       k=st.integers(1, 8), quantized=st.booleans())
+def test_build_compile_accept_match_reference_on_random_batches(data, batch, depth, vocab, k, quantized):
+    """Random shapes and budgets; quantized draft logits make many exact log-prob ties."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    logits = rng.normal(size=(batch, max(depth, 1), vocab)) * 2
+    if quantized:
+        logits = np.round(logits)
+    pairs = [ddtree.topk_logprobs(logits[b], k) for b in range(batch)]
+    topk_lp = np.stack([p[0][:depth] for p in pairs])
+    topk_id = np.stack([p[1][:depth] for p in pairs])
+    budgets = data.draw(st.lists(st.integers(0, 60), min_size=batch, max_size=batch))
+    roots = rng.integers(0, vocab, batch).tolist()
+    trees = build_batch(topk_lp, topk_id, budgets, roots, "cpu")
+    compiled = STAGES.compile_trees(trees, torch.zeros(batch, dtype=torch.int64))
+    choices = choices_along_paths(rng, trees, vocab)
+    accepted, accept_len, next_root = STAGES.accept(trees, choices)
+    for b, tree in enumerate(reference_trees(topk_lp, topk_id, budgets, roots)):
+        size = tree.n + 1
+        assert int(trees.n[b]) == tree.n
+        for name in ("parents", "tokens", "depths", "scores"):
+            np.testing.assert_array_equal(unpadded(getattr(trees, name), b, size), getattr(tree, name), err_msg=name)
+        ref = ddtree.compile_tree(tree, 0)
+        np.testing.assert_array_equal(compiled.visibility[b, :size, :size].numpy(), ref.visibility)
+        np.testing.assert_array_equal(unpadded(compiled.next_sibling, b, size), ref.next_sibling)
+        ref_accepted, ref_next = ddtree.accept(tree, choices[b, :size].numpy())
+        np.testing.assert_array_equal(accepted[b, :int(accept_len[b])].numpy(), ref_accepted)
+        assert int(next_root[b]) == ref_next
 
 
 def test_empty_batch():

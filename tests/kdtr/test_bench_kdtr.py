@@ -2,7 +2,8 @@
 
 Default: a small file (cheap; under --benchmark-disable each runs once).
 KDTREE_BENCH=1: about 1 GiB in 2048 float32 tensors, as PERFORMANCE.md asks.
-Compare within a group: open, random, read (with every checksum for KDTR), write.
+Compare within a group: open, random, read (with every checksum for KDTR), write
+(KDTR fsyncs by default: compare kdtr with npz_fsync, kdtr_not_durable with npz).
 
     KDTREE_BENCH=1 PYTHONPATH=. python3 -m pytest tests/kdtr/test_bench_kdtr.py \\
         --benchmark-enable --benchmark-columns=min,median,max,rounds --benchmark-json=/tmp/kdtr-bench.json
@@ -88,10 +89,24 @@ def test_full_read(benchmark, files, reader):
     assert benchmark(READERS[reader], files[kind]) == COUNT * ELEMENTS * 4
 
 
+def _fsynced(write):
+    """The same write, then fsync of the file: the durability a KDTR commit has by default."""
+    def durable(path: Path, tensors: dict[str, np.ndarray]) -> None:
+        write(path, tensors)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return durable
+
+
 WRITERS = {
     "kdtr": kdtr_format.write,
-    "safetensors": lambda path, tensors: safetensors_numpy.save_file(tensors, path),
+    "kdtr_not_durable": lambda path, tensors: kdtr_format.write(path, tensors, durable=False),
     "npz": lambda path, tensors: np.savez(path, **tensors),
+    "npz_fsync": _fsynced(lambda path, tensors: np.savez(path, **tensors)),
+    "safetensors": lambda path, tensors: safetensors_numpy.save_file(tensors, path),
     "h5py": _write_h5,
 }
 
@@ -99,7 +114,7 @@ WRITERS = {
 @pytest.mark.benchmark(group="write")
 @pytest.mark.parametrize("writer", list(WRITERS))
 def test_write(benchmark, tmp_path, tensors, writer):
-    path = tmp_path / f"out.{'npz' if writer == 'npz' else writer}"
+    path = tmp_path / f"out.{'npz' if writer.startswith('npz') else writer}"
     benchmark.pedantic(WRITERS[writer], args=(path, tensors), rounds=3 if BIG else 5, iterations=1)
     assert path.stat().st_size >= COUNT * ELEMENTS * 4
     path.unlink()

@@ -187,3 +187,23 @@ def test_entry_point_module_runs_as_a_process(sample):
     assert ok.returncode == 0 and ok.stdout.startswith("ok: ")
     bad = subprocess.run([sys.executable, "-m", "kdtr_format", "cat", str(sample), "zzz"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def _nextafter_steps(a, b) -> int:
+    """Reference ulp distance: walk from a to b one representable value at a time."""
+    steps, x = 0, a
+    while x != b:
+        x = np.nextafter(x, b)
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("a_steps, b_steps", [(-2, 1), (0, 5), (-7, -3), (3, -4)])
+def test_ulp_distance_matches_stepping_across_zero(dtype, a_steps, b_steps):
+    from kdtr_format.compare import compare_arrays
+
+    tiny = np.finfo(dtype).smallest_subnormal
+    a, b = np.array([a_steps * tiny], dtype), np.array([b_steps * tiny], dtype)
+    result = compare_arrays(a, b)
+    assert result.max_ulp == _nextafter_steps(a[0], b[0]) == abs(a_steps - b_steps)

@@ -313,3 +313,31 @@ def test_spec_worked_example_is_what_the_writer_writes(tmp_path):
     kdtr_format.write(path, {"w": np.array([1.0, -2.0], np.float32), "q": np.array([1, -2, 7], ml_dtypes.int4)},
                       metadata={"k": 1})
     assert dump == path.read_bytes()
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_durable_option_fsyncs_or_not(tmp_path, monkeypatch, durable):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    kdtr_format.write(tmp_path / "d.kdtr", {"a": np.zeros(3)}, durable=durable)
+    assert bool(synced) == durable
+    assert kdtr_format.open(tmp_path / "d.kdtr")["a"].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["ctypes_libcrc32c", "google_crc32c_copies"])
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 4097, (8 << 20) + 3])
+def test_crc32c_paths_agree_with_google_crc32c(monkeypatch, fast, nbytes):
+    import google_crc32c
+
+    from kdtr_format import _crc32c
+
+    if not fast:
+        monkeypatch.setattr(_crc32c, "_extend", None)
+    elif _crc32c._extend is None:
+        pytest.skip("google-crc32c's C library was not found; only the copying path exists here")
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    assert _crc32c.crc32c(data) == google_crc32c.value(data.tobytes())
+    assert _crc32c.crc32c(b"123456789") == 0xE3069283
+    half = nbytes // 2
+    assert _crc32c.crc32c(data[half:], _crc32c.crc32c(data[:half])) == google_crc32c.value(data.tobytes())

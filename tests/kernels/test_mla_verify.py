@@ -158,6 +158,16 @@ def test_plan_splits_covers_every_key(batch, max_tree, heads, max_kv, fast):
     assert (plan.num_splits - 1) * plan.split_keys < max_kv <= plan.num_splits * plan.split_keys
 
 
+def test_adapter_views_a_strided_cache_without_copying():
+    from engine.cuda_attention import _key_rows
+
+    cache = torch.randn(2, 3, 10, 4)[1, :, :7]             # one layer of a stacked cache, 7 of 10 slots
+    rows, stride = _key_rows(cache)
+    assert stride == 10 and rows.data_ptr() == cache.data_ptr() and rows.is_contiguous()
+    for b in range(3):
+        assert torch.equal(rows[b * stride:b * stride + 7], cache[b])
+
+
 def _bad_inputs():
     """(label, mutate(args) -> None, message fragment)."""
     def set_(key, value):

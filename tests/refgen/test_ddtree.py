@@ -35,7 +35,8 @@ def reference_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
             np.array(ids, dtype=np.int64).reshape(len(logits), K))
 
 
-@pytest.mark.parametrize("L,V,k", [(1, 1, 1), (3, 7, 4), (5, 50, 50), (2, 9, 20), (4, 300, 16), (0, 5, 3), (3, 6, 0)])
+@pytest.mark.parametrize("L,V,k", [(1, 1, 1), (3, 7, 4), (5, 50, 50), (2, 9, 20), (4, 300, 16),
+                                   (0, 5, 3), (3, 6, 0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_topk_matches_reference(L: int, V: int, k: int, dtype: type) -> None:
     logits = (np.random.default_rng(L * 100 + V).standard_normal((L, V)) * 3).astype(dtype)
@@ -202,8 +203,12 @@ def test_build_tree_bad_input(topk_lp: np.ndarray, topk_id: np.ndarray, budget: 
 def test_tree_rejects_malformed_parents() -> None:
     with pytest.raises(ValueError, match="before it"):
         Tree.from_parents([-1, 0, 3, 1], [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="before it"):
+        Tree.from_parents([-1, 0, 9], [0, 1, 2])
     with pytest.raises(ValueError, match="root"):
         Tree.from_parents([0, 0], [0, 1])
+    with pytest.raises(ValueError, match="must be 1-D of one length"):
+        Tree.from_parents([-1, 0], [0, 1, 2])
     with pytest.raises(ValueError, match="depths"):
         Tree([-1, 0], [5, 6], [0, 2], [-1, 0], [0.0, -1.0])
 

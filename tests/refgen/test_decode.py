@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,7 +52,8 @@ class HashTarget:
         logits = np.empty((n, self.cfg.vocab_size))
         for i in range(n):
             keys = np.flatnonzero(visibility[i])
-            seen = np.concatenate([c[keys, :2] for c in cache.c_kv] + [k[keys, :1] for k in cache.k_pe], axis=1)
+            seen = np.concatenate([c[keys, :2] for c in cache.c_kv] + [k[keys, :1] for k in cache.k_pe],
+                                  axis=1)                                   # [keys, 3 * layers]
             digest = hashlib.blake2b(seen.tobytes() + np.int64(positions[i]).tobytes(), digest_size=8,
                                      key=np.int64(self.seed).tobytes())
             logits[i] = np.random.default_rng(int.from_bytes(digest.digest(), "little")).standard_normal(
@@ -101,7 +105,8 @@ def check_result_bookkeeping(result: DDTreeResult, prompt: np.ndarray, cfg: DDTr
 # ------------------------------------------------------------------ the invariant
 
 budgets = st.one_of(st.sampled_from([0, 1]), st.integers(2, 6), st.integers(24, 64))
-small_budgets = st.one_of(st.sampled_from([0, 1]), st.integers(2, 6), st.integers(12, 20))  # real model: CPU time
+# The real model's verify forward costs CPU time per tree token: smaller "large" budgets.
+small_budgets = st.one_of(st.sampled_from([0, 1]), st.integers(2, 6), st.integers(12, 20))
 block_sizes = st.sampled_from([1, 2, 4, 8, 16])
 drafter_kinds = st.tuples(st.sampled_from(["oracle", "random"]), st.sampled_from([0.0, 0.5, 0.9, 1.0]),
                           st.integers(0, 2**16))
@@ -195,7 +200,8 @@ def test_ar_prefill_logits_and_margins() -> None:
     prompt = np.array([5, 1, 4])
     ar = ar_greedy(target, prompt, 4)
     cache = KVCache.new(target.cfg, 3)
-    np.testing.assert_array_equal(ar.prefill_logits, target.forward(prompt, np.arange(3), causal_visibility(3, 0), cache, 0))
+    expected = target.forward(prompt, np.arange(3), causal_visibility(3, 0), cache, 0)
+    np.testing.assert_array_equal(ar.prefill_logits, expected)
     sorted_last = np.sort(ar.prefill_logits[-1])
     assert ar.tokens[0] == np.argmax(ar.prefill_logits[-1])
     assert ar.margins[0] == sorted_last[-1] - sorted_last[-2]
@@ -375,7 +381,17 @@ def test_oracle_past_the_sequence_is_noise() -> None:
     (lambda: OracleDrafter(np.array([1, 2]), 10, 1.5, 0), "accuracy"),
     (lambda: RandomDrafter(10, 0)(np.array([], dtype=np.int64), 2), "context"),
     (lambda: RandomDrafter(10, 0)(np.array([1]), -1), "depth"),
+    (lambda: RandomDrafter(10, -3), "seed"),
+    (lambda: OracleDrafter(np.array([1]), 10, 0.5, 1.5), "seed"),
 ])
 def test_drafter_bad_input(build, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_refgen_stages_import_neither_torch_nor_engine() -> None:
+    code = ("import sys, refgen.ddtree, refgen.drafters, refgen.decode; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"
