@@ -133,8 +133,8 @@ def cuda_backends() -> tuple[Stages | None, AttentionBackend | None, dict[str, s
     except Exception as exc:    # a missing build, nvcc or module is reported, not fatal
         notes["stages"] = f"torch (CUDA stages unavailable: {type(exc).__name__}: {exc})"
     try:
-        from . import cuda_attention
-        attention, notes["attention"] = cuda_attention.make_backend(), "cuda"
+        from .cuda_attention import CudaAttention
+        attention, notes["attention"] = CudaAttention(), "cuda"
     except Exception as exc:
         notes["attention"] = f"torch (CUDA attention unavailable: {type(exc).__name__}: {exc})"
     return stages, attention, notes

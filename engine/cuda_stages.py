@@ -51,9 +51,11 @@ class CudaStages:
         if topk_lp.dim() != 3:
             raise ValueError(f"topk_lp: expected [B, L, K], got shape {list(topk_lp.shape)}")
         batch, depth, k = topk_lp.shape
-        if isinstance(budgets, torch.Tensor) and budgets.numel() > 0 and bool((budgets < 0).any()):
+        if not isinstance(budgets, torch.Tensor):
+            raise ValueError(f"budgets: expected a torch.Tensor, got {type(budgets).__name__}")
+        smallest, largest = torch.stack(torch.aminmax(budgets)).tolist() if budgets.numel() > 0 else (0, 0)
+        if smallest < 0:
             raise ValueError(f"budgets: must be >= 0, got {budgets.tolist()}")
-        largest = int(budgets.max()) if isinstance(budgets, torch.Tensor) and budgets.numel() > 0 else 0
         width = 1 + _possible_nodes(depth, k, largest)
         n, parents, tokens, depths, scores = tree_ops.build_trees(topk_lp, topk_id, budgets, roots, width)
         used = 1 + (int(n.max()) if batch > 0 else 0)
@@ -63,8 +65,7 @@ class CudaStages:
 
     def compile_trees(self, trees: TreeBatch, starts: torch.Tensor) -> CompiledBatch:
         """TreeBatch, starts int64 [B] -> CompiledBatch (the dense visibility unpacked from the bits)."""
-        positions, bits, first_child, next_sibling = tree_ops.compile_trees(trees.parents, trees.depths, trees.n,
-                                                                           starts)
+        positions, bits, first_child, next_sibling = tree_ops.compile_trees(trees.parents, trees.depths, trees.n, starts)
         return CompiledBatch(positions=positions, visibility=unpack_visibility(bits, trees.width),
                              visibility_bits=bits, first_child=first_child, next_sibling=next_sibling)
 

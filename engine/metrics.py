@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-# The DDTree round, in order; AR decoding uses prefill and verify only.
+# The DDTree round, in order; AR decoding uses prefill, verify (its one-token forwards) and accept.
 STAGES = ("prefill", "draft", "build", "compile", "verify", "accept", "compact")
 
 

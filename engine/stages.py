@@ -197,7 +197,6 @@ class TorchStages:
         _check_batch_vector(starts, "starts", batch, device)
         _check(not bool((starts < 0).any()), f"starts: must be >= 0, got {starts.tolist()}")
         real = trees.real()
-        column = torch.arange(width, device=device)
         positions = torch.where(real, starts[:, None] + trees.depths, -1)
 
         visibility = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)
@@ -216,16 +215,19 @@ class TorchStages:
         packed = (padded.view(batch, width, words, 32) * weights).sum(-1)     # [B, Nmax, W] in [0, 2^32)
         visibility_bits = (packed - ((packed >> 31) << 32)).to(torch.int32)   # same bits, signed
 
+        # Children grouped by parent, in increasing index within a group (stable sort);
+        # non-children sort last under the sentinel parent `width`.
         is_child = (trees.parents >= 0) & real
-        first_child = torch.full((batch, width), width, dtype=torch.int64, device=device)
-        first_child.scatter_reduce_(1, trees.parents.clamp(min=0),
-                                    torch.where(is_child, column, width).expand(batch, width), "amin")
-        first_child = torch.where(first_child == width, -1, first_child)
-
         sorted_parent, order = torch.sort(torch.where(is_child, trees.parents, width), dim=1, stable=True)
         same = (sorted_parent[:, 1:] == sorted_parent[:, :-1]) & (sorted_parent[:, :-1] < width)
         next_sibling = torch.full((batch, width), -1, dtype=torch.int64, device=device)
         next_sibling.scatter_(1, order[:, :-1], torch.where(same, order[:, 1:], -1))
+        group_head = torch.ones_like(is_child)
+        group_head[:, 1:] = ~same
+        group_head &= sorted_parent < width
+        first_child = torch.full((batch, width + 1), -1, dtype=torch.int64, device=device)
+        first_child.scatter_(1, torch.where(group_head, sorted_parent, width), order)
+        first_child = first_child[:, :width]
         return CompiledBatch(positions=positions, visibility=visibility, visibility_bits=visibility_bits,
                              first_child=first_child, next_sibling=next_sibling)
 

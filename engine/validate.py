@@ -17,8 +17,9 @@ Sections of the report, each a list of `Check` rows:
 3. Kernel cases (`kernels/*.kdtr`): tree build bit-exact from the given top-k,
    accept and compaction exact, verify attention within tolerance.
 4. The invariant (the built-in engine only): DDTree greedy == AR greedy for
-   every model fixture's weights and prompts, with the oracle, random and
-   layerskip drafters.
+   every preset, with the oracle, random and layerskip drafters: on each model
+   fixture's weights and prompts, and on seeded random weights and prompts for
+   a preset without a fixture.
 
 A missing adapter method turns its checks into "skipped (not implemented by
 adapter)". The report fails when any check is FAIL.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
+import torch
 
 import kdtr_format
 from kdtr_format import PRESETS, DDTreeConfig, KdtrError, ModelConfig
@@ -45,6 +48,7 @@ from kdtr_format import PRESETS, DDTreeConfig, KdtrError, ModelConfig
 from .adapter import TorchAdapter, capabilities
 from .decode import ar_decode, ddtree_decode
 from .drafters import LayerSkipDrafter, OracleDrafter, RandomDrafter, ReplayDrafter
+from .weights import weight_shapes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = REPO_ROOT / "tests" / "golden"
@@ -54,6 +58,7 @@ DEFAULT_ATTENTION_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 # The invariant's DDTree setting and drafters (small: it runs on every fixture's weights).
 INVARIANT_DDTREE = DDTreeConfig(block_size=5, budget=12)
 INVARIANT_TOKENS = 16
+MARGIN_REL = 1e-3              # near-tie threshold relative to the logits' spread, as refgen's fixtures
 
 
 class ValidateError(Exception):
@@ -161,7 +166,7 @@ def compare_close(section: str, name: str, actual: Any, expected: Any, rtol: flo
         return Check(section, name, Status.FAIL, detail=f"non-finite values in the output{at}")
     error = np.abs(actual - expected)
     tolerance = np.broadcast_to(atol + rtol * np.abs(expected), error.shape)
-    worst = int(np.argmax(error / tolerance))
+    worst = int(np.argmax(error / np.maximum(tolerance, np.finfo(np.float64).tiny)))
     err, tol = float(error.reshape(-1)[worst]), float(tolerance.reshape(-1)[worst])
     if err > tol:
         index = list(map(int, np.unravel_index(worst, expected.shape)))
@@ -229,12 +234,18 @@ def find_fixtures(fixtures: str | os.PathLike | None, generate: bool = True) -> 
         return cache
     if not generate:
         raise ValidateError(f"no fixtures in {GOLDEN_DIR} or {cache}")
-    cache.mkdir(parents=True, exist_ok=True)
-    run = subprocess.run([sys.executable, "-m", "refgen", "generate", "--all", "--out", str(cache)],
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".fixtures.", dir=cache.parent))   # all or nothing
+    staging.chmod(0o755)
+    run = subprocess.run([sys.executable, "-m", "refgen", "generate", "--all", "--out", str(staging)],
                          cwd=REPO_ROOT, capture_output=True, text=True)
-    if run.returncode != 0 or not _kdtr_files(cache):
+    if run.returncode != 0 or not _kdtr_files(staging):
+        shutil.rmtree(staging, ignore_errors=True)
         last = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
         raise ValidateError(f"no fixtures found and `refgen generate` failed: {last[0]}")
+    if cache.exists():
+        cache.rmdir()
+    os.replace(staging, cache)
     return cache
 
 
@@ -297,6 +308,10 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
             raise
         except Exception as exc:        # an adapter that crashes fails this fixture, not the run
             report.checks.append(Check(path.name, "run", Status.FAIL, detail=f"{type(exc).__name__}: {exc}"))
+    if builtin:
+        for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
+            log(f"invariant on preset {preset} (no fixture: random weights)")
+            report.checks += preset_invariant_checks(adapter, preset)
     return report
 
 
@@ -322,7 +337,8 @@ def _model_fixture(adapter: Any, caps: set[str], reader, path: Path, builtin: bo
     checks += fixture.trace_checks(adapter, caps, section)
     if builtin:
         checks += fixture.engine_decode_checks(adapter, section)
-        checks += fixture.invariant_checks(adapter, section)
+        checks += invariant_checks(adapter, [fixture[f"prompts/{p['name']}/tokens"] for p in metadata["prompts"]],
+                                   threshold, section)
     return checks
 
 
@@ -493,30 +509,67 @@ class _Fixture:
                                           where))
         return rows
 
-    def invariant_checks(self, adapter: TorchAdapter, section: str) -> list[Check]:
-        """DDTree greedy == AR greedy on the fixture's weights and prompts, per drafter."""
-        model, stages, cfg = adapter.model, adapter.stages, self.cfg
-        prompts = [self[f"prompts/{p['name']}/tokens"] for p in self.reader.metadata["prompts"]]
-        ar = ar_decode(model, prompts, INVARIANT_TOKENS, stages=stages)
-        truth = [np.concatenate([p, r.tokens]) for p, r in zip(prompts, ar.requests)]
-        drafters = {
-            "oracle": OracleDrafter(truth, cfg.vocab_size, accuracy=0.7, seed=5, device=model.device),
-            "random": RandomDrafter(cfg.vocab_size, seed=6, device=model.device),
-            "layerskip": LayerSkipDrafter(cfg, adapter.weights, max(1, cfg.num_hidden_layers // 2),
-                                          device=model.device, dtype=model.dtype),
-        }
-        checks = []
-        for name, drafter in drafters.items():
-            result = ddtree_decode(model, drafter, prompts, INVARIANT_DDTREE, INVARIANT_TOKENS, stages=stages)
-            rows = [compare_tokens(section, name, got.tokens, want.tokens, want.margins, self.threshold,
-                                   f"prompt {i}") for i, (got, want) in enumerate(zip(result.requests,
-                                                                                       ar.requests))]
-            check = merge(section, f"invariant DDTree == AR ({name})", rows)
-            forwards = f"tau {result.metrics.mean_acceptance:.2f}, target forwards {result.metrics.target_forwards}" \
-                       f" vs AR {ar.metrics.target_forwards}"
-            check.detail = f"{check.detail}; {forwards}" if check.detail else forwards
-            checks.append(check)
-        return checks
+
+def invariant_checks(adapter: TorchAdapter, prompts: list[np.ndarray], threshold: float,
+                     section: str) -> list[Check]:
+    """DDTree greedy == AR greedy on the adapter's loaded weights and these prompts, per drafter.
+    A divergence is judged by AR's margin there against `threshold`."""
+    model, stages, cfg = adapter.model, adapter.stages, adapter.model.cfg
+    ar = ar_decode(model, prompts, INVARIANT_TOKENS, stages=stages)
+    truth = [np.concatenate([p, r.tokens]) for p, r in zip(prompts, ar.requests)]
+    drafters = {
+        "oracle": OracleDrafter(truth, cfg.vocab_size, accuracy=0.7, seed=5, device=model.device),
+        "random": RandomDrafter(cfg.vocab_size, seed=6, device=model.device),
+        "layerskip": LayerSkipDrafter(cfg, adapter.weights, max(1, cfg.num_hidden_layers // 2),
+                                      device=model.device, dtype=model.dtype),
+    }
+    checks = []
+    for name, drafter in drafters.items():
+        result = ddtree_decode(model, drafter, prompts, INVARIANT_DDTREE, INVARIANT_TOKENS, stages=stages)
+        rows = [compare_tokens(section, name, got.tokens, want.tokens, want.margins, threshold, f"prompt {i}")
+                for i, (got, want) in enumerate(zip(result.requests, ar.requests))]
+        check = merge(section, f"invariant DDTree == AR ({name})", rows)
+        forwards = (f"tau {result.metrics.mean_acceptance:.2f}, target forwards "
+                    f"{result.metrics.target_forwards} vs AR {ar.metrics.target_forwards}")
+        check.detail = f"{check.detail}; {forwards}" if check.detail else forwards
+        checks.append(check)
+    return checks
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Seeded random weights made with torch: linear maps scaled by 1/sqrt(fan-in), norm
+    weights 1, a small random routing bias (for presets without a fixture, and benchmarks)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name.endswith("e_score_correction_bias"):
+            value = torch.randn(shape, device=device, generator=generator) * 1e-2
+        elif len(shape) == 1:
+            value = torch.ones(shape, device=device)
+        else:
+            value = torch.randn(shape, device=device, generator=generator) * shape[-1] ** -0.5
+        weights[name] = value.to(dtype)
+    return weights
+
+
+def preset_invariant_checks(adapter: TorchAdapter, preset: str) -> list[Check]:
+    """The invariant for a preset without a model fixture: random weights and prompts;
+    near-tie threshold MARGIN_REL x the logits' standard deviation (as refgen's fixtures)."""
+    cfg = PRESETS[preset]
+    adapter.load_weights(cfg, random_weights(cfg, seed=0))
+    generator = np.random.default_rng(0)
+    prompts = [generator.integers(0, cfg.vocab_size, size=n) for n in (4, 9, 17)]
+    probe = adapter.model.forward(*_causal_batch(prompts[-1], adapter.model.device), adapter.model.new_cache(1, 17))
+    return invariant_checks(adapter, prompts, MARGIN_REL * float(probe.double().std()), f"{preset} (random weights)")
+
+
+def _causal_batch(prompt: np.ndarray, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One prompt as a causal prefill batch: tokens, positions, visibility, n_new, starts."""
+    m = len(prompt)
+    return (torch.tensor(prompt, device=device)[None], torch.arange(m, device=device)[None],
+            torch.ones(m, m, dtype=torch.bool, device=device).tril()[None], torch.tensor([m], device=device),
+            torch.zeros(1, dtype=torch.int64, device=device))
 
 
 # ---- kernel cases ----

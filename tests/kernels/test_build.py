@@ -44,7 +44,7 @@ def tiny_sources(tmp_path, monkeypatch):
     (csrc / "a.cu").write_text('extern "C" int kdtree_probe() { return 7; }\n')
     monkeypatch.setattr(kbuild, "CSRC", csrc)
     monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("KDTREE_CUDA_ARCHS", "sm_90a")
+    monkeypatch.setenv("KDTREE_CUDA_ARCHS", "compute_90")              # PTX only: no ptxas, quick
     return csrc
 
 
@@ -55,10 +55,14 @@ def test_cache_key_follows_sources_flags_and_picks_up_new_files(tiny_sources) ->
     mtime = path.stat().st_mtime_ns
     assert kbuild.build() == path and path.stat().st_mtime_ns == mtime     # no recompile
     assert kbuild.plan("sm_90a,compute_90").output != path                  # flags are in the key
-    (tiny_sources / "b.cu").write_text('extern "C" int kdtree_probe2() { return 8; }\n')
+    (tiny_sources / "a.cu").write_text('extern "C" int kdtree_probe() { return 9; }\n')
+    edited = kbuild.plan().output
+    assert edited != path                                                   # source bytes are in the key
     (tiny_sources / "c.cuh").write_text("#pragma once\n")
-    second = kbuild.build()
-    assert second != path and ctypes.CDLL(str(second)).kdtree_probe2() == 8  # every .cu, one library
+    assert kbuild.plan().output != edited                                   # headers too
+    (tiny_sources / "b.cu").write_text('extern "C" int kdtree_probe2() { return 8; }\n')
+    lib = ctypes.CDLL(str(kbuild.build()))
+    assert lib.kdtree_probe() == 9 and lib.kdtree_probe2() == 8             # every .cu, one library
 
 
 @needs_nvcc

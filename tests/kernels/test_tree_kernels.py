@@ -513,3 +513,17 @@ def test_shape_errors_on_gpu() -> None:
     with pytest.raises(ValueError, match="k_pe: leading dims"):
         tree_ops.compact_kv(torch.zeros(1, 2, 4, 8, device="cuda"), torch.zeros(1, 2, 5, 8, device="cuda"),
                             two, torch.zeros(2, 1, dtype=torch.int64, device="cuda"), two)
+
+
+def test_cuda_stages_host_side_helpers() -> None:
+    """CudaStages' host-side pieces: the node cap, the bit unpacking, the budget check (CPU)."""
+    from engine.cuda_stages import CudaStages, _possible_nodes, unpack_visibility
+
+    assert [_possible_nodes(3, 2, 100), _possible_nodes(15, 64, 64), _possible_nodes(0, 5, 10)] == [14, 64, 0]
+    rows = np.array([[0b101, 0], [0, 1 << 31]], dtype=np.uint32)
+    want = np.zeros((2, 64), dtype=bool)
+    want[0, [0, 2]] = want[1, 63] = True
+    np.testing.assert_array_equal(unpack_visibility(torch.from_numpy(rows.view(np.int32)), 64).numpy(), want)
+    with pytest.raises(ValueError, match="budgets: must be >= 0"):
+        CudaStages().build_trees(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3, dtype=torch.int64), torch.tensor([-1]),
+                                 torch.tensor([0]))
