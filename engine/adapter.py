@@ -21,7 +21,9 @@ K top-k width, S cache rows, H heads, R kv_lora, dr d_rope):
 - topk: ``topk_logprobs(draft_logits [L, V] float32, k: int) -> (topk_lp float32 [L, K], topk_id int64 [L, K])``.
 - tree: ``build_tree(topk_lp [L, K] float32, topk_id [L, K] int64, budget: int, root: int)
   -> (parents [n+1], tokens [n+1], depths [n+1])`` int64, pop order, parents[0] = -1,
-  tokens[0] = root.
+  tokens[0] = root; optionally a fourth item, scores float64 [n+1], compared bit for bit.
+- compile: ``compile_tree(parents [n+1], depths [n+1], start: int) -> (positions [n+1],
+  visibility_bits uint32 [n+1, ceil((n+1)/32)], first_child [n+1], next_sibling [n+1])``.
 - accept: ``accept(parents [n+1], tokens [n+1], choices [n+1]) -> (accepted [a] int64, next_root: int)``.
 - compact: ``compact(c_kv [S, R], k_pe [S, dr], start: int, accepted [a]) -> (c_kv, k_pe)``:
   row start + k <- row start + accepted[k]; other rows unchanged.
@@ -55,6 +57,7 @@ CAPABILITIES: dict[str, tuple[str, ...]] = {
     "model": ("load_weights", "reset", "forward"),
     "topk": ("topk_logprobs",),
     "tree": ("build_tree",),
+    "compile": ("compile_tree",),
     "accept": ("accept",),
     "compact": ("compact",),
     "attention": ("attention",),
@@ -77,6 +80,9 @@ class EngineAdapter(Protocol):
 
     def build_tree(self, topk_lp: np.ndarray, topk_id: np.ndarray, budget: int,
                    root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+    def compile_tree(self, parents: np.ndarray, depths: np.ndarray,
+                     start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
 
     def accept(self, parents: np.ndarray, tokens: np.ndarray,
                choices: np.ndarray) -> tuple[np.ndarray, int]: ...
@@ -198,29 +204,42 @@ class TorchAdapter:
         return lp[0].cpu().numpy(), ids[0].cpu().numpy()
 
     def build_tree(self, topk_lp: np.ndarray, topk_id: np.ndarray, budget: int,
-                   root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """-> parents, tokens, depths [n+1] int64."""
+                   root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """-> parents, tokens, depths [n+1] int64, scores [n+1] float64."""
         trees = self.stages.build_trees(torch.tensor(np.asarray(topk_lp), device=self.device)[None],
                                         torch.tensor(np.asarray(topk_id), device=self.device)[None],
                                         torch.tensor([budget], device=self.device),
                                         torch.tensor([root], device=self.device))
         count = int(trees.n[0]) + 1
-        return tuple(t[0, :count].cpu().numpy() for t in (trees.parents, trees.tokens, trees.depths))
+        return tuple(t[0, :count].cpu().numpy() for t in (trees.parents, trees.tokens, trees.depths, trees.scores))
+
+    def compile_tree(self, parents: np.ndarray, depths: np.ndarray,
+                     start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """-> positions [n+1], visibility_bits uint32 [n+1, W], first_child [n+1], next_sibling [n+1]."""
+        trees = self._tree(parents, np.full(len(parents), -1), depths)
+        compiled = self.stages.compile_trees(trees, torch.tensor([start], device=self.device))
+        bits = compiled.visibility_bits[0].cpu().numpy().astype(np.int64) & 0xFFFFFFFF
+        return (compiled.positions[0].cpu().numpy(), bits.astype(np.uint32),
+                compiled.first_child[0].cpu().numpy(), compiled.next_sibling[0].cpu().numpy())
 
     def accept(self, parents: np.ndarray, tokens: np.ndarray, choices: np.ndarray) -> tuple[np.ndarray, int]:
         """parents, tokens, choices [n+1] -> (accepted [a], next_root)."""
-        parents = torch.tensor(np.asarray(parents), dtype=torch.int64, device=self.device)
-        depths = torch.zeros_like(parents)
+        depths = np.zeros(len(parents), dtype=np.int64)
         for i in range(1, len(parents)):
             depths[i] = depths[parents[i]] + 1
-        trees = TreeBatch(n=torch.tensor([len(parents) - 1], device=self.device), parents=parents[None],
-                          tokens=torch.tensor(np.asarray(tokens), dtype=torch.int64, device=self.device)[None],
-                          depths=depths[None], scores=torch.zeros(1, len(parents), dtype=torch.float64,
-                                                                  device=self.device),
-                          depth=int(depths.max()))
         choices_t = torch.tensor(np.asarray(choices), dtype=torch.int64, device=self.device)[None]
-        accepted, accept_len, next_root = self.stages.accept(trees, choices_t)
+        accepted, accept_len, next_root = self.stages.accept(self._tree(parents, tokens, depths), choices_t)
         return accepted[0, :int(accept_len[0])].cpu().numpy(), int(next_root[0])
+
+    def _tree(self, parents: np.ndarray, tokens: np.ndarray, depths: np.ndarray) -> TreeBatch:
+        """One request's tree as a TreeBatch (scores unused by compile and accept: zeros)."""
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.tensor(np.asarray(a), dtype=torch.int64, device=self.device)[None]
+
+        return TreeBatch(n=torch.tensor([len(parents) - 1], device=self.device), parents=put(parents),
+                         tokens=put(tokens), depths=put(depths),
+                         scores=torch.zeros(1, len(parents), dtype=torch.float64, device=self.device),
+                         depth=int(np.max(depths)))
 
     def compact(self, c_kv: np.ndarray, k_pe: np.ndarray, start: int,
                 accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

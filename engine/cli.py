@@ -199,7 +199,7 @@ def _plot(runs: dict[str, DecodeResult], path: str, block_size: int) -> None:
     width = 0.8 / len(runs)
     for i, (name, result) in enumerate(runs.items()):
         counts = result.metrics.acceptance_histogram(block_size)
-        ax.bar(np.arange(len(counts)) + i * width, counts, width=width,
+        ax.bar(np.arange(len(counts)) + (i - (len(runs) - 1) / 2) * width, counts, width=width,
                label=f"{name} (tau {result.metrics.mean_acceptance:.2f})")
     ax.set_xlabel("tokens committed per round (acceptance length)")
     ax.set_ylabel("rounds")

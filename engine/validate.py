@@ -388,12 +388,13 @@ class _Fixture:
     def trace_checks(self, adapter, caps: set[str], section: str) -> list[Check]:
         """Every trace replayed teacher-forced through the adapter (module docstring)."""
         found: dict[str, list[Check]] = {k: [] for k in
-                                         ("top-k log-probs", "tree build", "verify logits",
+                                         ("top-k log-probs", "tree build", "tree compile", "verify logits",
                                           "target choices", "accept", "DDTree tokens")}
         for trace in self.traces:
             if trace["ddtree"].get("temperature", 0.0) == 0.0:
                 self._trace(adapter, caps, section, trace, found)
-        needs = {"top-k log-probs": {"topk"}, "tree build": {"tree"}, "verify logits": {"model"},
+        needs = {"top-k log-probs": {"topk"}, "tree build": {"tree"}, "tree compile": {"compile"},
+                 "verify logits": {"model"},
                  "target choices": {"model"}, "accept": {"accept"}, "DDTree tokens": {"model", "accept"}}
         return [merge(section, name, rows) if needs[name] <= caps else skipped(section, name)
                 for name, rows in found.items()]
@@ -424,9 +425,14 @@ class _Fixture:
                 found["top-k log-probs"] += [compare_exact(section, "top-k ids", ids, topk_id, where),
                                              self.close(section, "top-k lp", lp, topk_lp, "logprobs", where)]
             if "tree" in caps:
-                built = adapter.build_tree(topk_lp, topk_id, budget, root)
-                found["tree build"] += [compare_exact(section, what, got, want, where) for what, got, want
-                                        in zip(("parents", "tokens", "depths"), built, (parents, tokens, depths))]
+                found["tree build"] += compare_tree(section, adapter.build_tree(topk_lp, topk_id, budget, root),
+                                                    (parents, tokens, depths, self[f"{rp}/scores"]), where)
+            if "compile" in caps:
+                positions, bits, _, _ = adapter.compile_tree(parents, depths, start)
+                found["tree compile"] += [
+                    compare_exact(section, "positions", positions, self[f"{rp}/positions"], where),
+                    compare_exact(section, "visibility bits", _words(bits), _words(self[f"{rp}/visibility_bits"]),
+                                  where)]
             choices = choices_expected
             if "model" in caps:
                 n = len(tokens)
@@ -579,7 +585,7 @@ def _cases(reader) -> list[Mapping[str, Any]]:
 
 
 def _tree_build_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
-    topk_rows, tree_rows = [], []
+    topk_rows, tree_rows, compile_rows = [], [], []
     for case in _cases(reader):
         p = f"cases/{case['name']}/"
         where = f"case {case['name']}"
@@ -589,12 +595,32 @@ def _tree_build_cases(adapter, caps: set[str], reader, section: str) -> list[Che
             topk_rows += [compare_exact(section, "top-k ids", ids, topk_id, where),
                           compare_close(section, "top-k lp", lp, topk_lp, 0.0,
                                         np.spacing(np.abs(topk_lp).astype(np.float32)), where)]
+        parents, depths = np.asarray(reader[p + "parents"]), np.asarray(reader[p + "depths"])
         if "tree" in caps:
-            built = adapter.build_tree(topk_lp, topk_id, int(case["budget"]), -1)
-            tree_rows += [compare_exact(section, what, got, np.asarray(reader[p + what]), where)
-                          for what, got in zip(("parents", "tokens", "depths"), built)]
+            expected = (parents, np.asarray(reader[p + "tokens"]), depths, np.asarray(reader[p + "scores"]))
+            tree_rows += compare_tree(section, adapter.build_tree(topk_lp, topk_id, int(case["budget"]), -1),
+                                      expected, where)
+        if "compile" in caps:
+            compiled = adapter.compile_tree(parents, depths, int(case["start"]))
+            compile_rows += [compare_exact(section, what, _words(got) if what == "visibility_bits" else got,
+                                           _words(reader[p + what]) if what == "visibility_bits" else reader[p + what],
+                                           where)
+                             for what, got in zip(("positions", "visibility_bits", "first_child", "next_sibling"),
+                                                  compiled)]
     return [merge(section, "top-k log-probs", topk_rows) if "topk" in caps else skipped(section, "top-k log-probs"),
-            merge(section, "tree build", tree_rows) if "tree" in caps else skipped(section, "tree build")]
+            merge(section, "tree build", tree_rows) if "tree" in caps else skipped(section, "tree build"),
+            merge(section, "tree compile", compile_rows) if "compile" in caps else skipped(section, "tree compile")]
+
+
+def compare_tree(section: str, built: tuple, expected: tuple, where: str) -> list[Check]:
+    """An adapter's (parents, tokens, depths[, scores]) against the fixture's, all bit-exact."""
+    names = ("parents", "tokens", "depths", "scores")
+    return [compare_exact(section, what, got, want, where) for what, got, want in zip(names, built, expected)]
+
+
+def _words(bits: Any) -> np.ndarray:
+    """Visibility words as unsigned 32-bit values, whether stored as int32 or uint32."""
+    return np.asarray(bits).astype(np.int64) & 0xFFFFFFFF
 
 
 def _accept_compact_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:

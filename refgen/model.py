@@ -198,7 +198,7 @@ class KVCache:
 
     @classmethod
     def new(cls, cfg: ModelConfig, max_len: int) -> "KVCache":
-        if not isinstance(max_len, (int, np.integer)) or max_len < 1:
+        if not isinstance(max_len, (int, np.integer)) or isinstance(max_len, bool) or max_len < 1:
             raise ValueError(f"max_len: must be a positive integer, got {max_len!r}")
         layers = range(cfg.num_hidden_layers)
         return cls(c_kv=[np.zeros((max_len, cfg.kv_lora_rank)) for _ in layers],

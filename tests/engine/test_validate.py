@@ -187,3 +187,28 @@ def test_load_impl_errors(tmp_path):
         load_impl(str(tmp_path / "missing.py") + ":make")
     with pytest.raises(ValueError, match="no callable 'missing'"):
         load_impl("engine.adapter:missing")
+
+
+def test_missing_fixtures_are_generated_into_the_cache(tmp_path, monkeypatch):
+    """No committed fixtures: `refgen generate --all` fills the cache once, all or nothing."""
+    import engine.validate as runner
+
+    monkeypatch.setattr(runner, "GOLDEN_DIR", tmp_path / "no-golden")
+    monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", str(runner.REPO_ROOT))
+    directory = find_fixtures(None)
+    assert directory == tmp_path / "cache" / "fixtures"
+    assert (directory / "tiny.kdtr").is_file() and (directory / "kernels" / "tree_build.kdtr").is_file()
+    assert find_fixtures(None) == directory                       # found, not generated again
+
+
+def test_failed_generation_leaves_nothing(tmp_path, monkeypatch):
+    import engine.validate as runner
+
+    monkeypatch.setattr(runner, "GOLDEN_DIR", tmp_path / "no-golden")
+    monkeypatch.setattr(runner, "REPO_ROOT", tmp_path)             # no refgen to run there
+    monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(ValidateError, match="refgen generate` failed"):
+        find_fixtures(None)
+    assert list((tmp_path / "cache").iterdir()) == []

@@ -526,9 +526,9 @@ def test_model_matches_hf_transformers(name: str) -> None:
     run in float64. HF keeps float32 islands (router, rope angles, softmax, RMSNorm) and
     uses eps 1e-6 in q_a / kv_a norms, hence the 2e-5 tolerance (float64 HF with those
     lifted agrees to 1e-15; docs/model.md)."""
-    torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers", minversion="5.0",
                                        reason="transformers >= 5 is an optional outside reference")
+    torch = pytest.importorskip("torch")
     cfg, w = PRESETS[name], preset_weights(name)
     y = cfg.rope_scaling
     rope = ({"rope_type": "default", "rope_theta": cfg.rope_theta} if y is None else
