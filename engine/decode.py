@@ -88,7 +88,7 @@ def ar_decode(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     while batch.any_active:
         active = batch.active_mask()
         with batch.timer("verify"):
-            logits = model.forward(last[:, None], batch.starts[:, None].to(batch.device),
+            logits = model.forward(last[:, None].to(batch.device), batch.starts[:, None].to(batch.device),
                                    torch.ones(batch.size, 1, 1, dtype=torch.bool, device=batch.device),
                                    active.long().to(batch.device), batch.starts.to(batch.device), batch.cache)
         with batch.timer("accept"):

@@ -14,8 +14,10 @@ Sections of the report, each a list of `Check` rows:
 2. Engine decode (the built-in engine only): `engine.decode` batched over the
    fixture's prompts (AR) and traces (DDTree with the replay drafter: every
    round's tree, choices and acceptance exact).
-3. Kernel cases (`kernels/*.kdtr`): tree build bit-exact from the given top-k,
-   accept and compaction exact, verify attention within tolerance.
+3. Kernel cases (`kernels/*.kdtr`): top-k from draft logits, tree build
+   (float64 scores too) and compile (positions, visibility bits, EAGLE links)
+   bit-exact from the given top-k, accept and compaction exact, verify
+   attention within tolerance.
 4. The invariant (the built-in engine only): DDTree greedy == AR greedy for
    every preset, with the oracle, random and layerskip drafters: on each model
    fixture's weights and prompts, and on seeded random weights and prompts for
@@ -405,17 +407,15 @@ class _Fixture:
         prefix = f"traces/{name}"
         prompt = self[f"prompts/{trace['prompt']}/tokens"]
         budget = int(trace["ddtree"]["budget"])
+        committed: list[int] = []          # the adapter's own: its prefill's argmax, then its rounds
         if "model" in caps:
             adapter.reset(self.max_len())
             m = len(prompt)
-            adapter.forward(prompt, np.arange(m), np.tri(m, dtype=bool), 0)
-        committed: list[int] = []
+            committed.append(int(np.argmax(adapter.forward(prompt, np.arange(m), np.tri(m, dtype=bool), 0)[-1])))
         for r in range(int(trace["rounds"])):
             rp = f"{prefix}/rounds/{r}"
             where = f"trace {name} round {r}"
             start, root = _int(self[f"{rp}/start"]), _int(self[f"{rp}/root"])
-            if r == 0:
-                committed.append(root)
             parents, tokens, depths = self[f"{rp}/parents"], self[f"{rp}/tokens"], self[f"{rp}/depths"]
             topk_lp, topk_id = self[f"{rp}/topk_lp"], self[f"{rp}/topk_id"]
             choices_expected, margins = self[f"{rp}/choices"], self[f"{rp}/margins"]
@@ -506,13 +506,25 @@ class _Fixture:
                                       self[f"traces/{name}/acceptance_lengths"], f"trace {name}"))
             for r, got in enumerate(request.rounds[:t["rounds"]]):
                 rp, where = f"traces/{name}/rounds/{r}", f"trace {name} round {r}"
-                for what in ("parents", "tokens", "depths", "scores", "accepted"):
-                    rows.append(compare_exact(section, what, getattr(got, what).numpy(), self[f"{rp}/{what}"],
-                                              where))
-                rows.append(compare_tokens(section, "choices", got.choices.numpy(), self[f"{rp}/choices"],
-                                           self[f"{rp}/margins"], self.threshold, where))
-                rows.append(compare_exact(section, "next root", got.next_root, _int(self[f"{rp}/next_root"]),
-                                          where))
+                # The engine computed its own top-k from the draft logits here, and the contract lets
+                # top-k lp differ by a float32 ulp between implementations. Where they do and the tree
+                # then differs, that is a score near-tie, not a bug: the round's rows are near-ties (the
+                # bit-exact tree build from the fixture's top-k is checked on its own, and the committed
+                # tokens above stay exact). Scores are compared with the log-prob tolerance.
+                round_rows = [compare_exact(section, what, getattr(got, what).numpy(), self[f"{rp}/{what}"],
+                                            where) for what in ("parents", "tokens", "depths", "accepted")]
+                round_rows += [
+                    self.close(section, "scores", got.scores.numpy(), self[f"{rp}/scores"], "logprobs", where),
+                    compare_tokens(section, "choices", got.choices.numpy(), self[f"{rp}/choices"],
+                                   self[f"{rp}/margins"], self.threshold, where),
+                    compare_exact(section, "next root", got.next_root, _int(self[f"{rp}/next_root"]), where)]
+                tree_differs = any(row.status is Status.FAIL for row in round_rows[:3])
+                if tree_differs and not np.array_equal(got.topk_lp.numpy(), self[f"{rp}/topk_lp"]):
+                    round_rows = [dataclasses.replace(row, status=Status.NEAR_TIE,
+                                                      detail=f"{row.detail}; top-k lp differ from the fixture's "
+                                                             "(contract: a score near-tie)")
+                                  if row.status is Status.FAIL else row for row in round_rows]
+                rows += round_rows
         return rows
 
 

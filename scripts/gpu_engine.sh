@@ -48,14 +48,14 @@ tail -5 "$OUT/engine_bench.log"
 python3 - "$OUT" <<'PY' | tee "$OUT/engine_bench.md"
 import json, sys
 data = json.load(open(f"{sys.argv[1]}/engine_bench.json"))
-print("| config | drafter | batch | AR tok/s | DDTree tok/s | speedup | tau | speedup / tau (target >= 0.8) | "
+print("| config | dtype | drafter | batch | AR tok/s | DDTree tok/s | speedup | tau | speedup / tau (target >= 0.8) | "
       "target forwards AR / DDTree | DDTree ms per stage |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for b in data["benchmarks"]:
     e = b["extra_info"]
     stages = ", ".join(f"{k} {v:.0f}" for k, v in e["ddtree_stage_ms"].items() if v)
     verdict = "met" if e["speedup_over_tau"] >= 0.8 else "not met"
-    print(f"| {e['config']} | {e['drafter']} | {e['batch']} | {e['ar_tokens_per_s']:.0f} | "
+    print(f"| {e['config']} | {e['dtype']} | {e['drafter']} | {e['batch']} | {e['ar_tokens_per_s']:.0f} | "
           f"{e['ddtree_tokens_per_s']:.0f} | {e['speedup']:.2f} | {e['tau']:.2f} | "
           f"{e['speedup_over_tau']:.2f} ({verdict}) | {e['ar_target_forwards']} / {e['ddtree_target_forwards']} | "
           f"{stages} |")

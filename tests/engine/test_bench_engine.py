@@ -8,8 +8,8 @@ asserted about speed.
 
 - CPU: the `tiny` preset, oracle and layerskip drafters. Default sizes are
   small; `KDTREE_BENCH=1` decodes longer.
-- GPU: the `k2-mid` config (kdtr_format.CONFIGS) with random bf16 weights made
-  on the device, batch 1 and 8, oracle and layerskip drafters, the CUDA stages
+- GPU: the `k2-mid` config (kdtr_format.CONFIGS) with random float32 and bf16
+  weights made on the device, batch 1 and 8, oracle and layerskip drafters, the CUDA stages
   and attention kernels when they load. Skipped without CUDA.
   One command runs it and writes the tables: scripts/gpu_engine.sh.
 """
@@ -71,20 +71,28 @@ def test_bench_cpu_tiny(benchmark, model_zoo, drafter):
 
 @pytest.fixture(scope="module")
 def k2_mid():
+    """-> build(dtype): the k2-mid model with random weights made on the device, built once per dtype."""
     if not torch.cuda.is_available():
         pytest.skip("GPU engine benchmark: no CUDA GPU is visible (torch.cuda.is_available() is False)")
     cfg = CONFIGS["k2-mid"]
-    weights = random_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
-    stages, attention, backends = cuda_backends()
-    model = Transformer(cfg, weights, device="cuda", dtype=torch.bfloat16, attention=attention)
-    return cfg, weights, model, stages, backends
+    built = {}
+
+    def build(dtype: torch.dtype):
+        if dtype not in built:
+            weights = random_weights(cfg, seed=0, device="cuda", dtype=dtype)
+            stages, attention, backends = cuda_backends()
+            model = Transformer(cfg, weights, device="cuda", dtype=dtype, attention=attention)
+            built[dtype] = cfg, weights, model, stages, backends
+        return built[dtype]
+    return build
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("drafter", ["oracle", "layerskip"])
-def test_bench_gpu_k2_mid(benchmark, k2_mid, batch, drafter):
-    cfg, weights, model, stages, backends = k2_mid
+def test_bench_gpu_k2_mid(benchmark, k2_mid, batch, drafter, dtype):
+    cfg, weights, model, stages, backends = k2_mid(dtype)
     generator = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, cfg.vocab_size, (64 + 16 * b,), generator=generator).tolist() for b in range(batch)]
     tokens = 256 if BIG else 64
@@ -94,10 +102,10 @@ def test_bench_gpu_k2_mid(benchmark, k2_mid, batch, drafter):
         if drafter == "oracle":
             return OracleDrafter([p + t for p, t in zip(prompts, ar.tokens)], cfg.vocab_size, 0.8, seed=1,
                                  device="cuda")
-        return LayerSkipDrafter(cfg, weights, 2, device="cuda", dtype=torch.bfloat16)
+        return LayerSkipDrafter(cfg, weights, 2, device="cuda", dtype=dtype)
 
     run_side_by_side(model, drafter_for, prompts, ddtree, 8, stages)          # warm up kernels and caches
     ar, dd = benchmark.pedantic(run_side_by_side, args=(model, drafter_for, prompts, ddtree, tokens, stages),
                                 rounds=3 if BIG else 1, iterations=1)
     record(benchmark, ar, dd, config="k2-mid", drafter=drafter, batch=batch, tokens=tokens, device="cuda",
-           dtype="bfloat16", gpu=torch.cuda.get_device_name(), backends=backends)
+           dtype=str(dtype).removeprefix("torch."), gpu=torch.cuda.get_device_name(), backends=backends)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.cli import main
 from engine.validate import GOLDEN_DIR
@@ -24,8 +25,13 @@ def needs(*names: str) -> None:
 
 
 def run_main(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
+    """The CLI in-process (it sets torch's CPU threads to 1: restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+    finally:
+        torch.set_num_threads(threads)
     out, err = capsys.readouterr()
     return exit_info.value.code, out, err
 

@@ -233,3 +233,34 @@ def test_bad_input(model_zoo):
         OracleDrafter([[1]], cfg.vocab_size, accuracy=1.5)
     with pytest.raises(ValueError, match="num_layers"):
         LayerSkipDrafter(cfg, case.weights, cfg.num_hidden_layers + 1)
+
+
+@pytest.mark.parametrize("loop", ["ar", "ddtree"])
+def test_sampled_tokens_follow_the_target_distribution(model_zoo, loop):
+    """512 independent requests of one prompt: how often the second token is the target's
+    argmax given the first must match the target's own probability of it (within 4.5 sigma).
+    A DDTree that favoured drafted tokens (the oracle drafts the greedy chain) fails this."""
+    case = model_zoo.get("tiny")
+    model = case.engine()
+    prompt, batch, temperature = [11, 22, 33, 44, 55, 66], 512, 1.0
+    greedy = ar_decode(model, [prompt], 4).tokens[0]
+    generator = torch.Generator().manual_seed(5)
+    if loop == "ar":
+        result = ar_decode(model, [prompt] * batch, 2, temperature=temperature, generator=generator)
+    else:
+        drafter = OracleDrafter([prompt + greedy] * batch, case.cfg.vocab_size, accuracy=1.0)
+        result = ddtree_decode(model, drafter, [prompt] * batch, DDTreeConfig(4, 8, temperature=temperature), 2,
+                               generator=generator)
+    first, second = torch.tensor(result.tokens).T
+    m = len(prompt)
+    tokens = torch.cat([torch.tensor(prompt).expand(batch, m), first[:, None]], dim=1)
+    logits = model.forward(tokens, torch.arange(m + 1).expand(batch, m + 1),
+                           torch.ones(m + 1, m + 1, dtype=torch.bool).tril().expand(batch, m + 1, m + 1),
+                           torch.full((batch,), m + 1), torch.zeros(batch, dtype=torch.int64),
+                           model.new_cache(batch, m + 1))[:, -1]
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    top_p = p.max(dim=-1).values
+    observed = float((second == p.argmax(dim=-1)).sum())
+    expected, sigma = float(top_p.sum()), float((top_p * (1 - top_p)).sum().sqrt())
+    assert 0.05 < expected / batch < 0.95, "the statistic needs a target that is neither flat nor certain"
+    assert abs(observed - expected) < 4.5 * sigma + 1, (observed, expected, sigma)

@@ -100,14 +100,14 @@ class NoCompaction(StagesOnly):
 
 def test_capabilities():
     assert capabilities(StagesOnly()) == {"accept", "compact"}
-    assert capabilities(TorchAdapter()) == {"model", "topk", "tree", "accept", "compact", "attention"}
+    assert capabilities(TorchAdapter()) == {"model", "topk", "tree", "compile", "accept", "compact", "attention"}
 
 
 def test_missing_methods_are_skipped_not_failed(tmp_path):
     directory = fixture_dir(tmp_path, "tiny.kdtr", "kernels/accept_compact.kdtr", "kernels/tree_build.kdtr")
     report = validate(StagesOnly(), directory)
     assert not report.failed, report.summary()
-    for name in ("prefill logits", "AR tokens", "tree build", "verify logits", "top-k log-probs"):
+    for name in ("prefill logits", "AR tokens", "tree build", "tree compile", "verify logits", "top-k log-probs"):
         assert all(c.status is Status.SKIPPED and c.detail == SKIPPED_DETAIL for c in rows(report, name))
     assert all(c.status is Status.EXACT for c in rows(report, "accept"))
     assert all(c.status is Status.EXACT for c in rows(report, "KV compaction"))
@@ -141,6 +141,26 @@ def test_planted_forward_error_fails_logits_with_its_size(tmp_path):
         (check,) = rows(report, name)
         assert check.status is Status.FAIL and check.error > check.tolerance
     assert rows(report, "tree build")[0].status is Status.EXACT
+
+
+class NoSiblings(TorchAdapter):
+    def compile_tree(self, parents, depths, start):
+        positions, bits, first_child, next_sibling = super().compile_tree(parents, depths, start)
+        return positions, bits, first_child, np.full_like(next_sibling, -1)
+
+
+class ScoresOffByOneUlp(TorchAdapter):
+    def build_tree(self, topk_lp, topk_id, budget, root):
+        parents, tokens, depths, scores = super().build_tree(topk_lp, topk_id, budget, root)
+        return parents, tokens, depths, np.nextafter(scores, -np.inf)
+
+
+@pytest.mark.parametrize("adapter, failing", [(NoSiblings, "tree compile"), (ScoresOffByOneUlp, "tree build")])
+def test_planted_tree_bugs_fail_their_check(tmp_path, adapter, failing):
+    directory = fixture_dir(tmp_path, "kernels/tree_build.kdtr")
+    assert not validate(TorchAdapter(), directory).failed
+    report = validate(adapter(), directory)
+    assert [c.name for c in report.checks if c.status is Status.FAIL] == [failing]
 
 
 def test_planted_attention_error_fails_verify_attention(tmp_path):

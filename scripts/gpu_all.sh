@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one device call: kernel build, the GPU test suites
+# (kernels and engine, CUDA variants included), then scripts/gpu_engine.sh (validate --device
+# cuda and the end-to-end benchmark). Logs under $OUT. Run from the checkout root:
+#
+#   OUT=out PYTHONPATH=. bash scripts/gpu_all.sh
+set -uo pipefail
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-.}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl   # into the interpreter: subprocesses see it
+fi
+echo "== build kernels"
+timeout 240 python3 -m kernels_cuda.build >"$OUT/build.log" 2>&1 && export KDTREE_KERNELS_LIB="$(tail -1 "$OUT/build.log")"
+tail -2 "$OUT/build.log"
+echo "== GPU tests (kernels, engine)"
+timeout 240 python3 -m pytest tests/kernels tests/engine -p no:cacheprovider -q -rs --continue-on-collection-errors \
+    >"$OUT/gpu_tests.log" 2>&1
+tail -15 "$OUT/gpu_tests.log"
+bash scripts/gpu_engine.sh
