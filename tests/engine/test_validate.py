@@ -3,6 +3,7 @@ fail the check that names them while missing methods are reported as skipped."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -225,10 +226,14 @@ def test_missing_fixtures_are_generated_into_the_cache(tmp_path, monkeypatch):
 def test_failed_generation_leaves_nothing(tmp_path, monkeypatch):
     import engine.validate as runner
 
+    def generate_half_then_fail(command, **kwargs):
+        out = Path(command[command.index("--out") + 1])
+        (out / "tiny.kdtr").write_bytes(b"half a fixture")
+        return subprocess.CompletedProcess(command, 1, stdout="", stderr="refgen: error: disk full")
+
     monkeypatch.setattr(runner, "GOLDEN_DIR", tmp_path / "no-golden")
-    monkeypatch.setattr(runner, "REPO_ROOT", tmp_path)             # no refgen to run there
+    monkeypatch.setattr(runner.subprocess, "run", generate_half_then_fail)
     monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    with pytest.raises(ValidateError, match="refgen generate` failed"):
+    with pytest.raises(ValidateError, match="refgen generate` failed: refgen: error: disk full"):
         find_fixtures(None)
     assert list((tmp_path / "cache").iterdir()) == []
