@@ -5,12 +5,7 @@
 #
 #   OUT=out PYTHONPATH=. bash scripts/gpu_all.sh
 set -uo pipefail
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-.}"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl   # into the interpreter: subprocesses see it
-fi
+source "$(dirname "$0")/gpu_env.sh"
 echo "== build kernels"
 timeout 240 python3 -m kernels_cuda.build >"$OUT/build.log" 2>&1 && export KDTREE_KERNELS_LIB="$(tail -1 "$OUT/build.log")"
 tail -2 "$OUT/build.log"

@@ -8,18 +8,11 @@
 #
 # Writes under $OUT (default ./out): gpu.txt, build.log, validate_cuda.txt, validate_cuda.json,
 # engine_bench.log, engine_bench.json (pytest-benchmark) and engine_bench.md (the table).
-# Wheels in .whl/ (google-crc32c for the fixture reader) are installed into /tmp/site when present.
+# Wheels in .whl/ are installed by scripts/gpu_env.sh.
 # KDTREE_BENCH=1 decodes 256 tokens a request instead of 64.
 set -uo pipefail
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-.}"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
-git rev-parse HEAD 2>/dev/null | sed 's/^/commit: /' | tee -a "$OUT/gpu.txt"
 
 echo "== build kernels"
 if [[ -z "${KDTREE_KERNELS_LIB:-}" ]] && timeout 240 python3 -m kernels_cuda.build >"$OUT/build.log" 2>&1; then

@@ -7,17 +7,10 @@
 #
 # Logs go to $OUT (default ./out): build.log, tests.log, sanitizer.log, bench.log,
 # tree_bench.json. A library named by $KDTREE_KERNELS_LIB is used as it is (no build).
-# Wheels in .whl/ (google-crc32c for the golden file reader) are installed into /tmp/site
-# when present. Each stage has its own time limit; the last lines printed are the benchmark table.
+# Wheels in .whl/ are installed by scripts/gpu_env.sh. Each stage has its own time limit; the last lines printed are the benchmark table.
 set -uo pipefail
 stage="${1:-all}"
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-.}"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 echo "== build"

@@ -23,6 +23,7 @@ import torch
 
 from kdtr_format import PRESETS
 from kernels_cuda.mla_ops import mla_verify, pack_visibility
+from gpu_bench import bf16_matmul_TFLOPs, copy_TBps, cuda_time_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
 
@@ -37,38 +38,11 @@ GENERIC_FLOP_CAP = 2e11       # time the CUDA-core path only where it finishes q
 ROWS: list[dict] = []
 
 
-def cuda_time_ms(fn, budget_ms: float = 150.0) -> float:
-    """Median of CUDA-event timings of fn(), after a warm-up; about budget_ms of repeats."""
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    stop.record()
-    stop.synchronize()
-    reps = max(3, min(50, int(budget_ms / max(start.elapsed_time(stop), 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
-
-
 @pytest.fixture(scope="module")
 def ceilings() -> dict:
     """Copy bandwidth (bytes read + written) and bf16 matrix rate, measured now."""
-    src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)          # 1 GiB
-    dst = torch.empty_like(src)
-    copy_ms = cuda_time_ms(lambda: dst.copy_(src))
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    mm_ms = cuda_time_ms(lambda: a @ b)
-    result = {"gpu": torch.cuda.get_device_name(), "copy_TBps": 2 * src.nbytes / copy_ms / 1e9,
-              "bf16_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
-    del src, dst, a, b
-    torch.cuda.empty_cache()
+    result = {"gpu": torch.cuda.get_device_name(), "copy_TBps": copy_TBps(),
+              "bf16_TFLOPs": bf16_matmul_TFLOPs()}
     yield result
     out = os.environ.get("KDTREE_BENCH_OUT")
     if out:

@@ -24,6 +24,7 @@ import torch
 
 from engine.stages import TorchStages
 from kernels_cuda import tree_ops
+from gpu_bench import copy_TBps, cuda_time_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
 
@@ -32,21 +33,6 @@ FULL = os.environ.get("KDTREE_BENCH") == "1"
 GRID = (list(itertools.product([64, 256, 16, 1], [64, 16, 256, 512], ["float32", "bfloat16"])) if FULL
         else [(1, 16, "float32")])
 ROWS: list[dict] = []
-
-
-def cuda_time_ms(fn, budget_ms: float = 200.0, max_reps: int = 50) -> float:
-    """Median of CUDA-event timings of fn() after one warm-up; about budget_ms of repeats (3 at least)."""
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    while len(times) < 3 or (sum(times) < budget_ms and len(times) < max_reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
 
 
 def graph_time_ms(fn) -> float | str:
@@ -69,13 +55,7 @@ def graph_time_ms(fn) -> float | str:
 @pytest.fixture(scope="module")
 def copy_bandwidth() -> dict:
     """Device-to-device copy bandwidth (bytes read + written), measured now."""
-    src = torch.randn(2**28, device="cuda")                                   # 1 GiB
-    dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src))
-    result = {"gpu": torch.cuda.get_device_name(), "copy_TBps": 2 * src.nbytes / ms / 1e9}
-    del src, dst
-    torch.cuda.empty_cache()
-    return result
+    return {"gpu": torch.cuda.get_device_name(), "copy_TBps": copy_TBps()}
 
 
 def record(ceilings: dict, row: dict) -> None:

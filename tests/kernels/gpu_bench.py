@@ -1,0 +1,44 @@
+"""Timing and ceilings shared by the GPU benchmarks (METHOD.md, PERFORMANCE.md).
+
+Times are medians of CUDA-event timings after one warm-up. The ceilings are
+measured in the same run as the work they bound: a 1 GiB device-to-device copy
+(bytes read + written) and an 8192^3 bf16 matrix product on random data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cuda_time_ms(fn, budget_ms: float = 200.0, max_reps: int = 50) -> float:
+    """Median of CUDA-event timings of fn() after one warm-up; about budget_ms of repeats (3 at least)."""
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    while len(times) < 3 or (sum(times) < budget_ms and len(times) < max_reps):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_TBps() -> float:
+    """Device-to-device copy bandwidth in TB/s (bytes read + written), measured now."""
+    src = torch.randn(2**28, device="cuda")                                   # 1 GiB
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2**30 / ms / 1e9
+
+
+def bf16_matmul_TFLOPs() -> float:
+    """bf16 matrix rate in TFLOP/s on an 8192^3 product of random data, measured now."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = cuda_time_ms(lambda: a @ b)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * 8192**3 / ms / 1e9
