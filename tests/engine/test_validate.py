@@ -13,7 +13,7 @@ import kdtr_format
 from kdtr_format import PRESETS
 from engine.adapter import TorchAdapter, capabilities, load_impl
 from engine.validate import (GOLDEN_DIR, SKIPPED_DETAIL, Check, Status, ValidateError, compare_close,
-                             compare_exact, find_fixtures, merge, unpack_bits, validate)
+                             compare_exact, find_fixtures, merge, replayed_round, unpack_bits, validate)
 
 
 def fixture_dir(tmp_path: Path, *names: str) -> Path:
@@ -237,3 +237,17 @@ def test_failed_generation_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(ValidateError, match="refgen generate` failed: refgen: error: disk full"):
         find_fixtures(None)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_replayed_round_tree_difference_is_a_near_tie_only_when_the_topk_differs():
+    tree_fail = Check("replay", "parents", Status.FAIL, detail="1 differ")
+    choices_fail = Check("replay", "choices", Status.FAIL, detail="2 differ")
+    fine = Check("replay", "depths", Status.EXACT)
+    rows = [tree_fail, fine, fine, choices_fail]
+
+    relaxed = replayed_round(rows, tree_rows=3, same_topk=False)
+    assert [r.status for r in relaxed] == [Status.NEAR_TIE, Status.EXACT, Status.EXACT, Status.NEAR_TIE]
+    assert "near-tie" in relaxed[0].detail
+    assert replayed_round(rows, tree_rows=3, same_topk=True) == rows          # same top-k: a bug
+    no_tree_change = [fine, fine, fine, choices_fail]
+    assert replayed_round(no_tree_change, tree_rows=3, same_topk=False) == no_tree_change
