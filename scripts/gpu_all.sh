@@ -7,8 +7,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 echo "== build kernels"
-timeout 240 python3 -m kernels_cuda.build >"$OUT/build.log" 2>&1 && export KDTREE_KERNELS_LIB="$(tail -1 "$OUT/build.log")"
-tail -2 "$OUT/build.log"
+build_kernels
 echo "== GPU tests (kernels, engine)"
 timeout 240 python3 -m pytest tests/kernels tests/engine -p no:cacheprovider -q -rs --continue-on-collection-errors \
     >"$OUT/gpu_tests.log" 2>&1

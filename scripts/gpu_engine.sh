@@ -15,10 +15,7 @@ source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
 
 echo "== build kernels"
-if [[ -z "${KDTREE_KERNELS_LIB:-}" ]] && timeout 240 python3 -m kernels_cuda.build >"$OUT/build.log" 2>&1; then
-    export KDTREE_KERNELS_LIB="$(tail -1 "$OUT/build.log")"
-fi
-tail -2 "$OUT/build.log" 2>/dev/null
+build_kernels
 
 echo "== validate --device cuda"
 # engine.validate needs neither click nor rich (the device may lack them): call it directly.

@@ -7,3 +7,19 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-.}"
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl
 fi
+
+# build_kernels: compile every kernels_cuda/csrc/*.cu into the shared library (cached by content)
+# and export its path as KDTREE_KERNELS_LIB; a library already named there is used as it is.
+# The build log, with ptxas' register and spill report, is $OUT/build.log.
+build_kernels() {
+    if [[ -n "${KDTREE_KERNELS_LIB:-}" ]]; then
+        echo "using $KDTREE_KERNELS_LIB" | tee "$OUT/build.log"
+        return 0
+    fi
+    if ! timeout 240 python3 -m kernels_cuda.build --verbose >"$OUT/build.log" 2>&1; then
+        tail -20 "$OUT/build.log"
+        return 1
+    fi
+    export KDTREE_KERNELS_LIB="$(tail -1 "$OUT/build.log")"
+    echo "built $KDTREE_KERNELS_LIB"
+}

@@ -14,18 +14,7 @@ source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 echo "== build"
-if [[ -n "${KDTREE_KERNELS_LIB:-}" ]]; then
-    echo "using $KDTREE_KERNELS_LIB" | tee "$OUT/build.log"
-elif timeout 240 python3 -m kernels_cuda.build --verbose >"$OUT/build.log" 2>&1; then
-    export KDTREE_KERNELS_LIB="$(tail -1 "$OUT/build.log")"
-else  # another kernel's source broke the shared build: build the tree kernels alone
-    tail -5 "$OUT/build.log"
-    echo "shared build failed; building tree_*.cu alone"
-    nvcc -O3 -std=c++17 -shared -Xcompiler=-fPIC -lineinfo -cudart=static --expt-relaxed-constexpr -Xptxas=-v \
-        -gencode=arch=compute_90a,code=sm_90a -Ikernels_cuda/csrc kernels_cuda/csrc/tree_*.cu \
-        -o /tmp/libtree.so >>"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
-    export KDTREE_KERNELS_LIB=/tmp/libtree.so
-fi
+build_kernels || exit 1
 grep -A2 -E "topk_logprobs|build_trees|compile_trees|accept_greedy|compact_kv" "$OUT/build.log" \
     | grep -E "registers|spill" | sort | uniq -c
 
