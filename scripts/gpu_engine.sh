@@ -12,7 +12,6 @@
 # KDTREE_BENCH=1 decodes 256 tokens a request instead of 64.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
 
 echo "== build kernels"
 build_kernels

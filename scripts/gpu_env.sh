@@ -1,9 +1,10 @@
-# Sourced by scripts/gpu_*.sh: $OUT (default ./out), unbuffered Python from the checkout, and the
+# Sourced by scripts/gpu_*.sh: $OUT (default ./out) with the GPU named in gpu.txt, unbuffered Python from the checkout, and the
 # wheels in .whl/ (packages the GPU machine lacks, e.g. google-crc32c) installed into its
 # interpreter, so that subprocesses see them too.
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-.}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl
 fi

@@ -11,7 +11,6 @@
 set -uo pipefail
 stage="${1:-all}"
 source "$(dirname "$0")/gpu_env.sh"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 echo "== build"
 build_kernels || exit 1
