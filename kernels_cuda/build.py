@@ -76,7 +76,8 @@ def find_nvcc() -> Path:
 
 
 def arch_flags(archs: str) -> list[str]:
-    """'sm_90a,compute_90' -> nvcc -gencode flags (sm_X: machine code, compute_X: PTX)."""
+    """'sm_90a,compute_90' -> nvcc -gencode flags (sm_X: machine code, compute_X: PTX), plus
+    -DKDTREE_SM90A when Hopper's own machine code (sm_90a: wgmma, TMA) is among them."""
     flags = []
     entries = [a.strip() for a in archs.split(",") if a.strip()]
     if not entries:
@@ -90,6 +91,8 @@ def arch_flags(archs: str) -> list[str]:
         kind, cc = match.groups()
         code = f"sm_{cc}" if kind == "sm" else f"compute_{cc}"
         flags.append(f"-gencode=arch=compute_{cc},code={code}")
+    if "sm_90a" in entries:
+        flags.append("-DKDTREE_SM90A")
     return flags
 
 

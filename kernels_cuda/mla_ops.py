@@ -14,7 +14,8 @@ A ragged batch of B requests (csrc/mla_verify.cu has the math):
        scaled scores; -inf and o_lat = 0 for a row that sees no key)
 
 Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. bf16 at Kimi K2
-dims (R 512, dr 64) runs on the tensor cores; every other case on a CUDA-core path.
+dims (R 512, dr 64) runs on the tensor cores of a Hopper GPU (wgmma, TMA); every other case
+on a CUDA-core path.
 
 `mla_verify` checks its arguments (a bad one raises `MlaInputError` naming it) and runs the
 op `kdtree::mla_verify_out` on torch's current stream. Long key ranges are split across
@@ -25,6 +26,7 @@ passes (`max_tree`, `max_kv`) or `mla_verify` reads from the device once.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,11 +34,14 @@ import torch
 
 from . import _lib
 
-KEY_BLOCK = 32          # split_keys is a multiple of this (the fast path's key tile)
+KEY_BLOCK = 64          # split_keys is a multiple of this (the tensor-core path's key tile)
 FAST_ROWS = 64          # query rows per block on the tensor-core path
 GENERIC_ROWS = 4        # query rows per block on the CUDA-core path
+FAST_BLOCKS_PER_SM = 1  # resident blocks per multiprocessor (shared memory bound)
+GENERIC_BLOCKS_PER_SM = 8
+SPLIT_COST_TILES = 4    # a split's fixed cost (its Q tile, pipeline fill, partial outputs to
+                        # combine) in key tiles
 MAX_SPLITS = 128        # the combine kernel's limit
-MIN_SPLIT_KEYS = 256    # below this a split's fixed cost outweighs its parallelism
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _INDEX_NAMES = ("context", "tree_sizes", "q_offsets", "kv_offsets")
@@ -54,19 +59,34 @@ class SplitPlan:
     split_keys: int
 
 
-def uses_tensor_cores(dtype: torch.dtype, kv_lora: int, rope_dim: int) -> bool:
-    """Whether `mla_verify` takes the tensor-core path for inputs of this dtype and these dims
-    (when they are also 16-byte aligned, as torch allocations are)."""
-    return dtype == torch.bfloat16 and kv_lora == 512 and rope_dim == 64
+def uses_tensor_cores(dtype: torch.dtype, kv_lora: int, rope_dim: int, device: torch.device) -> bool:
+    """Whether `mla_verify` takes the tensor-core path: bf16 at Kimi K2 dims, where the library
+    says its wgmma / TMA code runs on `device` (sm_90a code built in, compute capability 9.0),
+    inputs 16-byte aligned as torch allocations are."""
+    return dtype == torch.bfloat16 and kv_lora == 512 and rope_dim == 64 and _tensor_cores_on(device)
+
+
+@functools.cache
+def _tensor_cores_on(device: torch.device) -> bool:
+    with torch.cuda.device(device):
+        return _lib.function("kdtree_mla_tensor_cores", ())() == 1
 
 
 def plan_splits(batch: int, max_tree: int, heads: int, max_kv: int, fast: bool, sm_count: int) -> SplitPlan:
-    """Enough blocks for about two per multiprocessor, each split at least MIN_SPLIT_KEYS keys."""
+    """The split that gives the busiest multiprocessor the least work.
+
+    Blocks = row blocks x splits, run in waves of (resident blocks per multiprocessor x
+    sm_count); each block costs its key tiles plus SPLIT_COST_TILES. Ties go to fewer splits."""
     rows_per_block = FAST_ROWS if fast else GENERIC_ROWS
+    slots = sm_count * (FAST_BLOCKS_PER_SM if fast else GENERIC_BLOCKS_PER_SM)
     row_blocks = batch * math.ceil(max_tree * heads / rows_per_block)
-    wanted = math.ceil(2 * sm_count / row_blocks)
-    splits = max(1, min(wanted, MAX_SPLITS, math.ceil(max_kv / MIN_SPLIT_KEYS)))
-    split_keys = KEY_BLOCK * math.ceil(max_kv / splits / KEY_BLOCK)
+    tiles = math.ceil(max_kv / KEY_BLOCK)
+
+    def busiest(splits: int) -> int:
+        return math.ceil(row_blocks * splits / slots) * (math.ceil(tiles / splits) + SPLIT_COST_TILES)
+
+    splits = min(range(1, min(tiles, MAX_SPLITS) + 1), key=lambda s: (busiest(s), s))
+    split_keys = KEY_BLOCK * math.ceil(tiles / splits)
     return SplitPlan(math.ceil(max_kv / split_keys), split_keys)
 
 
@@ -89,7 +109,8 @@ def mla_verify_out(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, 
                    o_lat: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes o_lat [T, H, R] and lse [T, H]; arguments already checked by `mla_verify`.
     num_splits * split_keys (a multiple of 32) covers every request's keys; generic forces
-    the CUDA-core path (the tensor-core one needs bf16, K2 dims, 16-byte aligned inputs)."""
+    the CUDA-core path (the tensor-core one needs bf16, K2 dims, 16-byte aligned inputs and
+    an sm_90a build: Hopper's wgmma and TMA)."""
     total_tokens, heads, kv_lora = q_lat.shape
     rows = total_tokens * heads
     part_o = part_lse = None
@@ -99,14 +120,14 @@ def mla_verify_out(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, 
     p = ctypes.c_void_p
     fn = _lib.function("kdtree_mla_verify", (
         p, p, p, p, p, p, p, p, p, ctypes.c_int, p, p, p, p,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, p))
     status = fn(
         _lib.ptr(q_lat), _lib.ptr(q_pe), _lib.ptr(c_kv), _lib.ptr(k_pe), _lib.ptr(context),
         _lib.ptr(tree_sizes), _lib.ptr(q_offsets), _lib.ptr(kv_offsets), _lib.ptr(visibility),
         visibility.shape[1], _lib.ptr(o_lat), _lib.ptr(lse),
         p(None) if part_o is None else _lib.ptr(part_o), p(None) if part_lse is None else _lib.ptr(part_lse),
-        context.shape[0], total_tokens, heads, kv_lora, q_pe.shape[2], max_tree, num_splits, split_keys,
+        context.shape[0], total_tokens, c_kv.shape[0], heads, kv_lora, q_pe.shape[2], max_tree, num_splits, split_keys,
         scale, _DTYPE_CODES[q_lat.dtype], _DTYPE_CODES[o_lat.dtype], int(generic), _lib.stream(q_lat.device))
     _lib.check(status, "kdtree_mla_verify")
 
@@ -151,8 +172,8 @@ def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
         return o_lat, lse
     if visibility.shape[1] * 32 < max_tree:
         raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
-    fast = (not generic and uses_tensor_cores(q_lat.dtype, kv_lora, q_pe.shape[2])
-            and all(t.data_ptr() % 16 == 0 for t in (q_lat, q_pe, c_kv, k_pe)))   # 16-byte copies
+    fast = (not generic and uses_tensor_cores(q_lat.dtype, kv_lora, q_pe.shape[2], q_lat.device)
+            and all(t.data_ptr() % 16 == 0 for t in (q_lat, q_pe, c_kv, k_pe)))   # TMA alignment
     sm_count = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
     plan = plan_splits(batch, max_tree, heads, max_kv, fast, sm_count)
     torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, visibility, float(scale), max_tree,

@@ -4,18 +4,20 @@
 # (k2-mid, bf16, batch 1 and 8, oracle and layerskip drafters; AR vs DDTree side by side).
 # Run from the checkout root:
 #
-#   PYTHONPATH=. bash scripts/gpu_engine.sh
+#   PYTHONPATH=. bash scripts/gpu_engine.sh [all|validate|bench]
 #
 # Writes under $OUT (default ./out): gpu.txt, build.log, validate_cuda.txt, validate_cuda.json,
 # engine_bench.log, engine_bench.json (pytest-benchmark) and engine_bench.md (the table).
 # Wheels in .whl/ are installed by scripts/gpu_env.sh.
 # KDTREE_BENCH=1 decodes 256 tokens a request instead of 64.
 set -uo pipefail
+stage="${1:-all}"
 source "$(dirname "$0")/gpu_env.sh"
 
 echo "== build kernels"
 build_kernels
 
+if [[ "$stage" == all || "$stage" == validate ]]; then
 echo "== validate --device cuda"
 # engine.validate needs neither click nor rich (the device may lack them): call it directly.
 timeout 240 python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/validate_cuda.txt"
@@ -29,7 +31,9 @@ print("backends:", report.backends)
 print(report.summary())
 write_json(report, f"{sys.argv[1]}/validate_cuda.json")
 PY
+fi
 
+if [[ "$stage" == all || "$stage" == bench ]]; then
 echo "== engine benchmarks"
 timeout 420 python3 -m pytest tests/engine/test_bench_engine.py -k gpu -p no:cacheprovider -q -rs \
     --benchmark-enable --benchmark-json "$OUT/engine_bench.json" >"$OUT/engine_bench.log" 2>&1
@@ -53,3 +57,4 @@ if data["benchmarks"]:
     print(f"\nGPU: {e['gpu']}; backends: {e['backends']}; tokens match AR: "
           f"{[b['extra_info']['tokens_match'] for b in data['benchmarks']]}")
 PY
+fi

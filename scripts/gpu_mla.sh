@@ -15,6 +15,11 @@ source "$(dirname "$0")/gpu_env.sh"
 echo "== build"
 build_kernels || exit 1
 grep -A2 "mla_" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c
+if command -v cuobjdump >/dev/null; then   # the tensor-core path must show Hopper's HGMMA, not HMMA
+    cuobjdump -sass "$KDTREE_KERNELS_LIB" >"$OUT/kernels.sass" 2>&1
+    echo "SASS: $(grep -c HGMMA "$OUT/kernels.sass") HGMMA, $(grep -c " HMMA" "$OUT/kernels.sass") HMMA," \
+         "$(grep -cE "LDL|STL" "$OUT/kernels.sass") local-memory instructions"
+fi
 
 if [[ "$stage" == all || "$stage" == tests ]]; then
     echo "== tests"
@@ -59,11 +64,11 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 c = d["ceilings"]
 print(f"{c['gpu']}: copy {c['copy_TBps']:.2f} TB/s, bf16 mma {c['bf16_TFLOPs']:.0f} TFLOP/s")
-print(f"{'ctx':>6} {'tree':>4} {'B':>3} {'ms':>8} {'floor':>7} {'TB/s':>5} {'%bw':>5} {'TF/s':>6} {'%mma':>5} {'torch':>8} {'x':>6} {'generic':>8} bound")
+print(f"{'ctx':>6} {'tree':>4} {'B':>3} {'ms':>8} {'call':>7} {'floor':>7} {'TB/s':>5} {'%bw':>5} {'TF/s':>6} {'%mma':>5} {'torch':>8} {'x':>6} {'generic':>8} bound")
 for r in d["cases"]:
     g = f"{r['generic_ms']:8.3f}" if "generic_ms" in r else " " * 8
     t = f"{r['torch_ms']:8.3f} {r['speedup_vs_torch']:6.1f}" if "torch_ms" in r else " " * 15
-    print(f"{r['context']:>6} {r['tree']:>4} {r['batch']:>3} {r['kernel_ms']:8.3f} {r['floor_ms']:7.3f} {r['TBps']:5.2f} "
+    print(f"{r['context']:>6} {r['tree']:>4} {r['batch']:>3} {r['kernel_ms']:8.3f} {r['call_ms']:7.3f} {r['floor_ms']:7.3f} {r['TBps']:5.2f} "
           f"{100 * r['bw_fraction']:5.1f} {r['TFLOPs']:6.1f} {100 * r['mma_fraction']:5.1f} {t} {g} {r['bound']}")
 EOF
 fi

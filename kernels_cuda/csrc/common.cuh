@@ -16,6 +16,7 @@ enum KdtreeStatus : int {
     KDTREE_BAD_SHAPE = -1,      // a size is negative, zero where it must not be, or too large
     KDTREE_BAD_LIMIT = -2,      // a size exceeds a compile-time limit of the kernel
     KDTREE_BAD_POINTER = -3,    // a required pointer is null
+    KDTREE_BAD_TENSOR_MAP = -4, // the driver rejected a TMA tensor map (unaligned pointer or stride)
 };
 
 // The status of the last launch on this thread (0 when it was accepted).

@@ -22,12 +22,14 @@
 //
 // Two block kernels, the same math:
 // - `mla_generic`: any dims, float32 or bf16 inputs; one warp per row, float32 CUDA cores.
-// - `mla_k2_bf16`: bf16 inputs at kv_lora 512, rope 64; 64 rows x 32 keys a step on the
-//   tensor cores (mma.sync m16n8k16, float32 accumulation), keys streamed through a
-//   cp.async pipeline; c_kv in shared memory serves as both K and V.
+// - `mla_k2_wgmma`: bf16 inputs at kv_lora 512, rope 64, on Hopper (sm_90a); 64 rows x 64
+//   keys a step on the tensor cores (wgmma, float32 accumulation), operands loaded by TMA
+//   with the 128-byte swizzle; c_kv in shared memory serves as both K and V.
 
 #include "common.cuh"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <math_constants.h>
 
@@ -160,67 +162,165 @@ __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
     if (lane == 0) store_lse(p, split, row, row_lse(m, l));
 }
 
-// ------------------------------------------------------------------ K2 tensor-core path
+// ------------------------------------------------------------------ K2 tensor-core path (Hopper)
 
 namespace k2 {
 constexpr int kR = 512, kDr = 64, kD = kR + kDr;  // latent, rope, score dims
-constexpr int kLd = kD + 8;       // shared row stride in bf16: 1168 bytes, ldmatrix conflict-free
-constexpr int kBM = 64;           // query rows per block
-constexpr int kBN = 32;           // keys per pipeline step
-constexpr int kThreads = 256;     // 8 warps: 4 row groups x 2 halves
-constexpr int kChunks = kD / 8;   // 16-byte chunks per row
-constexpr int kHalfD = kD / 2;    // score dims per warp half: 288 = 18 k-steps of 16
-constexpr int kHalfR = kR / 2;    // output columns per warp half: 256 = 32 n-tiles of 8
-constexpr int kStages = 3;
-constexpr size_t kSmemBytes = (size_t)(kBM + kStages * kBN) * kLd * sizeof(bf16);
+constexpr int kBM = 64;                   // query rows per block (one wgmma M)
+constexpr int kChunkDims = 64;            // dims per 128-byte swizzled row
+constexpr int kChunks = kD / kChunkDims;  // 9: 8 of c_kv / q_lat, 1 of k_pe / q_pe
+constexpr int kChunkBytes = 64 * 128;     // one [64 rows][64 dims] bf16 chunk
+constexpr int kTileBytes = kChunks * kChunkBytes;  // a Q tile or a key tile: 72 KB
+constexpr int kStages = 2;                // key tiles in flight
+constexpr int kThreads = 256;             // two warpgroups
+// Shared memory, from a 1024-byte aligned base (the 128-byte swizzle repeats every 1024 bytes).
+constexpr int kOffQ = 0;
+constexpr int kOffK = kOffQ + kTileBytes;                 // [kStages] key tiles
+constexpr int kOffP = kOffK + kStages * kTileBytes;       // P [64 rows][64 keys], one chunk
+constexpr int kOffAlpha = kOffP + kChunkBytes;            // [64] float: this tile's O rescale
+constexpr int kOffInvL = kOffAlpha + kBM * 4;             // [64] float: final 1 / l
+constexpr int kOffBars = kOffInvL + kBM * 4;              // mbarriers (see the kernel)
+constexpr int kBars = 1 + 2 * kStages + 3;
+constexpr size_t kSmemBytes = kOffBars + kBars * 8 + 1024;
 }  // namespace k2
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+// The four operands as TMA tensor maps: rows of 64-dim chunks, 64 rows a box, 128-byte swizzle.
+struct K2Maps {
+    CUtensorMap q_lat;  // [T * H rows, 512]
+    CUtensorMap q_pe;   // [T * H rows, 64]
+    CUtensorMap c_kv;   // [S rows, 512]
+    CUtensorMap k_pe;   // [S rows, 64]
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // Hopper-only instructions: sm_90a code
+
+namespace k2 {
+constexpr int kBN = 64;  // keys per tile
+constexpr int kBarWg0 = 1;  // named barrier of warpgroup 0 alone (0 is __syncthreads)
+}  // namespace k2
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+// One [64 rows][64 dims] box of `map` at (dim x, row y) into a swizzled chunk; completes on bar.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar)) : "memory");
+}
+// A tile's 9 chunks: rows y .. y + 63 of the latent map (8 chunks) and of the rope map (1).
+__device__ __forceinline__ void tma_load_tile(unsigned char* dst, const CUtensorMap* lat, const CUtensorMap* pe,
+                                              uint64_t* bar, int y) {
+    mbar_expect_tx(bar, k2::kTileBytes);
+#pragma unroll
+    for (int c = 0; c < k2::kChunks - 1; ++c) tma_load(dst + c * k2::kChunkBytes, lat, bar, c * k2::kChunkDims, y);
+    tma_load(dst + (k2::kChunks - 1) * k2::kChunkBytes, pe, bar, 0, y);
+}
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Generic-proxy writes to shared memory become visible to the tensor cores and the copy engine.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Shared-memory matrix descriptor with the 128-byte swizzle. K-major operands (Q, K, P):
+// rows of 128 bytes, 8-row groups sbo = 1024 bytes apart (lbo unused). MN-major V: 64 output
+// columns per 128-byte row, lbo = the stride between 64-column chunks, sbo = between 8-key groups.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
+           (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Keep the compiler from moving accesses of wgmma accumulators across the asynchronous window.
+template <int N> __device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-// d[16x8] += a[16x16] * b[16x8], bf16 operands, float32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
 }
-__device__ __forceinline__ void pair_barrier(int id) {
-    asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
+// s[64 x 64] (+)= Q[64 x 16] K[64 x 16]^T, both K-major in shared memory.
+__device__ __forceinline__ void wgmma_scores(float (&d)[32], uint64_t q, uint64_t k, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(q), "l"(k), "r"(accumulate));
+}
+// o[64 x 256] += P[64 x 16] V[16 x 256]: P K-major and V MN-major in shared memory.
+__device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t p, uint64_t v) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(p), "l"(v), "r"(1));
 }
 
-// Block = 64 query rows x one key split of one request. Warp w: row group mi = w % 4 (16 rows),
-// half nj = w / 4. Scores: each warp of a pair takes half of the 576 score dims for all 32 keys
-// (its Q fragments stay in registers), the pair sums the two partial score tiles through
-// shared memory, so both hold the same full tile; softmax statistics are then identical in
-// both, P stays in registers, and each warp accumulates its 256 of the 512 output columns.
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// Block = 64 query rows x one key split of one request, two warpgroups, both operands of
+// every wgmma in shared memory. Per 64-key tile, warpgroup 0 computes the scores S = Q K^T,
+// the online softmax, and writes P (bf16) and the rows' rescale factors to shared memory;
+// then each warpgroup accumulates its 256 of the 512 output columns, O += P V, so warpgroup 1
+// works on tile t while warpgroup 0 scores tile t + 1. c_kv in shared memory is both K
+// (K-major) and V (MN-major). One thread of warpgroup 1 issues the TMA loads: the Q tile, then
+// key tiles into a ring of kStages, each refilled once all 8 warps have released it. Every
+// hand-off between the warpgroups is an mbarrier.
 template <typename TOut>
-__global__ void __launch_bounds__(k2::kThreads, 1) mla_k2_bf16(MlaParams p) {
+__global__ void __launch_bounds__(k2::kThreads, 1)
+    mla_k2_wgmma(const __grid_constant__ MlaParams p, const __grid_constant__ K2Maps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma exists only in sm_90a code
     using namespace k2;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    bf16* sQ = reinterpret_cast<bf16*>(smem_raw);   // [kBM][kLd]; then the score exchange
-    bf16* sK = sQ + kBM * kLd;                      // [kStages][kBN][kLd]
-    float* sX = reinterpret_cast<float*>(smem_raw); // [8 warps][16][32 lanes] partial scores
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    unsigned char* sQ = smem + kOffQ;
+    unsigned char* sK = smem + kOffK;
+    unsigned char* sP = smem + kOffP;
+    float* sAlpha = reinterpret_cast<float*>(smem + kOffAlpha);
+    float* sInvL = reinterpret_cast<float*>(smem + kOffInvL);
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kOffBars);
+    uint64_t* q_full = bars;              // the Q tile landed
+    uint64_t* full = bars + 1;            // [kStages] a key tile landed
+    uint64_t* empty = full + kStages;     // [kStages] all 8 warps are done with a key tile
+    uint64_t* p_ready = empty + kStages;  // warpgroup 0 wrote P and alpha of a tile
+    uint64_t* p_free = p_ready + 1;       // warpgroup 1 is done with them
+    uint64_t* l_ready = p_free + 1;       // warpgroup 0 wrote the final 1 / l
 
     const int b = blockIdx.z, split = blockIdx.y;
     const int tree = p.tree[b], context = p.context[b];
@@ -231,230 +331,321 @@ __global__ void __launch_bounds__(k2::kThreads, 1) mla_k2_bf16(MlaParams p) {
     if (row0 >= rows || key_begin >= kv_len) return;
     const int key_end = min(kv_len, key_begin + p.split_keys);
     const int n_tiles = (key_end - key_begin + kBN - 1) / kBN;
+    const int grow0 = p.q_offsets[b] * p.heads + row0;     // global row of tile row 0
+    const int cache_row0 = p.kv_offsets[b] + key_begin;    // cache row of the split's first key
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int mi = warp & 3, nj = warp >> 2;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int grow0 = p.q_offsets[b] * p.heads + row0;  // global row of tile row 0
-    const bf16* q_lat = static_cast<const bf16*>(p.q_lat) + (size_t)grow0 * kR;
-    const bf16* q_pe = static_cast<const bf16*>(p.q_pe) + (size_t)grow0 * kDr;
-    const bf16* c_kv = static_cast<const bf16*>(p.c_kv) + (size_t)p.kv_offsets[b] * kR;
-    const bf16* k_pe = static_cast<const bf16*>(p.k_pe) + (size_t)p.kv_offsets[b] * kDr;
+    const bool producer = tid == 128;
+    const int r_lo = 16 * warp + g;  // this thread's tile rows: r_lo and r_lo + 8 (accumulator layout)
 
-    // Q tile -> shared (rows past the request are zero-filled and never stored).
-    for (int i = tid; i < kBM * kChunks; i += kThreads) {
-        const int r = i / kChunks, c = i % kChunks;
-        const bool valid = row0 + r < rows;
-        const bf16* src = c < kR / 8 ? q_lat + (size_t)r * kR + c * 8 : q_pe + (size_t)r * kDr + (c - kR / 8) * 8;
-        cp_async16(sQ + r * kLd + c * 8, valid ? src : q_lat, valid);
-    }
-    cp_async_commit();
-
-    auto load_keys = [&](int tile, int stage) {
-        const int k0 = key_begin + tile * kBN;
-        bf16* dst = sK + stage * kBN * kLd;
-        for (int i = tid; i < kBN * kChunks; i += kThreads) {
-            const int r = i / kChunks, c = i % kChunks;
-            const int key = k0 + r;
-            const bool valid = key < key_end;
-            const bf16* src = c < kR / 8 ? c_kv + (size_t)key * kR + c * 8 : k_pe + (size_t)key * kDr + (c - kR / 8) * 8;
-            cp_async16(dst + r * kLd + c * 8, valid ? src : c_kv, valid);
+    if (tid == 0) {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 8);
         }
-    };
-    for (int s = 0; s < kStages - 1; ++s) {
-        if (s < n_tiles) load_keys(s, s);
-        cp_async_commit();
+        mbar_init(p_ready, 128);  // hand-offs between the warpgroups: every thread arrives after
+        mbar_init(p_free, 128);   // its own shared-memory accesses (faster, measured, than one
+        mbar_init(l_ready, 128);  // elected lane per warp exchanging the values by shuffles)
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    cp_async_wait<kStages - 1>();  // the Q group is complete
     __syncthreads();
+    if (producer) {
+        tma_load_tile(sQ, &maps.q_lat, &maps.q_pe, q_full, grow0);
+        for (int s = 0; s < kStages && s < n_tiles; ++s)
+            tma_load_tile(sK + s * kTileBytes, &maps.c_kv, &maps.k_pe, &full[s], cache_row0 + s * kBN);
+    }
+    __syncwarp();
 
-    uint32_t qa[kHalfD / 16][4];    // this warp's 16 rows x 288 dims, as mma A fragments
-#pragma unroll
-    for (int ks = 0; ks < kHalfD / 16; ++ks)
-        ldmatrix_x4(qa[ks], sQ + (16 * mi + (lane & 15)) * kLd + kHalfD * nj + 16 * ks + (lane >> 4) * 8);
-
-    // Rows g and g + 8 of this warp's group: their visibility row, and whether they exist.
-    int vis_token[2];
     bool row_ok[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int local = row0 + 16 * mi + g + 8 * h;
-        row_ok[h] = local < rows;
-        vis_token[h] = (grow0 - row0 + (row_ok[h] ? local : 0)) / p.heads;
-    }
+    for (int h = 0; h < 2; ++h) row_ok[h] = row0 + r_lo + 8 * h < rows;
+    float o[128];  // [64 rows x 256 columns] of this warpgroup's output half
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float inv_l[2];  // 1 / the final row sums
+    // O += P V of tile `tile`: this warpgroup's 256 columns, P and V from shared memory.
+    const uint64_t p_desc = smem_desc(sP, 16, 1024);
+    const uint64_t v_desc = smem_desc(sK, kChunkBytes, 1024) + ((wg * 4 * kChunkBytes) >> 4);
+    auto issue_pv = [&](int tile) {
+        const uint32_t stage_off = ((tile % kStages) * kTileBytes) >> 4;  // descriptor units of 16 bytes
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_pv(o, p_desc + ((kk * 32) >> 4), v_desc + stage_off + ((kk * 16 * 128) >> 4));
+    };
 
-    float o[kHalfR / 8][4];
+    if (wg == 0) {
+        int vis_token[2];
 #pragma unroll
-    for (int n = 0; n < kHalfR / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m_row[2] = {-CUDART_INF_F, -CUDART_INF_F};
-    float l_row[2] = {0.f, 0.f};  // this thread's part of the row sums (reduced at the end)
+        for (int h = 0; h < 2; ++h) vis_token[h] = (grow0 + (row_ok[h] ? r_lo + 8 * h : 0)) / p.heads;
+        float m_row[2] = {-CUDART_INF_F, -CUDART_INF_F};
+        float l_row[2] = {0.f, 0.f};  // this thread's part of the row sums (reduced at the end)
+        const uint64_t q_desc = smem_desc(sQ, 16, 1024);
+        const uint64_t k_desc = smem_desc(sK, 16, 1024);
 
-    for (int tile = 0; tile < n_tiles; ++tile) {
-        cp_async_wait<kStages - 2>();
-        __syncthreads();  // tile `tile` landed for everyone; everyone is done with tile - 1
-        if (tile + kStages - 1 < n_tiles) load_keys(tile + kStages - 1, (tile + kStages - 1) % kStages);
-        cp_async_commit();
-        const bf16* sKt = sK + (tile % kStages) * kBN * kLd;
-
-        // Partial scores over this warp's 288 dims: 16 rows x 32 keys (4 n-tiles of 8 keys).
-        float s[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < kHalfD / 16; ++ks) {
-#pragma unroll
-            for (int kp = 0; kp < 2; ++kp) {
-                uint32_t kb[4];
-                ldmatrix_x4(kb, sKt + (16 * kp + (lane & 7) + ((lane >> 4) << 3)) * kLd + kHalfD * nj + 16 * ks +
-                                    ((lane >> 3) & 1) * 8);
-                mma_bf16(s[2 * kp], qa[ks], kb[0], kb[1]);
-                mma_bf16(s[2 * kp + 1], qa[ks], kb[2], kb[3]);
+        mbar_wait(q_full, 0);
+        for (int tile = 0; tile < n_tiles; ++tile) {
+            // Wait for the key tile; zero its V rows past the split (the cache may hold NaN there).
+            const int stage = tile % kStages;
+            unsigned char* sKt = sK + stage * kTileBytes;
+            mbar_wait(&full[stage], (tile / kStages) & 1);
+            const int key0 = key_begin + tile * kBN;
+            const int valid = key_end - key0;
+            if (valid < kBN) {
+                for (int i = tid; i < (kBN - valid) * 8 * (kChunks - 1); i += 128) {
+                    const int unit = i & 7, chunk = (i >> 3) % (kChunks - 1), r = valid + (i >> 3) / (kChunks - 1);
+                    *reinterpret_cast<uint4*>(sKt + chunk * kChunkBytes + r * 128 + unit * 16) = make_uint4(0, 0, 0, 0);
+                }
+                fence_proxy_async();
+                named_bar_sync(kBarWg0, 128);
             }
-        }
-        // Sum the pair's partial tiles (a + b == b + a, so both warps hold the same bits).
-        float* mine = sX + warp * 16 * 32 + lane;
-        const float* other = sX + (warp ^ 4) * 16 * 32 + lane;
+            // Scores: s[4j + 2h + e] = row r_lo + 8h, key 8j + 2 t4 + e; 64 x 64 over 576 dims, 36 k-steps.
+            float s[32];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) mine[i * 32] = s[i / 4][i % 4];
-        pair_barrier(1 + mi);
+            for (int i = 0; i < 32; ++i) s[i] = 0.f;
+            fence_operands(s);
+            fence_operands(o);
+            wgmma_fence();
+            const uint32_t stage_off = (stage * kTileBytes) >> 4;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) s[i / 4][i % 4] += other[i * 32];
+            for (int ks = 0; ks < kD / 16; ++ks) {
+                const uint32_t off = ((ks / 4) * kChunkBytes + (ks % 4) * 32) >> 4;
+                wgmma_scores(s, q_desc + off, k_desc + stage_off + off, ks > 0);
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_operands(s);
+            fence_operands(o);
 
-        // Scale into the log2 domain; mask keys past the split and hidden tree keys.
-        const int key0 = key_begin + tile * kBN;
-        const bool masked_tile = key0 + kBN > context || key0 + kBN > key_end;
+            // Scale into the log2 domain; mask keys past the split and hidden tree keys.
+            const bool masked_tile = key0 + kBN > context || valid < kBN;
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[n][e] * p.scale_log2;
+            for (int i = 0; i < 32; ++i) {
+                float x = s[i] * p.scale_log2;
                 if (masked_tile) {
-                    const int key = key0 + 8 * n + 2 * t4 + (e & 1);
-                    const int h = e >> 1;
+                    const int key = key0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
+                    const int h = (i >> 1) & 1;
                     const bool visible = key < key_end && (!row_ok[h] || key_visible(p, vis_token[h], key, context));
                     x = visible ? x : -CUDART_INF_F;
                 }
-                s[n][e] = x;
+                s[i] = x;
             }
-        }
-        // Online softmax: rows g (elements 0, 1) and g + 8 (elements 2, 3) of each n-tile.
-        float alpha[2];
+            float alpha[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = -CUDART_INF_F;
+            for (int h = 0; h < 2; ++h) {
+                float mx = -CUDART_INF_F;
 #pragma unroll
-            for (int n = 0; n < 4; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_row[h], mx);
-            const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-            alpha[h] = exp2f(m_row[h] - m_use);
-            m_row[h] = m_new;
-            float sum = 0.f;
+                for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m_row[h], mx);
+                const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
+                alpha[h] = exp2f(m_row[h] - m_use);
+                m_row[h] = m_new;
+                float sum = 0.f;
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                s[n][2 * h] = exp2f(s[n][2 * h] - m_use);
-                s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - m_use);
-                sum += s[n][2 * h] + s[n][2 * h + 1];
+                for (int j = 0; j < 8; ++j) {
+                    s[4 * j + 2 * h] = exp2f(s[4 * j + 2 * h] - m_use);
+                    s[4 * j + 2 * h + 1] = exp2f(s[4 * j + 2 * h + 1] - m_use);
+                    sum += s[4 * j + 2 * h] + s[4 * j + 2 * h + 1];
+                }
+                l_row[h] = l_row[h] * alpha[h] + sum;
             }
-            l_row[h] = l_row[h] * alpha[h] + sum;
-        }
-        // Rescale O only when some row's running max moved (x * 1 == x: skipping is exact).
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+            // P as bf16 into shared memory (K-major, swizzled), once warpgroup 1 is done with the last.
+            if (tile > 0) mbar_wait(p_free, (tile - 1) & 1);
 #pragma unroll
-            for (int n = 0; n < kHalfR / 8; ++n) {
-                o[n][0] *= alpha[0];
-                o[n][1] *= alpha[0];
-                o[n][2] *= alpha[1];
-                o[n][3] *= alpha[1];
+            for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    *reinterpret_cast<uint32_t*>(sP + (r_lo + 8 * h) * 128 + ((j ^ g) << 4) + 4 * t4) =
+                        pack_bf16(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
             }
-        }
-        // P (16 rows x 32 keys) as two A fragments of 16 keys, straight from the accumulators.
-        uint32_t pa[2][4];
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-            pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
-        // O[16 rows x 256 cols] += P V, V = the c_kv part of the key tile.
-#pragma unroll
-        for (int c = 0; c < kHalfR / 16; ++c) {
-#pragma unroll
-            for (int kk = 0; kk < 2; ++kk) {
-                uint32_t vb[4];
-                ldmatrix_x4_trans(vb, sKt + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + kHalfR * nj +
-                                          16 * c + (lane >> 4) * 8);
-                mma_bf16(o[2 * c], pa[kk], vb[0], vb[1]);
-                mma_bf16(o[2 * c + 1], pa[kk], vb[2], vb[3]);
+            if (t4 == 0) {
+                sAlpha[r_lo] = alpha[0];
+                sAlpha[r_lo + 8] = alpha[1];
             }
+            fence_proxy_async();
+            mbar_arrive(p_ready);
+
+            // Rescale O only when some row's running max moved (x * 1 == x: skipping is exact).
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+                for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
+            }
+            // O += P V, P from shared memory: the other warps' rows of P must be there too.
+            named_bar_sync(kBarWg0, 128);
+            fence_operands(o);
+            wgmma_fence();
+            issue_pv(tile);
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_operands(o);
+            if (lane == 0) mbar_arrive(&empty[stage]);
         }
-    }
-    cp_async_wait<0>();
 
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float l = l_row[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        if (!row_ok[h]) continue;
-        const int row = grow0 + 16 * mi + g + 8 * h;
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        for (int h = 0; h < 2; ++h) {
+            float l = l_row[h];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            inv_l[h] = l > 0.f ? 1.f / l : 0.f;
+            if (t4 == 0) {
+                sInvL[r_lo + 8 * h] = inv_l[h];
+                if (row_ok[h]) store_lse(p, split, grow0 + r_lo + 8 * h, row_lse(m_row[h], l));
+            }
+        }
+        mbar_arrive(l_ready);
+    } else {
+        for (int tile = 0; tile < n_tiles; ++tile) {
+            const int stage = tile % kStages;
+            mbar_wait(p_ready, tile & 1);
+            const float alpha[2] = {sAlpha[r_lo], sAlpha[r_lo + 8]};
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int n = 0; n < kHalfR / 8; ++n)
-            store_pair<TOut>(p, split, row, kHalfR * nj + 8 * n + 2 * t4, o[n][2 * h] * inv_l, o[n][2 * h + 1] * inv_l);
-        if (nj == 0 && t4 == 0) store_lse(p, split, row, row_lse(m_row[h], l));
+                for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
+            }
+            fence_operands(o);
+            wgmma_fence();
+            issue_pv(tile);
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_operands(o);
+            if (tile + 1 < n_tiles) mbar_arrive(p_free);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[stage]);
+            if (producer && tile + kStages < n_tiles) {
+                mbar_wait(&empty[stage], (tile / kStages) & 1);
+                tma_load_tile(sK + stage * kTileBytes, &maps.c_kv, &maps.k_pe, &full[stage],
+                              cache_row0 + (tile + kStages) * kBN);
+            }
+            __syncwarp();
+        }
+        mbar_wait(l_ready, 0);
+        inv_l[0] = sInvL[r_lo];
+        inv_l[1] = sInvL[r_lo + 8];
     }
+
+    // o[4j + 2h + e]: row r_lo + 8h, column 256 wg + 8j + 2 t4 + e.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (!row_ok[h]) continue;
+        const int row = grow0 + r_lo + 8 * h;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+            store_pair<TOut>(p, split, row, 256 * wg + 8 * j + 2 * t4, o[4 * j + 2 * h] * inv_l[h],
+                             o[4 * j + 2 * h + 1] * inv_l[h]);
+    }
+#else
+    __trap();  // never launched: the host launches this kernel only where sm_90a code runs
+#endif
 }
 
 // ------------------------------------------------------------------ split combine
 
 constexpr int kMaxSplits = 128;
+constexpr int kCombineThreads = 128;
 
-// One warp per row: weights exp(lse_i - max) over the request's non-empty splits, then
-// o = sum_i w_i o_i / sum_i w_i and lse = max + log(sum_i w_i).
+// Block = one query row: the first warp turns the splits' lse into weights exp(lse_i - max)
+// (non-empty splits only) and writes lse = max + log(sum_i w_i); then each thread merges its
+// columns, o = sum_i w_i o_i / sum_i w_i, reading the splits' partial rows coalesced.
 template <typename TOut>
-__global__ void __launch_bounds__(kGenericWarps * 32) mla_combine(MlaParams p) {
-    __shared__ float weights[kGenericWarps][kMaxSplits];
-    const int b = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+__global__ void __launch_bounds__(kCombineThreads) mla_combine(MlaParams p) {
+    __shared__ float weights[kMaxSplits];
+    __shared__ float inv_total;
+    const int b = blockIdx.y, local_row = blockIdx.x;
     const int tree = p.tree[b];
-    const int local_row = blockIdx.x * kGenericWarps + warp;
     if (local_row >= tree * p.heads) return;
     const int kv_len = p.context[b] + tree;
     const int n_splits = min(p.num_splits, (kv_len + p.split_keys - 1) / p.split_keys);
     const int row = p.q_offsets[b] * p.heads + local_row;
-
-    float mx = -CUDART_INF_F;
-    for (int i = 0; i < n_splits; ++i) mx = fmaxf(mx, p.part_lse[(size_t)i * p.total_rows + row]);
-    float* w = weights[warp];
-    for (int i = lane; i < n_splits; i += 32)
-        w[i] = mx == -CUDART_INF_F ? 0.f : __expf(p.part_lse[(size_t)i * p.total_rows + row] - mx);
-    __syncwarp();
-    float total = 0.f;
-    for (int i = 0; i < n_splits; ++i) total += w[i];
-    const float inv_total = total > 0.f ? 1.f / total : 0.f;
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        float mx = -CUDART_INF_F;
+        for (int i = lane; i < n_splits; i += 32) mx = fmaxf(mx, p.part_lse[(size_t)i * p.total_rows + row]);
+        for (int mask = 16; mask > 0; mask >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, mask));
+        float total = 0.f;
+        for (int i = lane; i < n_splits; i += 32) {
+            const float w = mx == -CUDART_INF_F ? 0.f : __expf(p.part_lse[(size_t)i * p.total_rows + row] - mx);
+            weights[i] = w;
+            total += w;
+        }
+        for (int mask = 16; mask > 0; mask >>= 1) total += __shfl_xor_sync(0xffffffffu, total, mask);
+        if (lane == 0) {
+            inv_total = total > 0.f ? 1.f / total : 0.f;
+            p.lse[row] = total > 0.f ? mx + logf(total) : -CUDART_INF_F;
+        }
+    }
+    __syncthreads();
+    const float* part = p.part_o + (size_t)row * p.kv_lora;
+    const size_t split_stride = (size_t)p.total_rows * p.kv_lora;
     TOut* out = static_cast<TOut*>(p.o_lat) + (size_t)row * p.kv_lora;
-    for (int c = lane; c < p.kv_lora; c += 32) {
+    for (int c = threadIdx.x; c < p.kv_lora; c += kCombineThreads) {
         float acc = 0.f;
-        for (int i = 0; i < n_splits; ++i) acc += w[i] * p.part_o[((size_t)i * p.total_rows + row) * p.kv_lora + c];
+#pragma unroll 8
+        for (int i = 0; i < n_splits; ++i) acc += weights[i] * part[i * split_stride + c];
         out[c] = from_float<TOut>(acc * inv_total);
     }
-    if (lane == 0) p.lse[row] = total > 0.f ? mx + logf(total) : -CUDART_INF_F;
+}
+
+// cuTensorMapEncodeTiled from the driver (no link-time dependency on libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess)
+            fn = nullptr;
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    return encode;
+}
+
+// A bf16 [rows, dims] row-major tensor as boxes of 64 rows x 64 dims with the 128-byte swizzle.
+bool encode_rows(CUtensorMap* map, const void* base, int dims, long long rows) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (!encode) return false;
+    const cuuint64_t size[2] = {(cuuint64_t)dims, (cuuint64_t)rows};
+    const cuuint64_t stride[1] = {(cuuint64_t)dims * sizeof(bf16)};
+    const cuuint32_t box[2] = {k2::kChunkDims, 64}, step[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), size, stride, box, step,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Whether the current device runs this library's sm_90a code: the library carries it
+// (KDTREE_SM90A, set by build.py) and the device has compute capability 9.0 (H100, H200).
+bool runs_sm90a() {
+#ifdef KDTREE_SM90A
+    int device = 0, major = 0, minor = 0;
+    return cudaGetDevice(&device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+           major == 9 && minor == 0;
+#else
+    return false;
+#endif
 }
 
 template <typename TOut>
-int launch(const MlaParams& p, int batch, int max_tree, int in_dtype, bool generic, cudaStream_t stream) {
+int launch(const MlaParams& p, int batch, int max_tree, long long cache_rows, int in_dtype, bool generic,
+           cudaStream_t stream) {
     const long long max_rows = (long long)max_tree * p.heads;
-    const bool k2_fast = !generic && in_dtype == kBFloat16 && p.kv_lora == k2::kR && p.rope_dim == k2::kDr;
+    const bool k2_fast =
+        !generic && in_dtype == kBFloat16 && p.kv_lora == k2::kR && p.rope_dim == k2::kDr && runs_sm90a();
     if (k2_fast) {
-        static_assert(k2::kSmemBytes <= 227 * 1024, "K2 tile does not fit in shared memory");
-        const cudaError_t err = cudaFuncSetAttribute(mla_k2_bf16<TOut>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_assert(k2::kSmemBytes <= 227 * 1024, "K2 tiles do not fit in shared memory");
+        K2Maps maps;
+        if (!encode_rows(&maps.q_lat, p.q_lat, k2::kR, p.total_rows) ||
+            !encode_rows(&maps.q_pe, p.q_pe, k2::kDr, p.total_rows) ||
+            !encode_rows(&maps.c_kv, p.c_kv, k2::kR, cache_rows) || !encode_rows(&maps.k_pe, p.k_pe, k2::kDr, cache_rows))
+            return KDTREE_BAD_TENSOR_MAP;
+        const cudaError_t err = cudaFuncSetAttribute(mla_k2_wgmma<TOut>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                      (int)k2::kSmemBytes);
         if (err != cudaSuccess) return (int)err;
         const dim3 grid((unsigned)((max_rows + k2::kBM - 1) / k2::kBM), p.num_splits, batch);
-        mla_k2_bf16<TOut><<<grid, k2::kThreads, k2::kSmemBytes, stream>>>(p);
+        mla_k2_wgmma<TOut><<<grid, k2::kThreads, k2::kSmemBytes, stream>>>(p, maps);
     } else {
         const size_t smem = (size_t)kGenericWarps * (2 * p.kv_lora + p.rope_dim) * sizeof(float);
         if (smem > 48 * 1024) return KDTREE_BAD_LIMIT;
@@ -464,36 +655,43 @@ int launch(const MlaParams& p, int batch, int max_tree, int in_dtype, bool gener
     }
     int status = kdtree_launch_status();
     if (status != 0 || p.num_splits == 1) return status;
-    const dim3 grid((unsigned)((max_rows + kGenericWarps - 1) / kGenericWarps), batch);
-    mla_combine<TOut><<<grid, kGenericWarps * 32, 0, stream>>>(p);
+    mla_combine<TOut><<<dim3((unsigned)max_rows, batch), kCombineThreads, 0, stream>>>(p);
     return kdtree_launch_status();
 }
 
 }  // namespace
 
+// 1 when bf16 inputs at K2 dims take the tensor-core path on the current device (this library
+// carries sm_90a code and the device has compute capability 9.0), else 0.
+KDTREE_API int kdtree_mla_tensor_cores() { return runs_sm90a() ? 1 : 0; }
+
 // Tree-verify MLA attention (see the top of this file). in_dtype / out_dtype: 0 float32,
-// 1 bfloat16 (q_lat, q_pe, c_kv, k_pe share in_dtype). num_splits * split_keys must cover
-// every request's keys; split_keys is a multiple of 32; with num_splits > 1, part_o
-// [num_splits, T * H, kv_lora] and part_lse [num_splits, T * H] float32 are scratch.
-// generic != 0 forces the CUDA-core path (for comparisons). Grid: one block per 64 (fast) or
-// 4 (generic) rows of the longest tree, per split, per request.
+// 1 bfloat16 (q_lat, q_pe, c_kv, k_pe share in_dtype). cache_rows: the rows of c_kv and k_pe.
+// num_splits * split_keys must cover every request's keys; split_keys is a multiple of 32;
+// with num_splits > 1, part_o [num_splits, T * H, kv_lora] and part_lse [num_splits, T * H]
+// float32 are scratch. generic != 0 forces the CUDA-core path (for comparisons); otherwise
+// bf16 at K2 dims takes the tensor-core path, whose TMA needs 16-byte aligned pointers.
+// Grid: one block per 64 (tensor-core) or 4 (generic) rows of the longest tree, per split,
+// per request.
 KDTREE_API int kdtree_mla_verify(const void* q_lat, const void* q_pe, const void* c_kv, const void* k_pe,
                                  const int32_t* context, const int32_t* tree_sizes, const int32_t* q_offsets,
                                  const int32_t* kv_offsets, const uint32_t* visibility, int vis_words, void* o_lat,
-                                 float* lse, float* part_o, float* part_lse, int batch, int total_tokens, int heads,
-                                 int kv_lora, int rope_dim, int max_tree, int num_splits, int split_keys, float scale,
-                                 int in_dtype, int out_dtype, int generic, cudaStream_t stream) {
+                                 float* lse, float* part_o, float* part_lse, int batch, int total_tokens,
+                                 long long cache_rows, int heads, int kv_lora, int rope_dim, int max_tree,
+                                 int num_splits, int split_keys, float scale, int in_dtype, int out_dtype, int generic,
+                                 cudaStream_t stream) {
     if (!q_lat || !q_pe || !c_kv || !k_pe || !context || !tree_sizes || !q_offsets || !kv_offsets || !visibility ||
         !o_lat || !lse)
         return KDTREE_BAD_POINTER;
     if (num_splits > 1 && (!part_o || !part_lse)) return KDTREE_BAD_POINTER;
-    if (batch <= 0 || total_tokens <= 0 || heads <= 0 || kv_lora <= 0 || rope_dim <= 0 || max_tree <= 0 ||
-        num_splits <= 0 || split_keys <= 0 || split_keys % 32 != 0 || vis_words <= 0 || vis_words * 32 < max_tree)
+    if (batch <= 0 || total_tokens <= 0 || cache_rows <= 0 || heads <= 0 || kv_lora <= 0 || rope_dim <= 0 ||
+        max_tree <= 0 || num_splits <= 0 || split_keys <= 0 || split_keys % 32 != 0 || vis_words <= 0 ||
+        vis_words * 32 < max_tree)
         return KDTREE_BAD_SHAPE;
     if ((in_dtype != kFloat32 && in_dtype != kBFloat16) || (out_dtype != kFloat32 && out_dtype != kBFloat16))
         return KDTREE_BAD_SHAPE;
     if (batch > 65535 || num_splits > kMaxSplits || (long long)total_tokens * heads > (1LL << 31) - 1 ||
-        (long long)max_tree * heads > (1LL << 31) - 1)
+        (long long)max_tree * heads > (1LL << 31) - 1 || cache_rows > (1LL << 31) - 1)
         return KDTREE_BAD_LIMIT;
     MlaParams p;
     p.q_lat = q_lat; p.q_pe = q_pe; p.c_kv = c_kv; p.k_pe = k_pe;
@@ -504,6 +702,7 @@ KDTREE_API int kdtree_mla_verify(const void* q_lat, const void* q_pe, const void
     p.total_rows = total_tokens * heads;
     p.num_splits = num_splits; p.split_keys = split_keys;
     p.scale_log2 = scale * 1.44269504088896341f;
-    return out_dtype == kBFloat16 ? launch<bf16>(p, batch, max_tree, in_dtype, generic != 0, stream)
-                                  : launch<float>(p, batch, max_tree, in_dtype, generic != 0, stream);
+    return out_dtype == kBFloat16
+               ? launch<bf16>(p, batch, max_tree, cache_rows, in_dtype, generic != 0, stream)
+               : launch<float>(p, batch, max_tree, cache_rows, in_dtype, generic != 0, stream);
 }

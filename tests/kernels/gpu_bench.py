@@ -1,8 +1,9 @@
 """Timing and ceilings shared by the GPU benchmarks (METHOD.md, PERFORMANCE.md).
 
-Times are medians of CUDA-event timings after one warm-up. The ceilings are
-measured in the same run as the work they bound: a 1 GiB device-to-device copy
-(bytes read + written) and an 8192^3 bf16 matrix product on random data.
+Times are medians of CUDA-event timings after one warm-up; `graph_time_ms` times
+replays of a CUDA graph, the device's time without the host's launch overhead. The
+ceilings are measured in the same run as the work they bound: a 1 GiB device-to-device
+copy (bytes read + written) and an 8192^3 bf16 matrix product on random data.
 """
 
 from __future__ import annotations
@@ -23,6 +24,29 @@ def cuda_time_ms(fn, budget_ms: float = 200.0, max_reps: int = 50) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return sorted(times)[len(times) // 2]
+
+
+def capture_graph(fn):
+    """fn() warmed up on a side stream, then captured -> (the CUDA graph, fn's return value
+    from the capture: the tensors each replay writes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    return graph, captured
+
+
+def graph_time_ms(fn) -> float | str:
+    """cuda_time_ms of replays of a CUDA graph of fn(), or the capture error's text."""
+    try:
+        graph, _ = capture_graph(fn)
+    except RuntimeError as exc:
+        return f"capture failed: {exc}"
+    return cuda_time_ms(graph.replay)
 
 
 def copy_TBps() -> float:

@@ -24,7 +24,7 @@ import torch
 
 from engine.stages import TorchStages
 from kernels_cuda import tree_ops
-from gpu_bench import copy_TBps, cuda_time_ms
+from gpu_bench import copy_TBps, cuda_time_ms, graph_time_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
 
@@ -33,23 +33,6 @@ FULL = os.environ.get("KDTREE_BENCH") == "1"
 GRID = (list(itertools.product([64, 256, 16, 1], [64, 16, 256, 512], ["float32", "bfloat16"])) if FULL
         else [(1, 16, "float32")])
 ROWS: list[dict] = []
-
-
-def graph_time_ms(fn) -> float | str:
-    """cuda_time_ms of a CUDA graph of fn() (device time without the host's launch overhead),
-    or the capture error's text."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as exc:
-        return f"capture failed: {exc}"
-    return cuda_time_ms(graph.replay)
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,8 @@ def test_compile_error_is_one_clear_line_and_leaves_nothing(tiny_sources, capsys
 
 def test_architecture_list(monkeypatch, capsys) -> None:
     assert kbuild.arch_flags("sm_90a,compute_90") == ["-gencode=arch=compute_90a,code=sm_90a",
-                                                      "-gencode=arch=compute_90,code=compute_90"]
+                                                      "-gencode=arch=compute_90,code=compute_90",
+                                                      "-DKDTREE_SM90A"]           # the wgmma path's code
     assert kbuild.arch_flags(" sm_80 ") == ["-gencode=arch=compute_80,code=sm_80"]
     for bad in ("90a", "sm90", "sm_9", "", "sm_90,"[:-1] + ";compute_90"):
         with pytest.raises(kbuild.BuildError, match="architecture"):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kdtr_format import PRESETS
-from kernels_cuda.mla_ops import MlaInputError, mla_verify, pack_visibility, plan_splits
+from kernels_cuda.mla_ops import MlaInputError, mla_verify, pack_visibility, plan_splits, uses_tensor_cores
 from refgen.model import absorbed_attention
 
 DIMS = {name: (PRESETS[name].num_attention_heads, PRESETS[name].kv_lora_rank, PRESETS[name].qk_rope_head_dim)
@@ -225,6 +225,17 @@ PATH_IDS = [f"{d}-{str(t)[6:]}-{'generic' if g else 'auto'}" for d, t, g in PATH
 
 
 @needs_gpu
+def test_hopper_takes_the_tensor_core_path():
+    """On compute capability 9.0 the library must carry the sm_90a code (build.py's default)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the wgmma path is Hopper's (compute capability 9.0); this GPU is "
+                    f"{torch.cuda.get_device_capability()}")
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert uses_tensor_cores(torch.bfloat16, 512, 64, device)
+    assert not uses_tensor_cores(torch.float32, 512, 64, device)
+
+
+@needs_gpu
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("dims,dtype,generic", PATHS, ids=PATH_IDS)
 def test_matches_reference(scenario, dims, dtype, generic):
@@ -251,6 +262,29 @@ def test_every_split_and_output_written(dims, dtype, generic, split_keys):
     torch.ops.kdtree.mla_verify_out(case.q_lat, case.q_pe, case.c_kv, case.k_pe, case.context, case.tree_sizes,
                                     case.q_offsets, case.kv_offsets, case.bits, case.scale, 17, num_splits,
                                     split_keys, generic, o_lat, lse)
+    assert_close(case, o_lat, lse, TOLERANCE[dtype])
+
+
+@needs_gpu
+@pytest.mark.parametrize("dims,dtype,generic", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("split_keys", [64, 96])
+def test_cache_rows_outside_the_request_never_leak(dims, dtype, generic, split_keys):
+    """NaN in every cache row outside the requests' keys (an engine's unused slots) leaves the
+    output finite and right: the tensor-core path loads whole 64-key tiles past a request's end."""
+    gen = torch.Generator().manual_seed(13)
+    case = make_case(DIMS[dims], [(70, tree_visibility(random_parents(9, gen))), (3, tree_visibility([-1, 0]))],
+                     dtype, "cuda", seed=14, gap=70)
+    outside = torch.ones(case.c_kv.shape[0], dtype=torch.bool, device="cuda")
+    for b in range(2):
+        k0 = int(case.kv_offsets[b])
+        outside[k0:k0 + int(case.context[b]) + int(case.tree_sizes[b])] = False
+    case.c_kv[outside] = math.nan
+    case.k_pe[outside] = math.nan
+    o_lat = torch.empty(case.q_lat.shape, dtype=dtype, device="cuda")
+    lse = torch.empty(case.q_lat.shape[:2], dtype=torch.float32, device="cuda")
+    torch.ops.kdtree.mla_verify_out(case.q_lat, case.q_pe, case.c_kv, case.k_pe, case.context, case.tree_sizes,
+                                    case.q_offsets, case.kv_offsets, case.bits, case.scale, 9,
+                                    math.ceil(79 / split_keys), split_keys, generic, o_lat, lse)
     assert_close(case, o_lat, lse, TOLERANCE[dtype])
 
 

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpu_bench import capture_graph
 from kernels_cuda import tree_ops
 from refgen import ddtree as ref
 
@@ -227,14 +228,7 @@ def test_ops_replay_in_a_cuda_graph() -> None:
         out = tree_ops.build_compiled_trees(lp, ids, budgets, roots, starts, 34)
         return [lp, ids, *out, *tree_ops.accept_greedy(out[1], out[2], out[0], out[2].roll(-1, 1), 6)]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        stages()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = stages()
+    graph, captured = capture_graph(stages)
     logits.copy_(torch.randn_like(logits))
     graph.replay()
     torch.cuda.synchronize()
