@@ -352,14 +352,26 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float inv_l[2];  // 1 / the final row sums
+    // O *= alpha per row, skipped when no row's running max moved (x * 1 == x: exact).
+    auto rescale_o = [&](const float (&alpha)[2]) {
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+            for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
+        }
+    };
     // O += P V of tile `tile`: this warpgroup's 256 columns, P and V from shared memory.
     const uint64_t p_desc = smem_desc(sP, 16, 1024);
     const uint64_t v_desc = smem_desc(sK, kChunkBytes, 1024) + ((wg * 4 * kChunkBytes) >> 4);
-    auto issue_pv = [&](int tile) {
+    auto accumulate_pv = [&](int tile) {
+        fence_operands(o);
+        wgmma_fence();
         const uint32_t stage_off = ((tile % kStages) * kTileBytes) >> 4;  // descriptor units of 16 bytes
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
             wgmma_pv(o, p_desc + ((kk * 32) >> 4), v_desc + stage_off + ((kk * 16 * 128) >> 4));
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_operands(o);
     };
 
     if (wg == 0) {
@@ -455,19 +467,9 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             fence_proxy_async();
             mbar_arrive(p_ready);
 
-            // Rescale O only when some row's running max moved (x * 1 == x: skipping is exact).
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-                for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
-            }
-            // O += P V, P from shared memory: the other warps' rows of P must be there too.
-            named_bar_sync(kBarWg0, 128);
-            fence_operands(o);
-            wgmma_fence();
-            issue_pv(tile);
-            wgmma_commit();
-            wgmma_wait_all();
-            fence_operands(o);
+            rescale_o(alpha);
+            named_bar_sync(kBarWg0, 128);  // P V reads the other warps' rows of P too
+            accumulate_pv(tile);
             if (lane == 0) mbar_arrive(&empty[stage]);
         }
 
@@ -488,16 +490,8 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             const int stage = tile % kStages;
             mbar_wait(p_ready, tile & 1);
             const float alpha[2] = {sAlpha[r_lo], sAlpha[r_lo + 8]};
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-                for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
-            }
-            fence_operands(o);
-            wgmma_fence();
-            issue_pv(tile);
-            wgmma_commit();
-            wgmma_wait_all();
-            fence_operands(o);
+            rescale_o(alpha);
+            accumulate_pv(tile);
             if (tile + 1 < n_tiles) mbar_arrive(p_free);
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[stage]);
