@@ -8,10 +8,10 @@ that captures its decode step sees it); call_ms times the same call made eagerly
 (argument checks and the custom-op dispatch included). Fractions of the ceilings use
 kernel_ms. Each case's figures go to `benchmark.extra_info` and, when $KDTREE_BENCH_OUT
 names a file, to a JSON list there (docs/results/mla-verify-h200.md is written from it).
-The default run times one small case; KDTREE_BENCH=1 runs the grid: context 1k / 8k / 32k x tree tokens 1 / 16 / 64 /
-128 x batch 1 / 8 / 32; KDTREE_BENCH_KERNEL_ONLY=1 leaves out the torch baseline and the
-CUDA-core path (to compare builds of the kernel quickly). GPU only: skipped with a reason
-elsewhere.
+The default run times one small case; KDTREE_BENCH=1 runs the grid: context 1k / 8k / 32k x
+tree tokens 1 / 16 / 64 / 128 x batch 1 / 8 / 32; KDTREE_BENCH_KERNEL_ONLY=1 leaves out the
+torch baseline and the CUDA-core path (to compare builds of the kernel quickly). GPU only:
+skipped with a reason elsewhere.
 """
 
 from __future__ import annotations
