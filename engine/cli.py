@@ -24,11 +24,11 @@ from rich.table import Table
 import kdtr_format
 from kdtr_format import PRESETS, DDTreeConfig, KdtrError
 
-from .adapter import TorchAdapter, load_impl
+from .adapter import TorchAdapter
 from .decode import DecodeResult, ar_decode, ddtree_decode
 from .drafters import LayerSkipDrafter, OracleDrafter
 from .metrics import STAGES
-from .validate import Report, Status, ValidateError, find_fixtures, model_fixture_config, validate, write_json
+from .validate import Report, Status, ValidateError, find_fixtures, load_impl, model_fixture_config, validate, write_json
 
 STATUS_STYLE = {Status.EXACT: "green", Status.WITHIN: "green", Status.NEAR_TIE: "yellow",
                 Status.SKIPPED: "dim", Status.FAIL: "bold red"}

@@ -11,7 +11,8 @@ import pytest
 
 import kdtr_format
 from kdtr_format import PRESETS
-from engine.adapter import TorchAdapter, capabilities, load_impl
+from engine.adapter import TorchAdapter
+from engine.validate import capabilities, load_impl
 from engine.validate import (GOLDEN_DIR, SKIPPED_DETAIL, Check, Status, ValidateError, compare_close,
                              compare_exact, find_fixtures, merge, replayed_round, unpack_bits, validate)
 
@@ -207,12 +208,12 @@ def test_load_impl_errors(tmp_path):
     with pytest.raises(ValueError, match="no file"):
         load_impl(str(tmp_path / "missing.py") + ":make")
     with pytest.raises(ValueError, match="no callable 'missing'"):
-        load_impl("engine.adapter:missing")
+        load_impl("engine.validate:missing")
 
 
 def test_missing_fixtures_are_generated_into_the_cache(tmp_path, monkeypatch):
     """No committed fixtures: `refgen generate --all` fills the cache once, all or nothing."""
-    import engine.validate as runner
+    import engine.validate.fixtures as runner
 
     monkeypatch.setattr(runner, "GOLDEN_DIR", tmp_path / "no-golden")
     monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path / "cache"))
@@ -224,7 +225,7 @@ def test_missing_fixtures_are_generated_into_the_cache(tmp_path, monkeypatch):
 
 
 def test_failed_generation_leaves_nothing(tmp_path, monkeypatch):
-    import engine.validate as runner
+    import engine.validate.fixtures as runner
 
     def generate_half_then_fail(command, **kwargs):
         out = Path(command[command.index("--out") + 1])

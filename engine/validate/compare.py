@@ -1,0 +1,120 @@
+"""Comparisons: each turns an implementation's output and the fixture's expected
+output into one `Check` row (exact, within tolerance, near-tie or FAIL)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+
+from .report import _SEVERITY, Check, Status
+
+SKIPPED_DETAIL = "skipped (not implemented by adapter)"
+
+
+def classify_divergence(margin: float, threshold: float) -> Status:
+    """A token that differs from the reference at a decision with this margin:
+    a near-tie below the threshold (no float32 implementation can be blamed), else a FAIL."""
+    return Status.NEAR_TIE if margin < threshold else Status.FAIL
+
+
+def compare_exact(section: str, name: str, actual: Any, expected: Any, where: str = "") -> Check:
+    """Integer (or bit-exact float) outputs: shape and every value equal."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    at = f" ({where})" if where else ""
+    if actual.shape != expected.shape:
+        return Check(section, name, Status.FAIL,
+                     detail=f"shape {list(actual.shape)} != expected {list(expected.shape)}{at}")
+    differ = np.flatnonzero(actual.reshape(-1) != expected.reshape(-1))
+    if differ.size:
+        i = int(differ[0])
+        index = np.unravel_index(i, expected.shape) if expected.ndim else ()
+        return Check(section, name, Status.FAIL,
+                     detail=f"{differ.size} differ; first at {list(map(int, index))}: got "
+                            f"{actual.reshape(-1)[i]}, expected {expected.reshape(-1)[i]}{at}")
+    return Check(section, name, Status.EXACT)
+
+
+def compare_close(section: str, name: str, actual: Any, expected: Any, rtol: float,
+                  atol: float | np.ndarray, where: str = "") -> Check:
+    """|actual - expected| <= atol + rtol |expected| everywhere; reports the worst element."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    at = f" ({where})" if where else ""
+    if actual.shape != expected.shape:
+        return Check(section, name, Status.FAIL,
+                     detail=f"shape {list(actual.shape)} != expected {list(expected.shape)}{at}")
+    if expected.size == 0:
+        return Check(section, name, Status.EXACT)
+    if not np.isfinite(actual).all():
+        return Check(section, name, Status.FAIL, detail=f"non-finite values in the output{at}")
+    error = np.abs(actual - expected)
+    tolerance = np.broadcast_to(atol + rtol * np.abs(expected), error.shape)
+    worst = int(np.argmax(error / np.maximum(tolerance, np.finfo(np.float64).tiny)))
+    err, tol = float(error.reshape(-1)[worst]), float(tolerance.reshape(-1)[worst])
+    if err > tol:
+        index = list(map(int, np.unravel_index(worst, expected.shape)))
+        return Check(section, name, Status.FAIL, err, tol, detail=f"worst at {index}{at}")
+    status = Status.EXACT if not error.any() else Status.WITHIN
+    return Check(section, name, status, float(error.max()) if status is Status.EXACT else err, tol)
+
+
+def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins: Any,
+                   threshold: float, where: str = "") -> Check:
+    """Token decisions: equal, or the first divergence classified by the reference's margin there."""
+    actual, expected = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
+    at = f" ({where})" if where else ""
+    n = min(len(actual), len(expected))
+    differ = np.flatnonzero(actual[:n] != expected[:n])
+    if differ.size == 0:
+        if len(actual) != len(expected):
+            return Check(section, name, Status.FAIL,
+                         detail=f"{len(actual)} tokens, expected {len(expected)}{at}")
+        return Check(section, name, Status.EXACT)
+    margins = np.asarray(margins, dtype=np.float64).reshape(-1)
+    statuses = [classify_divergence(float(margins[i]), threshold) for i in differ]
+    worst = max(range(len(differ)), key=lambda k: _SEVERITY[statuses[k]])
+    i = int(differ[worst])
+    return Check(section, name, statuses[worst], margin=float(margins[i]), tolerance=threshold,
+                 detail=f"first divergence at {int(differ[0])}; at {i}: got {actual[i]}, expected "
+                        f"{expected[i]}, margin {margins[i]:.3g} vs threshold {threshold:.3g}{at}")
+
+
+def merge(section: str, name: str, checks: Iterable[Check]) -> Check:
+    """One row for many comparisons of a kind: the worst status, the worst error ratio,
+    and the detail of the first failure (else of the worst)."""
+    checks = list(checks)
+    if not checks:
+        return Check(section, name, Status.SKIPPED, detail="nothing to compare")
+    status = max((c.status for c in checks), key=_SEVERITY.get)
+    worst = max(checks, key=lambda c: c.ratio)
+    telling = next((c for c in checks if c.status is status), worst)
+    margin = min((c.margin for c in checks if c.margin is not None), default=None)
+    tolerance = worst.tolerance if worst.error is not None else telling.tolerance
+    return Check(section, name, status, worst.error, tolerance, margin,
+                 telling.detail if telling.status is not Status.EXACT else "")
+
+
+def skipped(section: str, name: str) -> Check:
+    return Check(section, name, Status.SKIPPED, detail=SKIPPED_DETAIL)
+
+
+def compare_tree(section: str, built: tuple, expected: tuple, where: str) -> list[Check]:
+    """An adapter's (parents, tokens, depths[, scores]) against the fixture's, all bit-exact."""
+    names = ("parents", "tokens", "depths", "scores")
+    return [compare_exact(section, what, got, want, where) for what, got, want in zip(names, built, expected)]
+
+
+def _words(bits: Any) -> np.ndarray:
+    """Visibility words as unsigned 32-bit values, whether stored as int32 or uint32."""
+    return np.asarray(bits).astype(np.int64) & 0xFFFFFFFF
+
+
+def unpack_bits(words: np.ndarray, width: int) -> np.ndarray:
+    """visibility_bits [rows, W] (uint32 / int32 words, bit b of word w = column 32w + b) -> bool [rows, width]."""
+    as_bytes = np.ascontiguousarray(words).astype("<u4").view(np.uint8).reshape(len(words), -1)
+    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width].astype(bool)
+
+
+def _int(x: Any) -> int:
+    return int(np.asarray(x).reshape(()))
