@@ -112,7 +112,10 @@ def read_hf_config(data: Mapping[str, Any]) -> HFConfig:
         notes.append(f"latent_norm_eps: absent; the q_a / kv_a latent norms use {REFERENCE_LATENT_EPS:g} "
                      f"as DeepSeek's reference code and HF do, not rms_norm_eps {config.rms_norm_eps:g} "
                      "(vLLM and SGLang use rms_norm_eps: set latent_norm_eps to follow them)")
-    if data.get("num_nextn_predict_layers"):
+    mtp = data.get("num_nextn_predict_layers", 0)
+    if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+        _refuse("num_nextn_predict_layers", f"must be a non-negative integer, got {mtp!r}")
+    if mtp:
         notes.append(f"num_nextn_predict_layers: {data['num_nextn_predict_layers']} multi-token-prediction "
                      "layer(s) are not part of the target forward; their weights are not read")
     return HFConfig(config, notes)
@@ -126,7 +129,7 @@ def _rope_style(data: Mapping[str, Any], notes: list[str]) -> str:
         styles["rope_interleave"] = "interleave" if data["rope_interleave"] else "neox"
     if "rope_style" in data:
         styles["rope_style"] = data["rope_style"]
-    if len(set(styles.values())) > 1:
+    if len(styles) == 2 and styles["rope_style"] != styles["rope_interleave"]:
         _refuse("rope_style", f"{data['rope_style']!r} disagrees with rope_interleave {data['rope_interleave']!r}")
     if not styles:
         notes.append("rope_interleave: absent; the official interleave pairing (x[2i], x[2i+1]) is used, "
@@ -167,10 +170,10 @@ def _rope_dict(rope: Any, form: str) -> tuple[Any, YarnScaling | None]:
     unknown = sorted(set(rope) - ROPE_KEYS)
     if unknown:
         _refuse(f"{form}.{unknown[0]}", "not a rope setting kdtree implements")
-    kinds = {rope[key] for key in ("type", "rope_type") if key in rope}
-    if len(kinds) > 1:
+    kinds = [rope[key] for key in ("type", "rope_type") if key in rope]
+    if len(kinds) == 2 and kinds[0] != kinds[1]:
         _refuse(f"{form}.rope_type", f"{rope['rope_type']!r} disagrees with {form}.type {rope['type']!r}")
-    kind = kinds.pop() if kinds else "default"
+    kind = kinds[0] if kinds else "default"
     if rope.get("attention_factor") is not None:
         _refuse(f"{form}.attention_factor", "an explicit cos/sin factor; kdtree derives it from mscale "
                                             "and mscale_all_dim")

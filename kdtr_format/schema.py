@@ -18,6 +18,7 @@ the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -48,9 +49,12 @@ def _non_negative_int(value: Any, field_name: str) -> None:
              field_name, f"must be a non-negative integer, got {value!r}")
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_number(value: Any, field_name: str) -> None:
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-             field_name, f"must be a positive number, got {value!r}")
+    _require(_number(value) and value > 0, field_name, f"must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,8 @@ class YarnScaling:
         _positive_number(self.beta_slow, "rope_scaling.beta_slow")
         for name in ("mscale", "mscale_all_dim"):
             value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and value >= 0,
-                     f"rope_scaling.{name}", f"must be a number >= 0, got {value!r}")
+            _require(_number(value) and value >= 0, f"rope_scaling.{name}",
+                     f"must be a number >= 0, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "yarn", **dataclasses.asdict(self)}

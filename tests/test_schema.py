@@ -3,6 +3,7 @@ output) load, and impossible or unimplemented ones are refused naming the key.""
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -155,6 +156,30 @@ def test_hf_latent_norm_eps_defaults_to_the_reference_and_is_selectable():
     assert len(notes) == 1 and notes[0].startswith("latent_norm_eps: absent; the q_a / kv_a latent norms use 1e-06")
     cfg, notes = ModelConfig.from_hf_dict({**k25, "latent_norm_eps": 1e-5})   # vLLM / SGLang's convention
     assert (cfg.rms_norm_eps, cfg.latent_norm_eps) == (1e-5, 1e-5) and notes == []
+
+
+HOSTILE_VALUES = ([1], {"a": 1}, None, "x", -1, 1.5, True, float("nan"), float("inf"))
+
+
+@pytest.mark.parametrize("base", ["hf4", "hf5", "kdtree"])
+def test_hostile_values_are_config_errors_never_crashes(base):
+    """Every key (rope sub-keys too) set to each hostile value: a config or a ConfigError."""
+    data, load = {"hf4": (KIMI_K2_HF, ModelConfig.from_hf_dict), "hf5": (KIMI_K2_HF5, ModelConfig.from_hf_dict),
+                  "kdtree": (PRESETS["tiny"].to_dict(), ModelConfig.from_dict)}[base]
+    rope = next(key for key in ("rope_parameters", "rope_scaling") if key in data)
+    variants = [{**data, key: value} for key in [*data, "rope_interleave", "rope_style", "num_nextn_predict_layers"]
+                for value in HOSTILE_VALUES]
+    variants += [{**data, rope: {**data[rope], key: value}}
+                 for key in [*data[rope], "type", "rope_type", "attention_factor", "truncate"] for value in HOSTILE_VALUES]
+    for variant in variants:
+        try:
+            cfg = load(variant)
+        except ConfigError:
+            continue
+        cfg = cfg.config if base != "kdtree" else cfg
+        numbers = [v for part in (cfg, cfg.rope_scaling) if part is not None
+                   for v in vars(part).values() if isinstance(v, float)]
+        assert all(math.isfinite(v) for v in numbers), variant
 
 
 @pytest.mark.parametrize("name", sorted(ALL_CONFIGS))
