@@ -65,7 +65,6 @@ ROPE_KEYS = frozenset({"type", "rope_type", "rope_theta", "attention_factor", "t
                        "partial_rotary_factor", *YARN_KEYS})
 # Fields with a default when absent (the rest are required; see the module docstring).
 OPTIONAL = ("rope_theta", "rope_scaling", "rope_style", "scoring_func", "topk_method", "latent_norm_eps")
-REFERENCE_LATENT_EPS = 1e-6
 
 
 class HFConfig(NamedTuple):
@@ -108,15 +107,15 @@ def read_hf_config(data: Mapping[str, Any]) -> HFConfig:
                           ("head_dim", config.qk_rope_head_dim), ("qk_head_dim", config.qk_head_dim)):
         if key in data and data[key] != expected:
             _refuse(key, f"must be {expected} for this config (MLA), got {data[key]!r}")
-    if "latent_norm_eps" not in data and config.rms_norm_eps != REFERENCE_LATENT_EPS:
-        notes.append(f"latent_norm_eps: absent; the q_a / kv_a latent norms use {REFERENCE_LATENT_EPS:g} "
+    if "latent_norm_eps" not in data and config.rms_norm_eps != config.latent_norm_eps:
+        notes.append(f"latent_norm_eps: absent; the q_a / kv_a latent norms use {config.latent_norm_eps:g} "
                      f"as DeepSeek's reference code and HF do, not rms_norm_eps {config.rms_norm_eps:g} "
                      "(vLLM and SGLang use rms_norm_eps: set latent_norm_eps to follow them)")
     mtp = data.get("num_nextn_predict_layers", 0)
     if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
         _refuse("num_nextn_predict_layers", f"must be a non-negative integer, got {mtp!r}")
     if mtp:
-        notes.append(f"num_nextn_predict_layers: {data['num_nextn_predict_layers']} multi-token-prediction "
+        notes.append(f"num_nextn_predict_layers: {mtp} multi-token-prediction "
                      "layer(s) are not part of the target forward; their weights are not read")
     return HFConfig(config, notes)
 
