@@ -149,7 +149,7 @@ def _kernel_job(kind: str, seed: int, large: bool) -> _Job:
 
 def _config_from_file(path: Path) -> tuple[ModelConfig, str]:
     """An HF-style config.json -> (config, fixture name: the file's stem, or its
-    directory's name for a file called config.json)."""
+    directory's name for a file called config.json). The loader's notes go to stderr."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -157,9 +157,11 @@ def _config_from_file(path: Path) -> tuple[ModelConfig, str]:
     except json.JSONDecodeError as exc:
         raise CliError(f"config file {path}: not valid JSON ({exc})") from None
     try:
-        cfg = ModelConfig.from_dict(data)
+        cfg, notes = ModelConfig.from_hf_dict(data)
     except KdtrError as exc:
         raise CliError(f"config file {path}: {exc}") from None
+    for note in notes:
+        click.echo(f"refgen: note: config file {path}: {note}", err=True)
     try:
         check_plan(cfg, DEFAULT_PLAN)
     except FixtureError as exc:

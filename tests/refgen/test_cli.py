@@ -95,10 +95,11 @@ def test_verify_reports_missing_committed_fixtures(golden, refgen_cli, tmp_path)
 def test_generate_from_an_hf_config_file_and_verify_it(refgen_cli, tmp_path):
     model_dir = tmp_path / "my-k2-mini"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(hf_config()))
+    (model_dir / "config.json").write_text(json.dumps(hf_config(num_nextn_predict_layers=1)))
     out = tmp_path / "out"
     result = refgen_cli("generate", "--config-file", model_dir / "config.json", "--out", out)
     assert result.exit_code == 0, result.output
+    assert "refgen: note: config file" in result.stderr and "num_nextn_predict_layers: 1" in result.stderr
     assert "my-k2-mini.kdtr" in result.stdout
     with kdtr_format.open(out / "my-k2-mini.kdtr") as f:
         meta = f.metadata
