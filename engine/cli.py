@@ -23,9 +23,10 @@ import re
 import subprocess
 import textwrap
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import click
 import numpy as np
@@ -273,7 +274,7 @@ def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | N
     from .drafters import LayerSkipDrafter, OracleDrafter
 
     adapter = TorchAdapter(device)
-    with kdtr_format.open(model.path) as reader:
+    with _reading(model.path) as reader:
         adapter.load_weights(cfg, {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")})
     target, layers = adapter.model, max(1, cfg.num_hidden_layers // 2)
     ar = ar_decode(target, [tokens], max_new_tokens, stages=adapter.stages)
@@ -301,7 +302,7 @@ def _demo_model(preset: str | None, fixture: Path | None) -> _DemoModel:
             hint = (f"run `refgen generate --preset {name}`" if name in PRESETS else
                     f"presets are {', '.join(PRESETS)}; or give --fixture PATH")
             raise CliError(f"--preset {name}: no fixture {fixture} ({hint})")
-    with kdtr_format.open(fixture) as reader:
+    with _reading(fixture) as reader:
         meta = reader.metadata
         if meta.get("kind") != "model":
             raise CliError(f"{fixture}: not a model fixture (kind {meta.get('kind')!r}); the demo needs a model's "
@@ -313,6 +314,16 @@ def _demo_model(preset: str | None, fixture: Path | None) -> _DemoModel:
         longest = max(prompts, key=lambda p: p["length"])["name"] if prompts else None
         tokens = np.asarray(reader[f"prompts/{longest}/tokens"]).tolist() if longest else None
     return _DemoModel(fixture, str(meta.get("preset", fixture.stem)), cfg, tokens)
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[kdtr_format.Reader]:
+    """kdtr_format.open(path), a broken file's error naming the file."""
+    try:
+        with kdtr_format.open(path) as reader:
+            yield reader
+    except KdtrError as exc:
+        raise CliError(f"{path}: {exc}") from None
 
 
 def _check_demo_sizes(cfg: ModelConfig, tokens: list[int], max_new_tokens: int, ddtree: DDTreeConfig,

@@ -4,16 +4,17 @@
 Three tables drive it; a new command or a new bad invocation is one line in one of them:
 
 - RUNS: each command with small inputs. In the terminal: exit 0, no traceback, no line
-  wider than 80 columns, nothing cut to "..."; piped: the same, and the given text
-  appears whole on one line (nothing wrapped or truncated).
+  wider than 80 columns, nothing cut to "...", and a short text whole on one line (not
+  broken across table cells); piped: the same, and a long text whole on one line
+  (nothing wrapped or truncated).
 - HOSTILE: a bad invocation and the text its one error line must name. Also: no
   traceback, a non-zero exit, and nothing written into the row's own {out} directory.
 - COMMANDS: every command answers -h (and, where it needs arguments, no arguments)
   with its help, and every program answers --version.
 
 Words in braces are filled in: {golden} the committed fixtures, {files} the bad files
-made below, {out} a fresh empty directory per run. Every run starts at once, two at a
-time (they are mostly interpreter and torch start-up); each test waits for its own.
+made below, {out} a fresh empty directory per run. The runs go two at a time (they are
+mostly interpreter and torch start-up).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import re
 import shlex
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -31,23 +33,27 @@ from refgen.cli import IDENTICALLY
 from terminal import REPO, Result, assert_clean_error, in_terminal, piped
 
 GOLDEN = REPO / "tests" / "golden"
-NUMPY_ADAPTER = "docs/examples/numpy_adapter.py:NumpyAdapter"
 
 RUNS = [
-    # argv                                                        piped, this text appears whole on a line
-    ("refgen list",                                               "kernels/verify_attention.kdtr, 4 cases (+1 large): ragged"),
-    ("refgen generate --kernels --out {out}",                     "fixtures written to {out}"),
-    ("refgen verify {golden}/kernels/tree_build.kdtr",            f"1 of 1 fixtures regenerate identically ({IDENTICALLY})"),
-    ("refgen show {golden}/tiny.kdtr",                            "t1  prompt p1, drafter oracle 0.6 (draw 1), block 6, budget 20"),
-    ("refgen show {golden}/kernels/verify_attention.kdtr",        "tiny_ragged  preset tiny, heads 4"),
-    ("kdtree validate --fixtures {golden}/kernels/tree_build.kdtr --impl " + NUMPY_ADAPTER,
-                                                                  "kdtree validate: numpy example adapter (refgen model, numpy stages)"),
-    ("kdtree demo --max-new-tokens 4 --budget 4 --block-size 3",  "oracle: knows the AR continuation, right with probability 0.8 (an upper bound); layerskip"),
+    # argv; text whole on a line at 80 columns; text whole on a line when piped
+    ("refgen list", "kernels/verify_attention.kdtr, 4 cases",
+     "kernels/verify_attention.kdtr, 4 cases (+1 large): ragged tree-verify MLA attention batches"),
+    ("refgen generate --kernels --out {out}", "kernels/verify_attention.kdtr", "fixtures written to {out}"),
+    ("refgen verify {golden}/kernels/tree_build.kdtr", "1 of 1 fixtures regenerate identically",
+     f"1 of 1 fixtures regenerate identically ({IDENTICALLY})"),
+    ("refgen show {golden}/tiny.kdtr", "drafter oracle 0.6 (draw 1)",
+     "t1  prompt p1, drafter oracle 0.6 (draw 1), block 6, budget 20, tokens 12, rounds 3, forwards 4 (AR 12)"),
+    ("refgen show {golden}/kernels/verify_attention.kdtr", "tiny_ragged  preset tiny",
+     "tiny_ragged  preset tiny, heads 4, kv_lora_rank 64, qk_rope_head_dim 16, scale 0.1871, batch 4"),
+    ("kdtree validate --fixtures {golden}/tiny2.kdtr", "invariant DDTree == AR (layerskip)",
+     "kdtree validate: torch engine (cpu, stages: torch, attention: torch)"),
+    ("kdtree demo --max-new-tokens 4 --budget 4 --block-size 3", "DDTree layerskip",
+     "oracle: knows the AR continuation, right with probability 0.8 (an upper bound); layerskip"),
 ]
 
 HOSTILE = [
     # argv                                                        the error line names
-    ("refgen show {files}/corrupt.kdtr",                          "checksum mismatch"),
+    ("refgen show {files}/corrupt.kdtr",                          "{files}/corrupt.kdtr: data checksum mismatch"),
     ("refgen show {files}/plain.kdtr",                            "not a refgen fixture"),
     ("refgen show {files}/malformed.kdtr",                        "malformed model fixture metadata"),
     ("refgen show {files}/absent.kdtr",                           "does not exist"),
@@ -115,14 +121,17 @@ def make_files(files: Path) -> None:
 
 
 class Runs:
-    """Every run of this file, started at once, two at a time; `result(key)` waits for one."""
+    """Every run of this file, in the order the tests ask for them. `result(key)` starts that
+    run and the next one not yet started, so that two run at a time, and waits for its own."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.outs, self.futures = root, {}, {}
+        self.root, self.outs = root, {}
         self.files = root / "files"
         self.files.mkdir()
         make_files(self.files)
         self.pool = ThreadPoolExecutor(max_workers=2)
+        self.jobs: dict[str, Callable[[], Result]] = {}
+        self.futures: dict[str, Future] = {}
 
     def fill(self, text: str, key: str) -> str:
         return text.format(golden=GOLDEN, files=self.files, out=self.out(key))
@@ -133,33 +142,39 @@ class Runs:
             self.outs[key].mkdir()
         return self.outs[key]
 
-    def start(self, key: str, argv: str, terminal: bool, columns: int = 80, **options) -> None:
+    def add(self, key: str, argv: str, terminal: bool, columns: int = 80, **options) -> None:
         words = shlex.split(self.fill(argv, key))
-        run = (lambda: in_terminal(words, columns=columns, **options)) if terminal else (lambda: piped(words))
-        self.futures[key] = self.pool.submit(run)
+        self.jobs[key] = (lambda: in_terminal(words, columns=columns, **options)) if terminal else \
+            (lambda: piped(words))
 
     def result(self, key: str) -> Result:
-        future: Future = self.futures[key]
-        return future.result()
+        self._start(key)
+        self._start(next((k for k in self.jobs if k not in self.futures), key))
+        return self.futures[key].result()
+
+    def _start(self, key: str) -> None:
+        if key not in self.futures:
+            self.futures[key] = self.pool.submit(self.jobs[key])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
     runs = Runs(tmp_path_factory.mktemp("cli"))
-    for argv, _ in RUNS:
-        runs.start(f"terminal {argv}", argv, terminal=True)
-        runs.start(f"piped {argv}", argv, terminal=False)
-    runs.start("interrupted", "kdtree validate --fixtures {golden}/tiny2.kdtr --json {out}/r.json",
-               terminal=True, interrupt_on="checking")
-    runs.start("wide", "refgen show {golden}/tiny.kdtr", terminal=True, columns=160)
+    for argv, *_ in RUNS:
+        runs.add(f"terminal {argv}", argv, terminal=True)
+    for argv, *_ in RUNS:
+        runs.add(f"piped {argv}", argv, terminal=False)
+    runs.add("wide", "refgen show {golden}/tiny.kdtr", terminal=True, columns=160)
+    runs.add("interrupted", "kdtree validate --fixtures {golden}/tiny2.kdtr --json {out}/r.json",
+             terminal=True, interrupt_on="checking")
     for argv, _ in HOSTILE:
-        runs.start(f"hostile {argv}", argv, terminal=False)
+        runs.add(f"hostile {argv}", argv, terminal=False)
     for command, no_args_help in COMMANDS:
-        runs.start(f"help {command}", f"{command} -h", terminal=False)
+        runs.add(f"help {command}", f"{command} -h", terminal=False)
         if no_args_help:
-            runs.start(f"bare {command}", command, terminal=False)
+            runs.add(f"bare {command}", command, terminal=False)
     for program in PROGRAMS:
-        runs.start(f"version {program}", f"{program} --version", terminal=False)
+        runs.add(f"version {program}", f"{program} --version", terminal=False)
     yield runs
     runs.pool.shutdown(cancel_futures=True)
 
@@ -170,22 +185,25 @@ def ids(table: list[tuple]) -> list[str]:
 
 # ---------------------------------------------------------------------------- (a) commands
 
-@pytest.mark.parametrize("argv, whole", RUNS, ids=ids(RUNS))
-def test_in_a_terminal_80_columns(runs, argv, whole):
-    result = runs.result(f"terminal {argv}")
+@pytest.mark.parametrize("argv, short, long", RUNS, ids=ids(RUNS))
+def test_in_a_terminal_80_columns(runs, argv, short, long):
+    key = f"terminal {argv}"
+    result = runs.result(key)
     assert result.returncode == 0 and "Traceback" not in result.output, result.output
     too_wide = [line for line in result.screen_lines if len(line) > 80]
     assert not too_wide, "lines wider than the 80-column terminal:\n" + "\n".join(too_wide)
     assert "…" not in result.output, f"a cell cut short:\n{result.output}"
+    text = runs.fill(short, key)
+    assert any(text in line for line in result.screen_lines), f"{text!r} is not whole:\n{result.output}"
 
 
-@pytest.mark.parametrize("argv, whole", RUNS, ids=ids(RUNS))
-def test_piped(runs, argv, whole):
+@pytest.mark.parametrize("argv, short, long", RUNS, ids=ids(RUNS))
+def test_piped(runs, argv, short, long):
     key = f"piped {argv}"
     result = runs.result(key)
     assert result.returncode == 0 and "Traceback" not in result.output, result.output
     assert "…" not in result.output and "\x1b[" not in result.output, result.output
-    text = runs.fill(whole, key)
+    text = runs.fill(long, key)
     assert any(text in line for line in result.stdout.splitlines()), f"{text!r} is not whole:\n{result.stdout}"
 
 

@@ -94,11 +94,11 @@ def test_the_json_report_says_what_ran_where_and_how_long(tmp_path, capsys):
     needs("kernels/tree_build.kdtr")
     fixture = GOLDEN_DIR / "kernels" / "tree_build.kdtr"
     report_path = tmp_path / "report.json"
-    code, out, _ = run_main(["validate", "--fixtures", str(fixture), "--json", str(report_path),
-                             "--impl", str(EXAMPLES / "numpy_adapter.py") + ":NumpyAdapter"], capsys)
+    code, out, _ = run_main(["validate", "--fixtures", str(fixture), "--json", str(report_path)], capsys)
     assert code == 0, out
     report = json.loads(report_path.read_text())
-    assert report["fixtures"] == str(fixture) and {c["section"] for c in report["checks"]} == {"tree_build.kdtr"}
+    assert report["fixtures"] == str(fixture)
+    assert {c["section"] for c in report["checks"]} == {"tree_build.kdtr"}, "one file: only its checks"
     assert report["versions"]["torch"] == torch.__version__ and report["versions"]["numpy"] == np.__version__
     assert report["versions"]["kdtree"] and report["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -155,6 +155,16 @@ def test_impl_module_in_the_current_directory(tmp_path, monkeypatch):
     assert str(tmp_path) not in sys.path
     with pytest.raises(ValueError, match="name a module on PYTHONPATH or in the current directory"):
         load_impl("kdtree_test_no_such_module:make")
+
+
+def test_a_corrupt_model_fixture_is_named(tmp_path, capsys):
+    needs("tiny2.kdtr")
+    data = bytearray((GOLDEN_DIR / "tiny2.kdtr").read_bytes())
+    data[len(data) // 3] ^= 0xFF                                 # inside the weights
+    (tmp_path / "broken.kdtr").write_bytes(bytes(data))
+    code, _, err = run_main(["demo", "--fixture", str(tmp_path / "broken.kdtr")], capsys)
+    assert code == 2 and err.startswith(f"kdtree: error: {tmp_path / 'broken.kdtr'}: data checksum mismatch"), err
+    assert err.count("\n") == 1
 
 
 @pytest.mark.parametrize("args, message", [
