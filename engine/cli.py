@@ -4,7 +4,7 @@
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
 
 Exit status: 0 passed, 1 a check failed (validate) or DDTree differed from AR
-(demo), 2 bad input, 130 interrupted (kdtr_format/clikit.py). Every bad
+(demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
 argument is refused before any work, in one line on stderr; --json and --plot
 are written all or nothing, with the user's umask.
 
@@ -26,7 +26,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import click
 import numpy as np
@@ -36,6 +36,10 @@ from rich.text import Text
 import kdtr_format
 from kdtr_format import PRESETS, DDTreeConfig, KdtrError, ModelConfig
 from kdtr_format.clikit import Cli, CliError, FiniteFloat, OutputFile, atomic_output, console, table
+
+if TYPE_CHECKING:
+    from .decode import DecodeResult
+    from .validate import Check, Report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STATUS_STYLE = {"exact": "green", "within tolerance": "green", "near-tie": "yellow", "skipped": "dim",
@@ -188,7 +192,7 @@ def _device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"
 
 
-def _numbers(check: Any) -> str:
+def _numbers(check: Check) -> str:
     """A row's worst error against its tolerance, or its margin against the threshold."""
     if check.margin is not None:
         return f"margin {check.margin:.2e} vs {check.tolerance:.2e}" if check.tolerance else f"margin {check.margin:.2e}"
@@ -197,7 +201,7 @@ def _numbers(check: Any) -> str:
     return "" if check.error is None else f"{check.error:.2e}"
 
 
-def render(report: Any, out: Console) -> None:
+def render(report: Report, out: Console) -> None:
     """The report as rows under their fixture: status, check, numbers; a detail on the lines below,
     wrapped to the console's width (readable at 80 columns)."""
     width = out.width
@@ -361,8 +365,8 @@ def _free_bytes(device: str) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _print_demo(out: Console, model: _DemoModel, prompt: list[int], ddtree: DDTreeConfig, runs: dict[str, Any],
-                legend: str) -> None:
+def _print_demo(out: Console, model: _DemoModel, prompt: list[int], ddtree: DDTreeConfig,
+                runs: dict[str, DecodeResult], legend: str) -> None:
     ar_tokens = runs["AR"].tokens[0]
     out.print(Text(f"model {model.name} ({model.path}); prompt ({len(prompt)} tokens): {prompt}"))
     out.print(Text(f"block size {ddtree.block_size}, budget {ddtree.budget}; AR tokens: {ar_tokens}"))
@@ -387,7 +391,7 @@ def _require_matplotlib() -> None:
         raise CliError("--plot needs matplotlib (pip install 'kdtree[plot]')")
 
 
-def _plot(runs: dict[str, Any], path: Path, block_size: int) -> None:
+def _plot(runs: dict[str, DecodeResult], path: Path, block_size: int) -> None:
     """A PNG histogram of acceptance lengths per run, written all or nothing."""
     import matplotlib
     matplotlib.use("Agg")

@@ -114,47 +114,50 @@ def _describe(exc: BaseException) -> str:
 
 # ---------------------------------------------------------------------------- output files
 
-class OutputFile(click.ParamType):
-    """A file the command will write -> Path; refused while parsing when it cannot be written."""
+class _OutputPath(click.ParamType):
+    """A path the command will write -> Path; refused while parsing when empty or when
+    `problem` names a reason."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        if isinstance(value, Path):
+            return value
+        text = str(value)
+        problem = "an empty path" if not text.strip() else self.problem(text, Path(text))
+        if problem:
+            self.fail(problem, param, ctx)
+        return Path(text)
+
+    def problem(self, text: str, path: Path) -> str | None:
+        raise NotImplementedError
+
+
+class OutputFile(_OutputPath):
+    """A file to write: not a directory, in a directory that exists and is writable."""
 
     name = "file"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
-        if isinstance(value, Path):
-            return value
-        text = str(value)
-        if not text.strip():
-            self.fail("an empty path", param, ctx)
-        path = Path(text)
-        if text.endswith(os.sep) or path.is_dir():
-            self.fail(f"{text!r} is a directory; give a file name", param, ctx)
-        if path.exists() and not path.is_file():
-            self.fail(f"{text!r} exists and is not a regular file", param, ctx)
+    def problem(self, text: str, path: Path) -> str | None:
         directory = path.parent
+        if text.endswith(os.sep) or path.is_dir():
+            return f"{text!r} is a directory; give a file name"
+        if path.exists() and not path.is_file():
+            return f"{text!r} exists and is not a regular file"
         if not directory.is_dir():
-            self.fail(f"{text!r}: directory {str(directory)!r} does not exist", param, ctx)
+            return f"{text!r}: directory {str(directory)!r} does not exist"
         if not os.access(directory, os.W_OK | os.X_OK):
-            self.fail(f"{text!r}: directory {str(directory)!r} is not writable", param, ctx)
+            return f"{text!r}: directory {str(directory)!r} is not writable"
         if len(os.fsencode(path.name)) > _name_max(directory):
-            self.fail(f"{text!r}: the file name is too long", param, ctx)
-        return path
+            return f"{text!r}: the file name is too long"
+        return None
 
 
-class OutputDirectory(click.ParamType):
-    """A directory the command will write into (created when missing) -> Path; refused while
-    parsing when empty or when it names something that is not a directory."""
+class OutputDirectory(_OutputPath):
+    """A directory to write into (created when missing): not something else."""
 
     name = "directory"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
-        if isinstance(value, Path):
-            return value
-        text = str(value)
-        if not text.strip():
-            self.fail("an empty path", param, ctx)
-        if Path(text).exists() and not Path(text).is_dir():
-            self.fail(f"{text!r} exists and is not a directory", param, ctx)
-        return Path(text)
+    def problem(self, text: str, path: Path) -> str | None:
+        return f"{text!r} exists and is not a directory" if path.exists() and not path.is_dir() else None
 
 
 def _name_max(directory: Path) -> int:
