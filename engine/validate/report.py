@@ -70,6 +70,7 @@ class Report:
     commit: str | None = None
     device_name: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
+    deviations: dict[str, list[Any]] = field(default_factory=dict)   # fixture -> [Deviation] (deviations.py)
 
     @property
     def failed(self) -> bool:
@@ -88,7 +89,8 @@ class Report:
         return {"implementation": self.implementation, "device": self.device, "device_name": self.device_name,
                 "fixtures": self.fixtures, "backends": self.backends, "versions": self.versions,
                 "commit": self.commit, "timings": self.timings, "passed": not self.failed,
-                "counts": self.counts(), "summary": self.summary(), "checks": [c.to_dict() for c in self.checks]}
+                "counts": self.counts(), "summary": self.summary(), "checks": [c.to_dict() for c in self.checks],
+                "deviations": {f: [d.to_dict() for d in ds] for f, ds in self.deviations.items()}}
 
 
 def write_json(report: Report, path: str | os.PathLike) -> None:
