@@ -66,7 +66,7 @@ def assert_one_line_error(result, *fragments: str) -> None:
 def test_verify_passes_on_the_committed_fixtures(refgen_process):
     done = refgen_process("verify")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "passed: 5 of 5" in done.stdout
+    assert "passed: 6 of 6" in done.stdout
 
 
 @pytest.mark.parametrize("rehash", [True, False], ids=["hash-recomputed", "hash-stale"])
