@@ -70,8 +70,9 @@ def tree_problems(parents: Any, tokens: Any, depths: Any, budget: int, depth: in
         return [f"node 0 is not a root (parent {parents[0]}, depth {depths[0]})"]
     problems = []
     nodes = np.arange(1, len(parents))
-    if ((parents[1:] < 0) | (parents[1:] >= nodes)).any():
-        problems.append(f"node {int(nodes[(parents[1:] < 0) | (parents[1:] >= nodes)][0])}'s parent does not come first")
+    orphans = nodes[(parents[1:] < 0) | (parents[1:] >= nodes)]
+    if orphans.size:
+        problems.append(f"node {int(orphans[0])}'s parent does not come first")
     elif (depths[1:] != depths[parents[1:]] + 1).any() or (depths > depth).any():
         problems.append("depths are not one more than the parent's, within L")
     if ((tokens[1:] < 0) | (tokens[1:] >= vocab)).any():

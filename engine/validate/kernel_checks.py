@@ -8,8 +8,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .corpus_checks import corpus_cases
 from .compare import _int, _words, compare_close, compare_exact, compare_tree, merge, skipped, unpack_bits
+from .corpus_checks import corpus_cases
 from .report import Check
 
 DEFAULT_ATTENTION_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
