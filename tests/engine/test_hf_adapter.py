@@ -5,8 +5,8 @@ The adapter passes on the committed tiny and tiny2 fixtures in float64 with HF's
 differences from the reference declared and measured; lifting exactly the declared
 deviations brings HF to the reference to rounding (so the list is complete), and
 each one is needed (so none is padding). Float64 is the run in CI because there each
-difference stands at its own size (about 1e-6 to 4e-5 in the logits), well above
-float64 rounding; in float32 they would drown in float32 rounding.
+difference stands at its own size (about 1.5e-6 to 4e-5 in the logits), far above
+float64 rounding; float32 rounding (about 8e-6) would hide the smaller ones.
 """
 
 from __future__ import annotations
