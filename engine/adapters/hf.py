@@ -4,7 +4,7 @@
     kdtree validate --impl engine.adapters.hf:float32       # float32, as an engine runs it
 
 - `load_weights`: the config becomes a `DeepseekV3Config` (`hf_config`), the fixture's
-  weights (names of docs/fixtures.md) HF's state dict (`hf_state_dict`); eager attention
+  weights (names of docs/fixtures.md) HF's state dict (hf_mapping.py); eager attention
   and eager experts, HF's reference implementations.
 - `forward`: HF's forward with explicit `position_ids` and a 4D additive mask built from
   the harness's visibility (0 where visible, -inf elsewhere), over HF's own DynamicCache.
@@ -18,9 +18,9 @@
   complete for the committed fixtures.
 
 Why float64 is the default: in float32 HF's float32 internals are no deviation, and
-float32 rounding (about 8e-6 in tiny's logits) hides differences of 2e-6; in float64
-each difference stands at its own size (1.5e-6 to 3.6e-5 on the committed fixtures)
-above a rounding floor of 1e-14.
+float32 rounding (about 8e-6 in the committed fixtures' logits) hides differences of
+2e-6; in float64 each difference stands at its own size (1.5e-6 to 2.7e-6 on the
+committed fixtures, 3.6e-5 for a latent-norm eps of 1e-5) above a rounding floor of 1e-14.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 from kdtr_format import ModelConfig
 
 from ..model import rope_inv_freq, rope_mscale
+from .hf_mapping import deepseek_v3_kwargs, hf_state_dict
 from ..validate.deviations import Deviation
 from ..weights import check_weights
 
@@ -54,60 +55,12 @@ PROBE_TOKENS = 24              # the causal prefill each deviation's effect is m
 PROBE_SEED = 0
 MEASURED_ON = f"max |logit change| lifting it alone, {PROBE_TOKENS}-token prefill of default_rng({PROBE_SEED}) tokens"
 
-# fixture name suffix (layers.{i}.<suffix>) -> HF name suffix (model.layers.{i}.<suffix>.weight)
-HF_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-            "attn.wq": "self_attn.q_proj", "attn.wq_a": "self_attn.q_a_proj",
-            "attn.q_a_norm": "self_attn.q_a_layernorm", "attn.wq_b": "self_attn.q_b_proj",
-            "attn.wkv_a": "self_attn.kv_a_proj_with_mqa", "attn.kv_a_norm": "self_attn.kv_a_layernorm",
-            "attn.wkv_b": "self_attn.kv_b_proj", "attn.wo": "self_attn.o_proj",
-            "mlp.w_gate": "mlp.gate_proj", "mlp.w_up": "mlp.up_proj", "mlp.w_down": "mlp.down_proj",
-            "moe.gate": "mlp.gate", "moe.shared.w_gate": "mlp.shared_experts.gate_proj",
-            "moe.shared.w_up": "mlp.shared_experts.up_proj",
-            "moe.shared.w_down": "mlp.shared_experts.down_proj"}
-
-
-def reference_latent_norm_eps(cfg: ModelConfig) -> float:
-    """The eps the reference gives the q_a / kv_a latent norms: the config's
-    `latent_norm_eps` where the schema has it, else rms_norm_eps (the reference's
-    convention before that field)."""
-    return float(getattr(cfg, "latent_norm_eps", cfg.rms_norm_eps))
-
-
 def hf_config(cfg: ModelConfig, attn_implementation: str = "eager") -> "transformers.DeepseekV3Config":
-    """The `DeepseekV3Config` of a ModelConfig (rope_style -> rope_interleave, YaRN -> rope_parameters)."""
-    y = cfg.rope_scaling
-    rope = ({"rope_type": "default", "rope_theta": cfg.rope_theta} if y is None else
-            {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": y.factor,
-             "original_max_position_embeddings": y.original_max_position_embeddings,
-             "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
-             "mscale_all_dim": y.mscale_all_dim})
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "n_shared_experts", "n_routed_experts", "routed_scaling_factor",
-              "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group",
-              "topk_group", "num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob",
-              "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
-    config = transformers.DeepseekV3Config(
-        **{f: getattr(cfg, f) for f in fields}, num_key_value_heads=cfg.num_attention_heads,
-        rope_parameters=rope, rope_interleave=cfg.rope_style == "interleave")
+    """The `DeepseekV3Config` of a ModelConfig, with eager experts and this attention."""
+    config = transformers.DeepseekV3Config(**deepseek_v3_kwargs(cfg))
     config._attn_implementation = attn_implementation
     config._experts_implementation = "eager"
     return config
-
-
-def hf_state_dict(cfg: ModelConfig, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Fixture weights (docs/fixtures.md) -> HF's state dict. Routed experts: HF stacks
-    gate and up as gate_up_proj [E, 2 I, D]; everything else is renamed, not changed."""
-    state = {"model.embed_tokens.weight": weights["embed_tokens"], "model.norm.weight": weights["norm"],
-             "lm_head.weight": weights["lm_head"]}
-    for i in range(cfg.num_hidden_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        state.update({f"{q}{hf}.weight": weights[p + ours] for ours, hf in HF_NAMES.items() if p + ours in weights})
-        if not cfg.is_dense_layer(i):
-            state[q + "mlp.gate.e_score_correction_bias"] = weights[p + "moe.e_score_correction_bias"]
-            state[q + "mlp.experts.gate_up_proj"] = np.concatenate(
-                [weights[p + "moe.experts.w_gate"], weights[p + "moe.experts.w_up"]], axis=1)
-            state[q + "mlp.experts.down_proj"] = weights[p + "moe.experts.w_down"]
-    return state
 
 
 # ---- HF's float32 islands, lifted: the same computations in the hidden states' dtype ----
@@ -252,7 +205,7 @@ class HFAdapter:
             return [m for m in hf.modules() if isinstance(m, cls)]
 
         lifts: dict[str, Callable[[], list[contextlib.AbstractContextManager]]] = {
-            "latent-norm eps": lambda: [_attribute(m, "variance_epsilon", reference_latent_norm_eps(cfg))
+            "latent-norm eps": lambda: [_attribute(m, "variance_epsilon", cfg.latent_norm_eps)
                                         for m in self._latent_norms()],
             "float32 RMSNorm": lambda: [_instance_forward(of(hf_modeling.DeepseekV3RMSNorm), _rms_norm_wide)],
             "float32 router": lambda: [_instance_forward(of(hf_modeling.DeepseekV3TopkRouter), _router_wide)],
@@ -272,7 +225,7 @@ class HFAdapter:
         """name -> description of each difference that applies to the loaded config and dtype."""
         hf, cfg = self._model(), self.cfg
         found = {}
-        reference_eps = reference_latent_norm_eps(cfg)
+        reference_eps = cfg.latent_norm_eps
         hf_eps = sorted({m.variance_epsilon for m in self._latent_norms()})
         if hf_eps != [reference_eps]:
             found["latent-norm eps"] = (f"HF's latent norms ({'q_a and ' if cfg.q_lora_rank else ''}kv_a) use eps "
