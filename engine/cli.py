@@ -1,6 +1,6 @@
 """The `kdtree` command line: `validate` (the main job) and `demo`.
 
-    kdtree validate [--fixtures DIR] [--device cpu|cuda] [--json PATH] [--impl module:factory]
+    kdtree validate [--fixtures DIR] [--device cpu|cuda] [--json PATH] [--impl module:factory] [--require CAPS]
     kdtree demo [--preset tiny] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
 
 Bad input ends in one line on stderr (`kdtree: error: ...`) and a non-zero
@@ -79,7 +79,13 @@ def cli() -> None:
 @click.option("--impl", type=str, default=None,
               help="Adapter factory to validate: module:factory or path/to/file.py:factory "
                    "(default: the built-in torch engine).")
-def validate_command(fixtures: str | None, device: str, json_path: str | None, impl: str | None) -> int:
+@click.option("--require", type=str, default="declared", show_default=True,
+              help="Capabilities whose checks must run, comma-separated (model, topk, tree, compile, accept, "
+                   "sample_accept, compact, attention); `declared`: the adapter's `capabilities`, else what it "
+                   "implements; `none`: nothing required. A required capability that is skipped or that no "
+                   "fixture exercises is a FAIL.")
+def validate_command(fixtures: str | None, device: str, json_path: str | None, impl: str | None,
+                     require: str) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
     if device not in ("cpu", "cuda"):
         raise click.ClickException(f"--device must be cpu or cuda, got {device!r}")
@@ -90,7 +96,7 @@ def validate_command(fixtures: str | None, device: str, json_path: str | None, i
     _cpu_threads(device)
     adapter = load_impl(impl) if impl else None
     console = _console()
-    report = validate(adapter, fixtures, device, log=lambda line: console.print(f"[dim]{line}[/]"))
+    report = validate(adapter, fixtures, device, log=lambda line: console.print(f"[dim]{line}[/]"), require=require)
     render(report, console)
     if json_path is not None:
         write_json(report, json_path)
