@@ -13,9 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+import engine.decode
+import engine.validate.model_checks
+import engine.validate.runner
 import kdtr_format
 from kdtr_format import PRESETS
 from engine.adapter import TorchAdapter
+from engine.decode import ddtree_decode
+from engine.stages import TorchStages
 from engine.cli import main
 from engine.validate import (CAPABILITIES, GOLDEN_DIR, METHODS, SKIPPED_DETAIL, AdapterFault, Check,
                              CheckedAdapter, Status, ValidateError, capabilities, compare_close, compare_exact,
@@ -484,3 +489,59 @@ def test_replayed_round_tree_difference_is_a_near_tie_only_when_the_topk_differs
     assert replayed_round(rows, tree_rows=3, same_topk=True) == rows          # same top-k: a bug
     no_tree_change = [fine, fine, fine, choices_fail]
     assert replayed_round(no_tree_change, tree_rows=3, same_topk=False) == no_tree_change
+
+
+# ---- the built-in engine's own decode loops ----
+
+class LeakyStages(TorchStages):
+    """KV compaction that takes request 0's start for every request: invisible to a batch of one."""
+
+    def compact_kv(self, cache, starts, accepted, accept_len):
+        super().compact_kv(cache, torch.full_like(starts, int(starts[0])), accepted, accept_len)
+
+
+def builtin_only_decode(monkeypatch, stages=None) -> None:
+    """validate(None) builds the built-in adapter (with these stages) and runs its decode
+    loops, not the invariant (checked on its own, and the slowest part)."""
+    class Engine(TorchAdapter):
+        def __init__(self, device="cpu"):
+            super().__init__(device)
+            self.stages = stages or self.stages
+
+    monkeypatch.setattr(engine.validate.runner, "TorchAdapter", Engine)
+    monkeypatch.setattr(engine.validate.runner, "preset_invariant_checks", lambda adapter, preset: [])
+    monkeypatch.setattr(engine.validate.model_checks, "invariant_checks", lambda *args: [])
+
+
+def test_the_engine_replay_batches_requests_that_a_leak_reaches(tmp_path, monkeypatch):
+    """Every replay batch holds several prompts (traces of one block size beside the fixture's
+    prompts as companions), so a leak between requests fails the replay."""
+    batches = []
+
+    def spy(model, drafter, prompts, *args, **kwargs):
+        batches.append({len(p) for p in prompts})
+        return ddtree_decode(model, drafter, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(engine.validate.model_checks, "ddtree_decode", spy)
+    builtin_only_decode(monkeypatch, LeakyStages())
+    report = validate(None, fixture_dir(tmp_path, "tiny2.kdtr"), require="none")
+    assert batches and all(len(lengths) >= 2 for lengths in batches), batches
+    (replay,) = rows(report, "engine DDTree replay (batched)")
+    assert replay.status is Status.FAIL
+    assert rows(report, "accept")[0].status is Status.EXACT            # one request at a time: no leak
+
+
+def test_the_engine_replay_compares_whole_sequences(tmp_path, monkeypatch):
+    """An engine that commits a token past max_new_tokens fails the replay."""
+    result = engine.decode._Batch.result
+
+    def one_more(batch):
+        for request in batch.requests:
+            request.tokens.append(request.tokens[-1])
+        return result(batch)
+
+    monkeypatch.setattr(engine.decode._Batch, "result", one_more)
+    builtin_only_decode(monkeypatch)
+    report = validate(None, fixture_dir(tmp_path, "tiny2.kdtr"), require="none")
+    (replay,) = rows(report, "engine DDTree replay (batched)")
+    assert replay.status is Status.FAIL and re.search(r"tokens, expected \d+ \(trace t\d\)", replay.detail)
