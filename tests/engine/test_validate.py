@@ -15,7 +15,6 @@ import torch
 
 import engine.decode
 import engine.validate.model_checks
-import engine.validate.runner
 import kdtr_format
 from kdtr_format import PRESETS
 from engine.adapter import TorchAdapter
@@ -500,20 +499,7 @@ class LeakyStages(TorchStages):
         super().compact_kv(cache, torch.full_like(starts, int(starts[0])), accepted, accept_len)
 
 
-def builtin_only_decode(monkeypatch, stages=None) -> None:
-    """validate(None) builds the built-in adapter (with these stages) and runs its decode
-    loops, not the invariant (checked on its own, and the slowest part)."""
-    class Engine(TorchAdapter):
-        def __init__(self, device="cpu"):
-            super().__init__(device)
-            self.stages = stages or self.stages
-
-    monkeypatch.setattr(engine.validate.runner, "TorchAdapter", Engine)
-    monkeypatch.setattr(engine.validate.runner, "preset_invariant_checks", lambda adapter, preset: [])
-    monkeypatch.setattr(engine.validate.model_checks, "invariant_checks", lambda *args: [])
-
-
-def test_the_engine_replay_batches_requests_that_a_leak_reaches(tmp_path, monkeypatch):
+def test_the_engine_replay_batches_requests_that_a_leak_reaches(tmp_path, monkeypatch, builtin_decode_only):
     """Every replay batch holds several prompts (traces of one block size beside the fixture's
     prompts as companions), so a leak between requests fails the replay."""
     batches = []
@@ -523,7 +509,7 @@ def test_the_engine_replay_batches_requests_that_a_leak_reaches(tmp_path, monkey
         return ddtree_decode(model, drafter, prompts, *args, **kwargs)
 
     monkeypatch.setattr(engine.validate.model_checks, "ddtree_decode", spy)
-    builtin_only_decode(monkeypatch, LeakyStages())
+    builtin_decode_only(LeakyStages())
     report = validate(None, fixture_dir(tmp_path, "tiny2.kdtr"), require="none")
     assert batches and all(len(lengths) >= 2 for lengths in batches), batches
     (replay,) = rows(report, "engine DDTree replay (batched)")
@@ -531,7 +517,7 @@ def test_the_engine_replay_batches_requests_that_a_leak_reaches(tmp_path, monkey
     assert rows(report, "accept")[0].status is Status.EXACT            # one request at a time: no leak
 
 
-def test_the_engine_replay_compares_whole_sequences(tmp_path, monkeypatch):
+def test_the_engine_replay_compares_whole_sequences(tmp_path, monkeypatch, builtin_decode_only):
     """An engine that commits a token past max_new_tokens fails the replay."""
     result = engine.decode._Batch.result
 
@@ -541,7 +527,7 @@ def test_the_engine_replay_compares_whole_sequences(tmp_path, monkeypatch):
         return result(batch)
 
     monkeypatch.setattr(engine.decode._Batch, "result", one_more)
-    builtin_only_decode(monkeypatch)
+    builtin_decode_only()
     report = validate(None, fixture_dir(tmp_path, "tiny2.kdtr"), require="none")
     (replay,) = rows(report, "engine DDTree replay (batched)")
     assert replay.status is Status.FAIL and re.search(r"tokens, expected \d+ \(trace t\d\)", replay.detail)
