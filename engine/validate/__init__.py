@@ -39,6 +39,8 @@ outputs, capability declarations), `checked` (the checking proxy), `report`
 (rows, the report, JSON), `compare` (one comparison -> one row), `fixtures`
 (finding them), `model_checks`, `kernel_checks` and `invariant` (the sections
 above), and `runner` (all of them in order, then the requirements).
+`distribution` (the statistical test of a sampler's law, for implementations
+that draw their own uniforms; it needs scipy) is imported on its own.
 """
 
 from .checked import AdapterFault, CheckedAdapter
