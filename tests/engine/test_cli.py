@@ -63,10 +63,11 @@ def test_validate_example_adapter_passes_and_broken_one_fails(tmp_path):
     needs("kernels/tree_build.kdtr")
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "tree_build.kdtr").symlink_to(GOLDEN_DIR / "kernels" / "tree_build.kdtr")
-    good = kdtree("validate", "--fixtures", str(tmp_path), "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter")
+    good = kdtree("validate", "--fixtures", str(tmp_path), "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter",
+                  "--require", "topk,tree")          # this directory exercises nothing else it implements
     assert good.returncode == 0, good.stdout + good.stderr
     broken = kdtree("validate", "--fixtures", str(tmp_path), "--json", str(tmp_path / "r.json"),
-                    "--impl", "docs/examples/broken_adapter.py:BrokenTieAdapter")
+                    "--impl", "docs/examples/broken_adapter.py:BrokenTieAdapter", "--require", "topk,tree")
     assert broken.returncode == 1
     assert "FAILED" in broken.stdout
     report = json.loads((tmp_path / "r.json").read_text())
