@@ -34,8 +34,9 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
     report = Report(implementation=getattr(adapter, "name", type(adapter).__name__), device=device,
                     fixtures=str(directory), backends=dict(getattr(adapter, "backends", {})))
     checked = CheckedAdapter(adapter)
+    root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
     for path in _kdtr_files(directory):
-        section = str(path.relative_to(directory))
+        section = str(path.relative_to(root))
         log(f"checking {section}")
         try:
             with kdtr_format.open(path) as reader:
@@ -54,7 +55,7 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
         except Exception as exc:        # a malformed fixture (adapter faults are rows of their own checks)
             report.checks.append(Check(section, "fixture", Status.FAIL,
                                        detail=f"checking stopped: {type(exc).__name__}: {exc}"))
-    if builtin:
+    if builtin and directory.is_dir():
         for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
             log(f"invariant on preset {preset} (no fixture: random weights)")
             report.checks += preset_invariant_checks(adapter, preset)
