@@ -79,6 +79,6 @@ def requirements(checks: list[Check], caps: set[str], required: set[str], fixtur
                 continue
             detail = f"required, but the adapter has no {', '.join(m + '()' for m in CAPABILITIES[cap])}"
         else:
-            detail = f"required, but no fixture in {fixtures} exercised it"
+            detail = f"required, but no check of {fixtures} exercised it"
         rows.append(Check("validate", f"capability {cap}", Status.FAIL, detail=detail, needs=(cap,)))
     return rows
