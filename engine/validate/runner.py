@@ -25,7 +25,8 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
              require: str | Collection[str] | None = None) -> Report:
     """Run every check (package docstring) and return the report. adapter None = the built-in
     engine; require: the capabilities whose checks must run (protocol.resolve_capabilities;
-    None = what the adapter declares, else what it implements)."""
+    None = what the adapter declares, else what it implements; when `fixtures` is one file,
+    only those of them that the file has checks for)."""
     builtin = adapter is None
     if builtin:
         adapter = TorchAdapter(device)
@@ -59,6 +60,8 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
         for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
             log(f"invariant on preset {preset} (no fixture: random weights)")
             report.checks += preset_invariant_checks(adapter, preset)
+    if directory.is_file() and require in (None, "declared"):     # one file named: what it can check
+        required &= {cap for c in report.checks for cap in c.needs}
     report.checks = requirements(report.checks, caps, required, str(directory))
     return report
 

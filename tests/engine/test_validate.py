@@ -531,3 +531,16 @@ def test_the_engine_replay_compares_whole_sequences(tmp_path, monkeypatch, built
     report = validate(None, fixture_dir(tmp_path, "tiny2.kdtr"), require="none")
     (replay,) = rows(report, "engine DDTree replay (batched)")
     assert replay.status is Status.FAIL and re.search(r"tokens, expected \d+ \(trace t\d\)", replay.detail)
+
+
+def test_one_fixture_file_requires_only_what_it_can_check(tmp_path):
+    """A model fixture has no compaction checks: named alone, it does not require the declared
+    compact capability; a directory holding only it does."""
+    class Declares(StagesOnly):
+        capabilities = ("accept", "compact")
+
+    report = validate(Declares(), GOLDEN_DIR / "tiny2.kdtr")
+    assert not report.failed, report.summary()
+    assert not any(c.name.startswith("capability") for c in report.checks)
+    directory = fixture_dir(tmp_path, "tiny2.kdtr")
+    assert validate(Declares(), directory).failed                 # a directory: compact must be exercised
