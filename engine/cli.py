@@ -1,6 +1,7 @@
 """The `kdtree` command line: `validate` (the main job) and `demo`.
 
     kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--json PATH] [--impl module:factory]
+                    [--require CAPS]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
 
 Exit status: 0 passed, 1 a check failed (validate) or DDTree differed from AR
@@ -125,7 +126,13 @@ def _check_device(device: str) -> None:
 @click.option("--impl", type=str, default=None,
               help="Adapter factory to validate: module:factory (a module on PYTHONPATH or in the "
                    "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
-def validate_command(fixtures: Path | None, device: str, json_path: Path | None, impl: str | None) -> int:
+@click.option("--require", type=str, default="declared", show_default=True,
+              help="Capabilities whose checks must run, comma-separated (model, topk, tree, compile, accept, "
+                   "sample_accept, compact, attention); `declared`: the adapter's `capabilities`, else what it "
+                   "implements; `none`: nothing required. A required capability that is skipped or that no "
+                   "fixture exercises is a FAIL.")
+def validate_command(fixtures: Path | None, device: str, json_path: Path | None, impl: str | None,
+                     require: str) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
     _check_device(device)
     from .validate import load_impl, validate, write_json
@@ -136,7 +143,7 @@ def validate_command(fixtures: Path | None, device: str, json_path: Path | None,
         raise CliError(str(exc)) from None
     out = console()
     steps = _Steps(lambda line: out.print(Text(line, style="dim")))
-    report = validate(adapter, fixtures, device, log=steps)
+    report = validate(adapter, fixtures, device, log=steps, require=require)
     report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
     report.timings = steps.timings()
     render(report, out)
