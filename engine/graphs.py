@@ -222,6 +222,7 @@ class DDTreeRound:
                     torch.where(self.active, n + 1, 0), tokens.clamp(min=0))
         self.build, built = capture(build, pool)
         self.build.replay()                     # valid trees (root only, n_new 0) for the next warm-ups
+        self.built = built                      # n, parents, tokens, positions, visibility, n_new, ids
         n, parents, tokens, positions, visibility, n_new, ids = built
         self.verify, logits = capture(lambda: model.forward(ids, positions, visibility, n_new, self.starts, cache,
                                                             check=False), pool)
