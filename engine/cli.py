@@ -1,7 +1,7 @@
 """The `kdtree` command line: `validate` (the main job) and `demo`.
 
-    kdtree validate [--fixtures DIR] [--device cpu|cuda] [--json PATH] [--impl module:factory]
-    kdtree demo [--preset tiny] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
+    kdtree validate [--fixtures DIR] [--device cpu|cuda] [--json PATH] [--impl module:factory] [--invariant]
+    kdtree demo [--preset tiny] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH] [--invariant]
 
 Bad input ends in one line on stderr (`kdtree: error: ...`) and a non-zero
 exit; nothing is left half-written (--json and --plot go through a temporary
@@ -79,8 +79,12 @@ def cli() -> None:
 @click.option("--impl", type=str, default=None,
               help="Adapter factory to validate: module:factory or path/to/file.py:factory "
                    "(default: the built-in torch engine).")
-def validate_command(fixtures: str | None, device: str, json_path: str | None, impl: str | None) -> int:
+@click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
+def validate_command(fixtures: str | None, device: str, json_path: str | None, impl: str | None,
+                     invariant: bool) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
+    if invariant and impl:
+        raise click.ClickException("--invariant is a mode of the built-in engine; it does not apply to --impl")
     if device not in ("cpu", "cuda"):
         raise click.ClickException(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -90,7 +94,8 @@ def validate_command(fixtures: str | None, device: str, json_path: str | None, i
     _cpu_threads(device)
     adapter = load_impl(impl) if impl else None
     console = _console()
-    report = validate(adapter, fixtures, device, log=lambda line: console.print(f"[dim]{line}[/]"))
+    report = validate(adapter, fixtures, device, log=lambda line: console.print(f"[dim]{line}[/]"),
+                      invariant=invariant)
     render(report, console)
     if json_path is not None:
         write_json(report, json_path)
@@ -108,8 +113,9 @@ def validate_command(fixtures: str | None, device: str, json_path: str | None, i
 @click.option("--accuracy", default=0.8, show_default=True, type=float, help="The oracle drafter's accuracy.")
 @click.option("--device", type=str, default="cpu", show_default=True)
 @click.option("--plot", "plot_path", type=str, default=None, help="Save a PNG histogram of acceptance lengths.")
+@click.option("--invariant", is_flag=True, help="Run the engine in batch-invariant mode.")
 def demo_command(preset: str, fixture: str | None, prompt: str | None, max_new_tokens: int, budget: int,
-                 block_size: int, accuracy: float, device: str, plot_path: str | None) -> int:
+                 block_size: int, accuracy: float, device: str, plot_path: str | None, invariant: bool) -> int:
     """AR and DDTree side by side on a preset's fixture weights (oracle and layerskip drafters)."""
     if preset not in PRESETS:
         raise click.ClickException(f"unknown preset {preset!r}; presets are {', '.join(PRESETS)}")
@@ -130,7 +136,7 @@ def demo_command(preset: str, fixture: str | None, prompt: str | None, max_new_t
             raise click.ClickException(f"{path.name} holds preset {reader.metadata.get('preset')!r}, "
                                        f"not {preset!r}")
         tokens = _parse_prompt(prompt) if prompt else _longest_prompt(reader)
-        adapter = TorchAdapter(device)
+        adapter = TorchAdapter(device, invariant=invariant)
         adapter.load_weights(cfg, {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")})
     model = adapter.model
 

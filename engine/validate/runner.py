@@ -18,11 +18,12 @@ from .report import Check, Report, Status, ValidateError
 
 
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
-             log: Callable[[str], None] = lambda line: None) -> Report:
-    """Run every check (module docstring) and return the report. adapter None = the built-in engine."""
+             log: Callable[[str], None] = lambda line: None, invariant: bool = False) -> Report:
+    """Run every check (module docstring) and return the report. adapter None = the built-in
+    engine (in batch-invariant mode with `invariant`)."""
     builtin = adapter is None
     if builtin:
-        adapter = TorchAdapter(device)
+        adapter = TorchAdapter(device, invariant=invariant)
     directory = find_fixtures(fixtures)
     report = Report(implementation=getattr(adapter, "name", type(adapter).__name__), device=device,
                     fixtures=str(directory), backends=dict(getattr(adapter, "backends", {})))

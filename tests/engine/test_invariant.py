@@ -222,3 +222,33 @@ def test_mla_invariant_plan_row_bitwise_across_tree_sizes_and_layouts(dtype):
                     pack_visibility(torch.ones(1, 1, dtype=torch.bool, device="cuda")), scale, invariant=True)
     for name, (o, lse) in (("tree of 40 beside another request", grown), ("AR layout", (ar[0][0], ar[1][0]))):
         assert torch.equal(o, small[0]) and torch.equal(lse, small[1]), f"{name}: differs from the tree of 6"
+
+
+# ---- the CLIs' --invariant ----
+
+def test_demo_invariant_runs_bitwise_invariant(capsys, monkeypatch):
+    """`kdtree demo --invariant`: the engine in invariant mode, every DDTree run's tokens equal
+    AR's (exit 0); `validate --invariant` refuses an adapter (the mode is the built-in engine's)."""
+    import engine.cli
+    from engine.adapter import TorchAdapter
+    from engine.cli import main
+    from engine.validate import GOLDEN_DIR
+
+    made = []
+    monkeypatch.setattr(engine.cli, "TorchAdapter", lambda *a, **k: made.append(TorchAdapter(*a, **k)) or made[-1])
+
+    if not (GOLDEN_DIR / "tiny.kdtr").exists():
+        pytest.skip(f"golden fixture {GOLDEN_DIR / 'tiny.kdtr'} is absent (generate it with `refgen generate`)")
+    threads = torch.get_num_threads()
+    try:
+        for args, code in ((["demo", "--invariant", "--max-new-tokens", "10", "--budget", "6", "--block-size", "4"], 0),
+                           (["validate", "--invariant", "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter"], 1)):
+            with pytest.raises(SystemExit) as exit_info:
+                main(args)
+            assert exit_info.value.code == code
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    assert [a.model.invariant for a in made] == [True]
+    assert out.count("yes") == 3 and "NO" not in out
+    assert "--invariant is a mode of the built-in engine" in err
