@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 STEP_TARGET = 1.5            # x floor
@@ -147,15 +146,8 @@ def plot(doc: dict, path: str | os.PathLike) -> None:
         ax.legend(fontsize=6)
     fig.suptitle(f"DDTree on {doc.get('ceilings', {}).get('gpu', 'GPU')}, {doc['config']}, {doc['date']}")
     fig.tight_layout()
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.resolve().parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=120)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        fig.savefig(path, format="png", dpi=120)
     finally:
         plt.close(fig)
 
