@@ -16,7 +16,7 @@ from .cache import KVCache
 from .stages import CompiledBatch, TorchStages, TreeBatch
 
 
-def possible_nodes(depth: int, k: int, cap: int) -> int:
+def _possible_nodes(depth: int, k: int, cap: int) -> int:
     """min(cap, sum of k^d for d = 1 .. depth): every node a full k-ary tree of `depth` levels has."""
     total, level = 0, 1
     for _ in range(depth):
@@ -56,7 +56,7 @@ class CudaStages:
         smallest, largest = torch.stack(torch.aminmax(budgets)).tolist() if budgets.numel() > 0 else (0, 0)
         if smallest < 0:
             raise ValueError(f"budgets: must be >= 0, got {budgets.tolist()}")
-        width = 1 + possible_nodes(depth, k, largest)
+        width = 1 + _possible_nodes(depth, k, largest)
         n, parents, tokens, depths, scores = tree_ops.build_trees(topk_lp, topk_id, budgets, roots, width)
         used = 1 + (int(n.max()) if batch > 0 else 0)
         trim = (lambda t: t[:, :used].contiguous()) if used < width else (lambda t: t)

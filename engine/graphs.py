@@ -201,10 +201,10 @@ class DDTreeRound:
     def __init__(self, model: Transformer, cache: KVCache, depth: int, k: int, budget: int, pool) -> None:
         from kernels_cuda import tree_ops
 
-        from .cuda_stages import possible_nodes, unpack_visibility
+        from .cuda_stages import _possible_nodes, unpack_visibility
 
         device, batch = model.device, cache.batch
-        width = 1 + possible_nodes(depth, k, budget)
+        width = 1 + _possible_nodes(depth, k, budget)
         self.cache = cache
         self.draft = torch.zeros(batch, depth, model.cfg.vocab_size, device=device)
         self.budgets = torch.zeros(batch, dtype=torch.int64, device=device)

@@ -43,6 +43,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kdtr_format import ModelConfig
 
@@ -114,12 +115,13 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """x [..., d_rope] rotated pairwise; cos/sin broadcast to [..., d_rope / 2]. Float32 math.
 
-    interleave pairs (x[2i], x[2i+1]); neox pairs (x[i], x[i + d/2]). Output keeps x's layout.
+    interleave pairs (x[2i], x[2i+1]) (one complex product: (x1 + i x2)(cos + i sin));
+    neox pairs (x[i], x[i + d/2]). Output keeps x's layout.
     """
     xf = x.float()
     if style == "interleave":
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        pairs = torch.view_as_complex(xf.reshape(*xf.shape[:-1], -1, 2).contiguous())
+        out = torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2)
     else:
         x1, x2 = xf.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
@@ -130,8 +132,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] / sqrt(mean(x^2) + eps) * weight, in float32; returns x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -270,6 +271,16 @@ def _write_rows(cache: torch.Tensor, slots: torch.Tensor, real: torch.Tensor, ne
     cache.scatter_(1, index, torch.where(real[..., None], new.to(cache.dtype), cache.gather(1, index)))
 
 
+def _stored(name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as the forward keeps it: routing in float32 in any dtype; norm weights rounded
+    to the dtype and kept in float32 (their math is float32); the rest in the dtype."""
+    if name.endswith(("moe.gate", "moe.e_score_correction_bias")):
+        return value.float()
+    if name == "norm" or name.endswith(("layernorm", "q_a_norm", "kv_a_norm")):
+        return value.to(dtype).float()
+    return value.to(dtype)
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x [m, ...] -> [rows, ...], zero rows appended."""
     if x.shape[0] == rows:
@@ -307,10 +318,7 @@ class Transformer:
         self.tile = INVARIANT_TILE.get(self.device.type, 64) if invariant else None
         self.moe = "dense" if invariant else (moe or moe_dispatch(self.device, dtype))
         self.capture = capture
-        router = ("moe.gate", "moe.e_score_correction_bias")    # routing stays float32 in any dtype
-        w = {name: as_tensor(value).to(device=self.device,
-                                       dtype=torch.float32 if name.endswith(router) else dtype)
-             for name, value in weights.items()}
+        w = {name: _stored(name, as_tensor(value).to(self.device), dtype) for name, value in weights.items()}
         self.embed, self.norm, self.lm_head = w["embed_tokens"], w["norm"], w["lm_head"]
         self.layers = [Block(cfg, w, i) for i in range(cfg.num_hidden_layers)]
         self.inv_freq = rope_inv_freq(cfg).to(self.device)

@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -246,7 +247,13 @@ class Bench:
             weights = self.part("weights", lambda: random_weights(self.cfg, seed=0, device=self.device, dtype=dtype))
             moe = self.part("moe check", lambda: self.check_moe(weights, dtype, attention))
             for mode in self.plan.modes:
-                self.measure(weights, dtype_name, mode, moe, attention, stages, prompts, ceilings_)
+                try:
+                    self.measure(weights, dtype_name, mode, moe, attention, stages, prompts, ceilings_)
+                except Exception as exc:            # one broken combination must not cost the others
+                    self.doc["notes"].append(f"{dtype_name} {mode}: stopped by {type(exc).__name__}: "
+                                             f"{traceback.format_exc(limit=-3)}")
+                    self.log(self.doc["notes"][-1])
+                    torch.cuda.synchronize()
             del weights
             torch.cuda.empty_cache()
         self.save()
