@@ -164,13 +164,10 @@ def ceilings() -> dict:
     src = torch.randn(2**28, device="cuda")                                               # 1 GiB
     dst = torch.empty_like(src)
     copy = 2 * 2**30 / cuda_ms(lambda: dst.copy_(src)) / 1e9
-    del src, dst
     rates = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         a, b = (torch.randn(MATMUL, MATMUL, device="cuda", dtype=dtype) for _ in range(2))
         rates[name] = 2 * MATMUL**3 / cuda_ms(lambda: a @ b, reps=5) / 1e9
-        del a, b
-    torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "copy_TBps": copy, "bf16_TFLOPs": rates["bf16"],
             "fp32_TFLOPs": rates["fp32"]}
 
@@ -254,8 +251,7 @@ class Bench:
                                              f"{traceback.format_exc(limit=-3)}")
                     self.log(self.doc["notes"][-1])
                     torch.cuda.synchronize()
-            del weights
-            torch.cuda.empty_cache()
+                torch.cuda.empty_cache()                # the mode's graphs and caches are gone
         self.save()
         return self.doc
 
@@ -277,8 +273,8 @@ class Bench:
             for m, model in models.items():
                 logits[m] = model.forward(tokens, torch.arange(24, device=dev).expand(2, 24),
                                           torch.ones(2, 24, 24, dtype=torch.bool, device=dev).tril(),
-                                          torch.tensor([24, 17], device=dev), torch.zeros(2, dtype=torch.int64, device=dev),
-                                          model.new_cache(2, 32))
+                                          torch.tensor([24, 17], device=dev),
+                                          torch.zeros(2, dtype=torch.int64, device=dev), model.new_cache(2, 32))
             error = float((logits["grouped"][:, :17] - logits["dense"][:, :17]).abs().max()
                           / logits["dense"][:, :17].abs().max())
         except Exception as exc:                        # a missing or broken grouped kernel
@@ -332,8 +328,6 @@ class Bench:
                                                                     rate, ceilings_))
                     dd = self.part("DDTree", lambda: run(plan.tokens))
                     self.sweep_point(point, ar, ar_s, dd)
-        del graphed, model
-        torch.cuda.empty_cache()
 
     def sweep_point(self, point: dict, ar, ar_s: float, dd) -> None:
         m = dd.metrics

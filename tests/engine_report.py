@@ -73,7 +73,7 @@ def markdown(doc: dict) -> str:
              f"bf16 matrix {_f(c.get('bf16_TFLOPs'), 0)} TFLOP/s, float32 matrix {_f(c.get('fp32_TFLOPs'), 1)} TFLOP/s",
              f"- Backends: {doc.get('backends', 'n/a')}",
              f"- Plan: {doc['plan']}",
-             f"- Time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in doc["timing_s"].items()),
+             "- Time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in doc["timing_s"].items()),
              "", "## Targets", "", "| target | measured | requirement | verdict |", "|---|---|---|---|"]
     for name, measured, requirement, met in verdicts(doc):
         lines.append(f"| {name} | {measured} | {requirement} | {'met' if met else 'not met'} |")
@@ -82,18 +82,20 @@ def markdown(doc: dict) -> str:
               "tokens chose, KV read and written, logits) over the copy bandwidth and its flops over the "
               "dtype's matrix rate. Device time of the step's CUDA graph (median of replays).", "",
               "| dtype | mode | step | batch | rows | mean context | ms | floor ms | bound | x floor | "
-              "experts touched (mean) | build ms | accept ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "experts touched (mean) | build ms | accept ms |", "|---" * 13 + "|"]
     for r in doc["steps"]:
         touched = [t for t in r["touched_experts"] if t]
         step = "AR decode" if r["kind"] == "ar" else f"verify (budget {r['budget']})"
         lines.append(f"| {r['dtype']} | {r['mode']} | {step} | {r['batch']} | {r['rows']} | "
-                     f"{sum(r['context']) / len(r['context']):.0f} | {r['ms']:.3f} | {r['floor_ms']:.3f} | {r['bound']} | "
+                     f"{sum(r['context']) / len(r['context']):.0f} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{r['bound']} | "
                      f"{r['x_floor']:.2f} | {sum(touched) / max(len(touched), 1):.1f} | "
                      f"{_f(r.get('build_ms'), 3)} | {_f(r.get('accept_ms'), 3)} |")
     lines += ["", "## AR tokens per second", "", "| dtype | mode | batch | tokens/s | ms per step |",
               "|---|---|---|---|---|"]
     for r in doc["ar"]:
-        lines.append(f"| {r['dtype']} | {r['mode']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.3f} |")
+        lines.append(f"| {r['dtype']} | {r['mode']} | {r['batch']} | {r['tokens_per_s']:.0f} | "
+                     f"{r['ms_per_step']:.3f} |")
     lines += ["", "## DDTree against AR, oracle accuracy sweep (block 16)", "",
               "Speedup: AR's decode time over DDTree's for the same tokens (prefill excluded); \"w/o draft\" "
               "leaves the oracle drafter's time out. Other: build, accept and host time per round (everything "

@@ -27,7 +27,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_buckets_cover_powers_of_two_and_one_more():
     assert bucket_width(1) == 1 and bucket_width(17) == 17 and bucket_width(18) == 32 and bucket_width(65) == 65
-    assert bucket_width(66) == 128 and bucket_width(BUCKETS[-1]) == BUCKETS[-1] and bucket_width(BUCKETS[-1] + 1) is None
+    assert bucket_width(66) == 128 and bucket_width(BUCKETS[-1]) == BUCKETS[-1]
+    assert bucket_width(BUCKETS[-1] + 1) is None
     assert all(bucket_width(1 + 2**i) == 1 + 2**i for i in range(10))            # 1 + budget, budgets 2^i
 
 

@@ -141,9 +141,9 @@ def test_tree_verify_rows_equal_ar_decode_of_their_paths(engines, dtype, device,
     after_prompt = clone_cache(cache)
     tree, compiled = random_tree(rng, engine.cfg.vocab_size, prompt, budget, depth)
     n, dev = len(tree.tokens), engine.device
-    verified = engine.forward(torch.tensor(tree.tokens, device=dev)[None], torch.tensor(compiled.positions, device=dev)[None],
-                              torch.tensor(compiled.visibility, device=dev)[None], torch.tensor([n], device=dev),
-                              torch.tensor([prompt], device=dev), cache)[0].cpu()
+    put = lambda a: torch.tensor(a, device=dev)[None]  # noqa: E731
+    verified = engine.forward(put(tree.tokens), put(compiled.positions), put(compiled.visibility),
+                              torch.tensor([n], device=dev), torch.tensor([prompt], device=dev), cache)[0].cpu()
     for node in range(n):
         path = [node]
         while tree.parents[path[-1]] >= 0:
@@ -217,8 +217,8 @@ def test_mla_invariant_plan_row_bitwise_across_tree_sizes_and_layouts(dtype):
     path = torch.tensor(list(range(context)) + [context + a for a in ancestors], device="cuda")
     ar_c, ar_k = keys_c[path], keys_k[path]                   # the same keys, contiguous, in the same order
     # AR decoding node 5: the prompt, the root and node 2 are cached (context + 2), node 5 is the new token
-    ar = mla_verify(q_lat, q_pe, ar_c, ar_k, torch.tensor([context + 2], device="cuda"), torch.tensor([1], device="cuda"),
-                    torch.tensor([0, 1], device="cuda"), torch.tensor([0], device="cuda"),
+    index = lambda *v: torch.tensor(v, device="cuda")  # noqa: E731
+    ar = mla_verify(q_lat, q_pe, ar_c, ar_k, index(context + 2), index(1), index(0, 1), index(0),
                     pack_visibility(torch.ones(1, 1, dtype=torch.bool, device="cuda")), scale, invariant=True)
     for name, (o, lse) in (("tree of 40 beside another request", grown), ("AR layout", (ar[0][0], ar[1][0]))):
         assert torch.equal(o, small[0]) and torch.equal(lse, small[1]), f"{name}: differs from the tree of 6"
