@@ -187,12 +187,12 @@ class MLA:
         if cfg.q_lora_rank is None:
             q = x @ self.wq.T
         else:
-            q = rms_norm(x @ self.wq_a.T, self.q_a_norm, cfg.rms_norm_eps) @ self.wq_b.T
+            q = rms_norm(x @ self.wq_a.T, self.q_a_norm, cfg.latent_norm_eps) @ self.wq_b.T
         q = q.view(rows, cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], cfg.rope_style)           # [M, H, dr]
         kv_a = x @ self.wkv_a.T
-        c_kv = rms_norm(kv_a[..., :cfg.kv_lora_rank], self.kv_a_norm, cfg.rms_norm_eps)  # [M, R]
+        c_kv = rms_norm(kv_a[..., :cfg.kv_lora_rank], self.kv_a_norm, cfg.latent_norm_eps)  # [M, R]
         k_pe = apply_rope(kv_a[..., cfg.kv_lora_rank:], cos, sin, cfg.rope_style)      # [M, dr]
         q_lat = torch.einsum("mhd,hdr->mhr", q_nope, self.w_uk)                     # [M, H, R]
         return q_lat, q_pe, c_kv, k_pe

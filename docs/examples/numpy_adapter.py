@@ -45,7 +45,7 @@ class NumpyAdapter:
         return np.take_along_axis(lp, order, -1), order.astype(np.int64)
 
     def tie_key(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
-        """Equal scores pop the smaller rank path first (DDTREE_CONTRACT.md section 3)."""
+        """Equal scores pop the smaller rank path first (docs/ddtree-semantics.md, section 3)."""
         return ranks
 
     def build_tree(self, topk_lp: np.ndarray, topk_id: np.ndarray, budget: int,

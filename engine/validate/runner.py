@@ -28,8 +28,9 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
     report = Report(implementation=getattr(adapter, "name", type(adapter).__name__), device=device,
                     fixtures=str(directory), backends=dict(getattr(adapter, "backends", {})))
     caps = capabilities(adapter)
+    root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
     for path in _kdtr_files(directory):
-        log(f"checking {path.relative_to(directory)}")
+        log(f"checking {path.relative_to(root)}")
         try:
             with kdtr_format.open(path) as reader:
                 kind = reader.metadata.get("kind")
@@ -37,7 +38,7 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
                     report.checks += _model_fixture(adapter, caps, reader, path, builtin)
                 elif kind in _KERNEL_CASES:
                     report.checks += _KERNEL_CASES[kind](adapter, caps, reader,
-                                                         str(path.relative_to(directory)))
+                                                         str(path.relative_to(root)))
                 else:
                     report.checks.append(Check(path.name, "fixture", Status.FAIL,
                                                detail=f"unknown fixture kind {kind!r}"))
@@ -47,7 +48,7 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
             raise
         except Exception as exc:        # an adapter that crashes fails this fixture, not the run
             report.checks.append(Check(path.name, "run", Status.FAIL, detail=f"{type(exc).__name__}: {exc}"))
-    if builtin:
+    if builtin and directory.is_dir():
         for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
             log(f"invariant on preset {preset} (no fixture: random weights)")
             report.checks += preset_invariant_checks(adapter, preset)

@@ -229,20 +229,20 @@ def test_mla_invariant_plan_row_bitwise_across_tree_sizes_and_layouts(dtype):
 def test_demo_invariant_runs_bitwise_invariant(capsys, monkeypatch):
     """`kdtree demo --invariant`: the engine in invariant mode, every DDTree run's tokens equal
     AR's (exit 0); `validate --invariant` refuses an adapter (the mode is the built-in engine's)."""
-    import engine.cli
+    import engine.adapter
     from engine.adapter import TorchAdapter
     from engine.cli import main
     from engine.validate import GOLDEN_DIR
 
     made = []
-    monkeypatch.setattr(engine.cli, "TorchAdapter", lambda *a, **k: made.append(TorchAdapter(*a, **k)) or made[-1])
+    monkeypatch.setattr(engine.adapter, "TorchAdapter", lambda *a, **k: made.append(TorchAdapter(*a, **k)) or made[-1])
 
     if not (GOLDEN_DIR / "tiny.kdtr").exists():
         pytest.skip(f"golden fixture {GOLDEN_DIR / 'tiny.kdtr'} is absent (generate it with `refgen generate`)")
     threads = torch.get_num_threads()
     try:
         for args, code in ((["demo", "--invariant", "--max-new-tokens", "10", "--budget", "6", "--block-size", "4"], 0),
-                           (["validate", "--invariant", "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter"], 1)):
+                           (["validate", "--invariant", "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter"], 2)):
             with pytest.raises(SystemExit) as exit_info:
                 main(args)
             assert exit_info.value.code == code
