@@ -232,6 +232,10 @@ def render(report: Report, out: Console) -> None:
             out.print(Text("\n".join(indent + part for part in wrapped), style="dim" if c.status.value != "FAIL" else ""))
     if report.backends:
         out.print(Text("backends: " + ", ".join(f"{k}: {v}" for k, v in report.backends.items())))
+    for fixture, declared in report.deviations.items():
+        out.print(Text(f"known deviations declared by the implementation for {fixture}:"))
+        for deviation in declared:
+            out.print(Text(f"  {deviation.line()}"))
     out.print(Text(f"fixtures: {report.fixtures}"))
     out.print(Text(report.summary(), style="bold red" if report.failed else "bold green"))
 

@@ -58,6 +58,7 @@ KIND_HELP = {
     "tree_build": "top-k and best-first tree build edge cases (B = 0, 1, beyond possible, ties, L = 0, 1)",
     "verify_attention": "ragged tree-verify MLA attention batches (K2 and tiny dims)",
     "accept_compact": "accept walks (non-prefix paths) and the KV compaction they imply",
+    "corpus": "the bugs other DDTree integrations shipped, one named regression case each",
 }
 
 
@@ -206,7 +207,7 @@ def generate(presets: tuple[str, ...], all_: bool, config_file: Path | None, out
     if kernels if kernels is not None else all_:
         jobs += [_kernel_job(kind, seed, large=False) for kind in KERNEL_KINDS]
     if kernels_large:
-        jobs += [_kernel_job(kind, seed, large=True) for kind in KERNEL_KINDS]
+        jobs += [_kernel_job(kind, seed, large=True) for kind in KERNEL_KINDS if kernel_cases(kind, True)]
     if not jobs:
         raise CliError("nothing to generate: give --all, --preset NAME, --config-file PATH or --kernels")
     _prepare_out(out, jobs)

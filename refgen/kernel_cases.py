@@ -21,12 +21,13 @@ import numpy as np
 
 from kdtr_format import PRESETS
 
+from .corpus import CORPUS_CASES, corpus_case
 from .ddtree import Tree, accept, build_tree, compact, compile_tree, topk_logprobs
 from .fixtures import (FIXTURE_FORMAT, Fixture, FixtureError, Progress, generator_info, sub_seed,
                        topk_gaps)
 from .model import absorbed_attention, softmax_scale
 
-KERNEL_KINDS = ("tree_build", "verify_attention", "accept_compact")
+KERNEL_KINDS = ("tree_build", "verify_attention", "accept_compact", "corpus")
 LOGIT_QUANTUM = 2.0 ** -10   # random draft logits are multiples of this
 KV_GAP_ROWS = 3              # junk rows between two requests' keys in a verify batch
 JUNK = 1e4                   # their value: any kernel that reads them is visibly wrong
@@ -309,6 +310,7 @@ _KINDS = {
     "tree_build": (_tree_case, TREE_CASES, TREE_CASES_LARGE),
     "verify_attention": (_attention_case, ATTENTION_CASES, ATTENTION_CASES_LARGE),
     "accept_compact": (_accept_case, ACCEPT_CASES, ACCEPT_CASES_LARGE),
+    "corpus": (corpus_case, CORPUS_CASES, ()),          # refgen/corpus.py: small cases only
 }
 
 

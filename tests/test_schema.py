@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hf_reference import deepseek_v3_kwargs
+from engine.adapters.hf_mapping import deepseek_v3_kwargs
 from kdtr_format import CONFIGS, PRESETS, ConfigError, DDTreeConfig, ModelConfig, YarnScaling
 
 ALL_CONFIGS = {**PRESETS, **CONFIGS}

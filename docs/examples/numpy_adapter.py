@@ -36,7 +36,10 @@ class NumpyAdapter:
 
     # ---- DDTree stages ----
     def topk_logprobs(self, draft_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """[L, V] -> (topk_lp float32 [L, K], topk_id int64 [L, K]); equal lp: smaller id first."""
+        """[L, V] -> (topk_lp float32 [L, K], topk_id int64 [L, K]); equal lp: smaller id first.
+        -inf is a masked token (lp -inf); NaN is refused (docs/adapter.md, "The corpus")."""
+        if np.isnan(draft_logits).any():
+            raise ValueError("draft_logits: contains NaN")
         x = draft_logits.astype(np.float64)
         peak = x.max(axis=-1, keepdims=True)
         lp = (x - (peak + np.log(np.exp(x - peak).sum(axis=-1, keepdims=True)))).astype(np.float32)

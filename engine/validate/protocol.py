@@ -30,6 +30,9 @@ K top-k width, S cache rows, H heads, R kv_lora, dr d_rope):
 - attention: ``attention(q_lat [n, H, R], q_pe [n, H, dr], c_kv [S, R], k_pe [S, dr],
   visibility [n, S] bool, scale: float) -> o_lat [n, H, R]`` (the tree-verify kernel;
   the last n rows of c_kv / k_pe are the tree tokens, every earlier row is visible).
+- known deviations (optional, any adapter): ``deviations() -> list[Deviation]``, where the
+  engine differs from the reference on purpose; noted on the rows named, never changing a
+  verdict (deviations.py).
 
 `engine.adapter.TorchAdapter` exposes the built-in engine through this protocol,
 so the runner takes one code path for it and for any user's engine.

@@ -35,7 +35,8 @@ _SEVERITY = {Status.SKIPPED: 0, Status.EXACT: 1, Status.WITHIN: 2, Status.NEAR_T
 @dataclass
 class Check:
     """One row of the report. error / tolerance: the worst element's |actual - expected| and
-    its tolerance (floats); margin: the reference's top1 - top2 logit gap at a token divergence."""
+    its tolerance (floats); margin: the reference's top1 - top2 logit gap at a token divergence;
+    tables: JSON-ready detail too large for the row's text (acceptance.py's tables)."""
 
     section: str
     name: str
@@ -44,6 +45,7 @@ class Check:
     tolerance: float | None = None
     margin: float | None = None
     detail: str = ""
+    tables: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -70,6 +72,7 @@ class Report:
     commit: str | None = None
     device_name: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
+    deviations: dict[str, list[Any]] = field(default_factory=dict)   # fixture -> [Deviation] (deviations.py)
 
     @property
     def failed(self) -> bool:
@@ -88,7 +91,8 @@ class Report:
         return {"implementation": self.implementation, "device": self.device, "device_name": self.device_name,
                 "fixtures": self.fixtures, "backends": self.backends, "versions": self.versions,
                 "commit": self.commit, "timings": self.timings, "passed": not self.failed,
-                "counts": self.counts(), "summary": self.summary(), "checks": [c.to_dict() for c in self.checks]}
+                "counts": self.counts(), "summary": self.summary(), "checks": [c.to_dict() for c in self.checks],
+                "deviations": {f: [d.to_dict() for d in ds] for f, ds in self.deviations.items()}}
 
 
 def write_json(report: Report, path: str | os.PathLike) -> None:

@@ -9,6 +9,8 @@ import kdtr_format
 from kdtr_format import PRESETS, KdtrError
 
 from ..adapter import TorchAdapter
+from .acceptance import with_trace_acceptance
+from .deviations import with_deviations
 from .fixtures import _kdtr_files, find_fixtures
 from .invariant import preset_invariant_checks
 from .kernel_checks import _KERNEL_CASES
@@ -35,7 +37,8 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
             with kdtr_format.open(path) as reader:
                 kind = reader.metadata.get("kind")
                 if kind == "model":
-                    report.checks += _model_fixture(adapter, caps, reader, path, builtin)
+                    checks = with_trace_acceptance(_model_fixture(adapter, caps, reader, path, builtin), reader)
+                    report.checks += with_deviations(report, adapter, checks, path.name)
                 elif kind in _KERNEL_CASES:
                     report.checks += _KERNEL_CASES[kind](adapter, caps, reader,
                                                          str(path.relative_to(root)))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kdtr_format import PRESETS, ModelConfig, YarnScaling
-from hf_reference import deepseek_v3_kwargs, hf_state_dict
+from engine.adapters.hf_mapping import deepseek_v3_kwargs, hf_state_dict
 from refgen.model import (KVCache, Model, absorbed_attention, apply_rope, causal_visibility, rms_norm,
                           rope_inv_freq, route, softmax_scale, yarn_get_m)
 from refgen.weights import GROUPED_BIAS_MEAN, init_weights

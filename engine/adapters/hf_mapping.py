@@ -1,17 +1,19 @@
-"""HF transformers as the outside reference of the tests (never imported by refgen).
+"""A kdtree config and fixture weights in the terms of HF transformers' DeepseekV3 (v5 API).
 
     hf_cfg = transformers.DeepseekV3Config(**deepseek_v3_kwargs(cfg))
-    state = hf_state_dict(cfg, weights)          # refgen weight names -> HF's
+    state = hf_state_dict(cfg, weights)          # docs/fixtures.md weight names -> HF's
 
-`deepseek_v3_kwargs` writes a kdtree `ModelConfig` in transformers 5.x's own
-terms (one ``rope_parameters`` dict, ``rope_interleave``, ``num_key_value_heads``);
-kdtree's `latent_norm_eps` is left out, since HF hard-codes the reference's 1e-6.
+Plain data, no transformers import: the HF adapter (engine/adapters/hf.py) and the
+tests that hold the reference against HF share it. `deepseek_v3_kwargs` writes one
+``rope_parameters`` dict, ``rope_interleave`` and ``num_key_value_heads``; kdtree's
+`latent_norm_eps` is left out, since HF hard-codes the reference's 1e-6 (the adapter
+declares the difference where a config's eps is another).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -19,6 +21,7 @@ from kdtr_format import ModelConfig
 
 NOT_HF = {"rope_theta", "rope_scaling", "rope_style", "scoring_func", "topk_method", "latent_norm_eps"}
 
+# fixture name suffix (layers.{i}.<suffix>) -> HF name suffix (model.layers.{i}.<suffix>.weight)
 HF_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
             "attn.wq": "self_attn.q_proj", "attn.wq_a": "self_attn.q_a_proj",
             "attn.q_a_norm": "self_attn.q_a_layernorm", "attn.wq_b": "self_attn.q_b_proj",
@@ -40,9 +43,10 @@ def deepseek_v3_kwargs(cfg: ModelConfig) -> dict[str, Any]:
             "rope_parameters": rope, "rope_interleave": cfg.rope_style == "interleave"}
 
 
-def hf_state_dict(cfg: ModelConfig, w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """refgen weights (docs/fixtures.md names) -> `DeepseekV3ForCausalLM` state-dict entries
-    (rotary buffers excluded)."""
+def hf_state_dict(cfg: ModelConfig, w: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Fixture weights (docs/fixtures.md names) -> `DeepseekV3ForCausalLM` state-dict entries
+    (rotary buffers excluded). Routed experts: HF stacks gate and up as gate_up_proj
+    [E, 2 I, D]; everything else is renamed, not changed."""
     state = {"model.embed_tokens.weight": w["embed_tokens"], "model.norm.weight": w["norm"],
              "lm_head.weight": w["lm_head"]}
     for i in range(cfg.num_hidden_layers):
