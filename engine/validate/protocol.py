@@ -265,8 +265,11 @@ def load_impl(spec: str) -> Any:
     try:
         module = _import(target)
     except ImportError as exc:
-        raise ValueError(f"--impl {spec!r}: cannot import {target!r} ({exc}); name a module on PYTHONPATH "
-                         "or in the current directory, or a file: path/to/file.py:factory") from None
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and \
+            (target == exc.name or target.startswith(exc.name + "."))
+        how = ("; name a module on PYTHONPATH or in the current directory, or a file: path/to/file.py:factory"
+               if missing else "")           # the module itself is not there, not one it imports
+        raise ValueError(f"--impl {spec!r}: cannot import {target!r} ({exc}){how}") from None
     except Exception as exc:
         raise ValueError(f"--impl {spec!r}: importing {target} raised {type(exc).__name__}: {exc}") from None
     factory = getattr(module, factory_name, None)
