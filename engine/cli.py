@@ -1,14 +1,14 @@
 """The `kdtree` command line: `validate` (the main job) and `demo`.
 
-    kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--json PATH] [--impl module:factory]
-                    [--require CAPS] [--invariant]
+    kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--json PATH] [--junit-xml PATH]
+                    [--html PATH] [--impl module:factory] [--require CAPS] [--invariant]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
                 [--invariant]
 
 Exit status: 0 passed, 1 a check failed (validate) or DDTree differed from AR
 (demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
-argument is refused before any work, in one line on stderr; --json and --plot
-are written all or nothing, with the user's umask.
+argument is refused before any work, in one line on stderr; --json, --junit-xml,
+--html and --plot are written all or nothing, with the user's umask.
 
 Help, --version and refused arguments answer without importing torch (seconds):
 each command imports the engine when it runs.
@@ -124,6 +124,11 @@ def _check_device(device: str) -> None:
 @click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--json", "json_path", type=OutputFile(), default=None,
               help="Also write the report as JSON here (with versions, commit, device and timings).")
+@click.option("--junit-xml", "junit_path", type=OutputFile(), default=None,
+              help="Also write the report as JUnit XML here (one testcase per row), for CI test views.")
+@click.option("--html", "html_path", type=OutputFile(), default=None,
+              help="Also write the report as one self-contained HTML page here, with plots (needs "
+                   "matplotlib: the `plot` extra).")
 @click.option("--impl", type=str, default=None,
               help="Adapter factory to validate: module:factory (a module on PYTHONPATH or in the "
                    "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
@@ -133,11 +138,13 @@ def _check_device(device: str) -> None:
                    "implements; `none`: nothing required. A required capability that is skipped or that no "
                    "fixture exercises is a FAIL.")
 @click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
-def validate_command(fixtures: Path | None, device: str, json_path: Path | None, impl: str | None,
-                     require: str, invariant: bool) -> int:
+def validate_command(fixtures: Path | None, device: str, json_path: Path | None, junit_path: Path | None,
+                     html_path: Path | None, impl: str | None, require: str, invariant: bool) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
     if invariant and impl:
         raise CliError("--invariant is a mode of the built-in engine; it does not apply to --impl")
+    if html_path is not None:
+        _require_matplotlib("--html")
     _check_device(device)
     from .validate import load_impl, validate, write_json
 
@@ -153,6 +160,12 @@ def validate_command(fixtures: Path | None, device: str, json_path: Path | None,
     render(report, out)
     if json_path is not None:
         write_json(report, json_path)
+    if junit_path is not None:
+        from .validate.junit import write_junit
+        write_junit(report, junit_path)
+    if html_path is not None:
+        from .validate.html import write_html
+        write_html(report, html_path)
     return 1 if report.failed else 0
 
 
@@ -203,15 +216,6 @@ def _device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"
 
 
-def _numbers(check: Check) -> str:
-    """A row's worst error against its tolerance, or its margin against the threshold."""
-    if check.margin is not None:
-        return f"margin {check.margin:.2e} vs {check.tolerance:.2e}" if check.tolerance else f"margin {check.margin:.2e}"
-    if check.error is not None and check.tolerance is not None:
-        return f"{check.error:.2e} {'>' if check.error > check.tolerance else '<='} {check.tolerance:.2e}"
-    return "" if check.error is None else f"{check.error:.2e}"
-
-
 def render(report: Report, out: Console) -> None:
     """The report as rows under their fixture: status, check, numbers; a detail on the lines below,
     wrapped to the console's width (readable at 80 columns)."""
@@ -225,7 +229,7 @@ def render(report: Report, out: Console) -> None:
         if c.section != section:
             section = c.section
             out.print(Text(section, style="bold"))
-        numbers = _numbers(c)
+        numbers = c.numbers()
         line = Text.assemble("  ", (c.status.value.ljust(status_w), STATUS_STYLE[c.status.value]), "  ", c.name)
         details = [c.detail] if c.detail else []
         if numbers and len(line) + 2 + max(name_w - len(c.name), 0) + len(numbers) <= width:
@@ -282,7 +286,7 @@ def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | N
                  invariant: bool) -> int:
     """AR and DDTree side by side on a model fixture's weights (oracle and layerskip drafters)."""
     if plot_path is not None:
-        _require_matplotlib()
+        _require_matplotlib("--plot")
     _check_device(device)
     model = _demo_model(preset, fixture)
     cfg, tokens, ddtree = model.cfg, prompt or model.prompt, DDTreeConfig(block_size=block_size, budget=budget)
@@ -403,9 +407,9 @@ def _print_demo(out: Console, model: _DemoModel, prompt: list[int], ddtree: DDTr
     out.print(stages)
 
 
-def _require_matplotlib() -> None:
+def _require_matplotlib(option: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
-        raise CliError("--plot needs matplotlib (pip install 'kdtree[plot]')")
+        raise CliError(f"{option} needs matplotlib (pip install 'kdtree[plot]')")
 
 
 def _plot(runs: dict[str, DecodeResult], path: Path, block_size: int) -> None:

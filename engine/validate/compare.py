@@ -89,8 +89,8 @@ def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins:
 
 
 def merge(section: str, name: str, checks: Iterable[Check], needs: Iterable[str] = ()) -> Check:
-    """One row for many comparisons of a kind, its numbers and detail all from one of them:
-    the first with the worst status (a failure or near-tie), else the largest error ratio."""
+    """One row for many comparisons of a kind, its numbers, detail and tables all from one of
+    them: the first with the worst status (a failure or near-tie), else the largest error ratio."""
     checks, needs = list(checks), tuple(sorted(needs))
     if not checks:
         return Check(section, name, Status.SKIPPED, detail="nothing to compare", needs=needs)
@@ -100,7 +100,7 @@ def merge(section: str, name: str, checks: Iterable[Check], needs: Iterable[str]
     else:
         telling = max(checks, key=lambda c: c.ratio)
     return Check(section, name, status, telling.error, telling.tolerance, telling.margin,
-                 telling.detail if status is not Status.EXACT else "", needs)
+                 telling.detail if status is not Status.EXACT else "", needs, dict(telling.tables))
 
 
 def skipped(section: str, name: str, needs: Iterable[str] = ()) -> Check:

@@ -1,10 +1,35 @@
-"""The runner: every fixture in the directory through the checked adapter, one report,
-then the capability requirements (protocol.resolve_capabilities) applied to it."""
+"""The runner: every fixture's checks through the checked adapter, as one report or case by case.
+
+A case is one row of the report, known before anything runs (`plan`): its section (a
+fixture's path in the fixture directory; "<preset> (random weights)" for the built-in
+engine's invariant on a preset without a fixture; "validate" for the run's own
+requirements), its check name and the capabilities it exercises. Its id,
+`section::name`, is the same in every run and for every adapter, because the plan does
+not depend on the adapter: the built-in engine's own rows are cases of every plan,
+skipped for any other adapter.
+
+    validation = Validation(adapter, fixtures, require="declared")
+    row = validation.check(case)          # one case: its fixture's checks run once, then kept
+    report = validation.report()          # every row, as `kdtree validate` prints it
+
+A section's checks run the first time the report or one of its cases asks, and are kept
+for the life of the `Validation` (a model fixture's rows share its weights and its
+replayed traces, so they run together). The "validate" cases (`capability <name>`: a
+required capability exercised by some row; `any check ran`) run every section. The
+report holds every section's rows in plan order, then the requirements
+(`requirements`): a row skipped for a required capability the adapter lacks is a FAIL,
+and so is a required capability no row exercised; the report shows a "validate" row only
+when it fails. `validate(...)` is `Validation(...).report()`; engine/pytest_plugin.py runs
+the cases one test each.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Collection
 
 import kdtr_format
@@ -13,80 +38,213 @@ from kdtr_format import PRESETS, KdtrError
 from ..adapter import TorchAdapter
 from .acceptance import with_trace_acceptance
 from .checked import CheckedAdapter
+from .corpus_checks import corpus_rows
 from .deviations import with_deviations
 from .fixtures import _kdtr_files, find_fixtures
-from .invariant import preset_invariant_checks
-from .kernel_checks import _KERNEL_CASES
-from .model_checks import _model_fixture
+from .invariant import INVARIANT_ROWS, preset_invariant_checks
+from .kernel_checks import KERNEL_KINDS, KERNEL_ROWS, kernel_checks
+from .model_checks import ENGINE_AR, ENGINE_REPLAY, ROWS, _model_fixture
 from .protocol import CAPABILITIES, resolve_capabilities
 from .report import Check, Report, Status, ValidateError
+
+REQUIREMENTS = "validate"                 # the section of the run's own requirement cases
+ANY_CHECK_RAN = "any check ran"
+BUILTIN_ONLY = "skipped (the built-in engine's own check: not run for an adapter)"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the report, before it runs. builtin_only: a check of the built-in engine's
+    own decode loops or invariant, skipped for any other adapter."""
+
+    section: str
+    name: str
+    needs: tuple[str, ...] = ()
+    builtin_only: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.section}::{self.name}"
+
+
+@dataclass(frozen=True)
+class _Section:
+    """Where a section's rows come from: a fixture file, or a preset without one."""
+
+    name: str
+    cases: tuple[Case, ...]
+    path: Path | None = None
+    preset: str | None = None
+
+
+def plan(fixtures: str | os.PathLike | None = None) -> list[Case]:
+    """Every case of a run over these fixtures (find_fixtures' default when None), in report order."""
+    directory = find_fixtures(fixtures)
+    return [case for section in _sections(directory) for case in section.cases] + _requirement_cases()
+
+
+def _sections(directory: Path) -> list[_Section]:
+    root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
+    sections = []
+    for path in _kdtr_files(directory):
+        name = str(path.relative_to(root))
+        sections.append(_Section(name, tuple(Case(name, row, tuple(sorted(needs)), builtin)
+                                             for row, needs, builtin in _fixture_rows(path)), path=path))
+    if directory.is_dir():
+        for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
+            name = f"{preset} (random weights)"
+            sections.append(_Section(name, tuple(Case(name, row, (), True) for row in INVARIANT_ROWS), preset=preset))
+    return sections
+
+
+def _fixture_rows(path: Path) -> list[tuple[str, set[str], bool]]:
+    """A fixture's rows as its checks return them: (name, needs, built-in engine only)."""
+    try:
+        with kdtr_format.open(path) as reader:
+            kind = reader.metadata.get("kind")
+            if kind == "model":
+                engine_rows = (ENGINE_AR, ENGINE_REPLAY, *INVARIANT_ROWS)
+                return [(name, needs, False) for name, needs in ROWS.items()] + \
+                    [(name, set(), True) for name in engine_rows]
+            if kind == "corpus":
+                return [(name, needs, False) for name, needs in corpus_rows(reader)]
+            if kind in KERNEL_ROWS:
+                return [(name, needs, False) for name, needs in KERNEL_ROWS[kind].items()]
+            return [("fixture", set(), False)]
+    except KdtrError as exc:
+        raise ValidateError(f"{path}: {exc}") from None
+
+
+def _requirement_cases() -> list[Case]:
+    return [Case(REQUIREMENTS, f"capability {cap}", (cap,)) for cap in CAPABILITIES] + \
+        [Case(REQUIREMENTS, ANY_CHECK_RAN)]
+
+
+class Validation:
+    """One validation run (module docstring). adapter None = the built-in engine; require: the
+    capabilities whose checks must run (protocol.resolve_capabilities; None = what the adapter
+    declares, else what it implements; when `fixtures` is one file, only those of them that the
+    file has checks for); invariant: the built-in engine in batch-invariant mode; log: told
+    each section as it starts. ValidateError for an adapter or fixtures that cannot be checked."""
+
+    def __init__(self, adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
+                 log: Callable[[str], None] = lambda line: None, require: str | Collection[str] | None = None,
+                 invariant: bool = False) -> None:
+        self.builtin = adapter is None
+        self.adapter = TorchAdapter(device, invariant=invariant) if self.builtin else adapter
+        self.caps, self.required = resolve_capabilities(self.adapter, require)
+        directory = find_fixtures(fixtures)
+        self.sections = {s.name: s for s in _sections(directory)}
+        if directory.is_file() and require in (None, "declared"):   # one file named: what it can check
+            self.required &= {cap for s in self.sections.values() for c in s.cases for cap in c.needs}
+        self.log = log
+        self.fixtures = str(directory)
+        self._report = Report(implementation=getattr(self.adapter, "name", type(self.adapter).__name__),
+                              device=device, fixtures=self.fixtures,
+                              backends=dict(getattr(self.adapter, "backends", {})))
+        self._checked = CheckedAdapter(self.adapter)
+        self._rows: dict[str, list[Check]] = {}
+
+    def check(self, case: Case) -> Check:
+        """The case's row, the requirements applied (a "validate" case runs every section)."""
+        if case.section == REQUIREMENTS:
+            return self._requirement(case)
+        if case.builtin_only and not self.builtin:
+            return Check(case.section, case.name, Status.SKIPPED, detail=BUILTIN_ONLY)
+        rows = self.rows(case.section)
+        found = next((c for c in rows if c.name == case.name), None)
+        if found is None:                        # the fixture's checks stopped: its one FAIL row says why
+            stopped = next((c for c in rows if c.name == "fixture"), None)
+            if stopped is None:
+                raise LookupError(f"{case.id}: the fixture's checks returned no such row (plan and checks disagree)")
+            found = dataclasses.replace(stopped, name=case.name, needs=case.needs)
+        return requirements([found], self.caps, self.required, self.fixtures, exercised=False)[0]
+
+    def rows(self, section: str) -> list[Check]:
+        """A section's rows as its checks returned them, run on the first call."""
+        if section not in self._rows:
+            began = time.perf_counter()
+            self._rows[section] = self._run(self.sections[section])
+            self._report.section_seconds[section] = time.perf_counter() - began
+        return self._rows[section]
+
+    def report(self) -> Report:
+        """Every section's rows in plan order, then the requirements."""
+        checks = [c for s in self.sections.values() if self.builtin or s.preset is None for c in self.rows(s.name)]
+        self._report.checks = requirements(checks, self.caps, self.required, self.fixtures)
+        return self._report
+
+    def _run(self, section: _Section) -> list[Check]:
+        if section.preset is not None:
+            self.log(f"invariant on preset {section.preset} (no fixture: random weights)")
+            return preset_invariant_checks(self.adapter, section.preset)
+        self.log(f"checking {section.name}")
+        try:
+            with kdtr_format.open(section.path) as reader:
+                kind = reader.metadata.get("kind")
+                if kind == "model":
+                    checks = with_trace_acceptance(
+                        _model_fixture(self._checked, self.caps, reader, section.name, self.builtin), reader)
+                    return with_deviations(self._report, self.adapter, checks, section.name)
+                if kind in KERNEL_KINDS:
+                    return kernel_checks(kind, self._checked, self.caps, reader, section.name)
+                return [Check(section.name, "fixture", Status.FAIL, detail=f"unknown fixture kind {kind!r}")]
+        except KdtrError as exc:
+            raise ValidateError(f"{section.path}: {exc}") from None
+        except ValidateError:
+            raise
+        except Exception as exc:        # a malformed fixture (adapter faults are rows of their own checks)
+            return [Check(section.name, "fixture", Status.FAIL,
+                          detail=f"checking stopped: {type(exc).__name__}: {exc}")]
+
+    def _requirement(self, case: Case) -> Check:
+        """A "validate" case: FAIL as the report's rule has it, else what satisfied it."""
+        report = self.report()
+        if case.name == ANY_CHECK_RAN:
+            if report.executed == 0:
+                return Check(case.section, case.name, Status.FAIL, detail="no check ran: every row was skipped")
+            return Check(case.section, case.name, Status.EXACT, detail=f"{report.executed} rows ran")
+        (cap,) = case.needs
+        if cap not in self.required:
+            return Check(case.section, case.name, Status.SKIPPED, detail=f"capability {cap} is not required",
+                         needs=case.needs)
+        reason = unmet(cap, report.checks, self.caps, self.fixtures)
+        if reason is not None:
+            return Check(case.section, case.name, Status.FAIL, detail=reason, needs=case.needs)
+        ran = sum(cap in c.needs and c.status is not Status.SKIPPED for c in report.checks)
+        return Check(case.section, case.name, Status.EXACT, detail=f"required; {ran} rows exercised it",
+                     needs=case.needs)
 
 
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
              log: Callable[[str], None] = lambda line: None,
              require: str | Collection[str] | None = None, invariant: bool = False) -> Report:
-    """Run every check (package docstring) and return the report. adapter None = the built-in
-    engine; require: the capabilities whose checks must run (protocol.resolve_capabilities;
-    None = what the adapter declares, else what it implements; when `fixtures` is one file,
-    only those of them that the file has checks for); invariant: the built-in engine in
-    batch-invariant mode."""
-    builtin = adapter is None
-    if builtin:
-        adapter = TorchAdapter(device, invariant=invariant)
-    caps, required = resolve_capabilities(adapter, require)
-    directory = find_fixtures(fixtures)
-    report = Report(implementation=getattr(adapter, "name", type(adapter).__name__), device=device,
-                    fixtures=str(directory), backends=dict(getattr(adapter, "backends", {})))
-    checked = CheckedAdapter(adapter)
-    root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
-    for path in _kdtr_files(directory):
-        section = str(path.relative_to(root))
-        log(f"checking {section}")
-        try:
-            with kdtr_format.open(path) as reader:
-                kind = reader.metadata.get("kind")
-                if kind == "model":
-                    checks = with_trace_acceptance(_model_fixture(checked, caps, reader, section, builtin),
-                                                   reader)
-                    report.checks += with_deviations(report, adapter, checks, section)
-                elif kind in _KERNEL_CASES:
-                    report.checks += _KERNEL_CASES[kind](checked, caps, reader, section)
-                else:
-                    report.checks.append(Check(section, "fixture", Status.FAIL,
-                                               detail=f"unknown fixture kind {kind!r}"))
-        except KdtrError as exc:
-            raise ValidateError(f"{path}: {exc}") from None
-        except ValidateError:
-            raise
-        except Exception as exc:        # a malformed fixture (adapter faults are rows of their own checks)
-            report.checks.append(Check(section, "fixture", Status.FAIL,
-                                       detail=f"checking stopped: {type(exc).__name__}: {exc}"))
-    if builtin and directory.is_dir():
-        for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
-            log(f"invariant on preset {preset} (no fixture: random weights)")
-            report.checks += preset_invariant_checks(adapter, preset)
-    if directory.is_file() and require in (None, "declared"):     # one file named: what it can check
-        required &= {cap for c in report.checks for cap in c.needs}
-    report.checks = requirements(report.checks, caps, required, str(directory))
-    return report
+    """Run every check (package docstring) and return the report (Validation's arguments)."""
+    return Validation(adapter, fixtures, device, log, require, invariant).report()
 
 
-def requirements(checks: list[Check], caps: set[str], required: set[str], fixtures: str) -> list[Check]:
+def requirements(checks: list[Check], caps: set[str], required: set[str], fixtures: str,
+                 exercised: bool = True) -> list[Check]:
     """The rows with the requirements applied: a row skipped for a required capability the
-    adapter lacks is a FAIL, and so is a required capability that no row exercised."""
+    adapter lacks is a FAIL; with `exercised`, so is a required capability that no row exercised
+    (a "validate" row added for it)."""
     lacking = required - caps
     rows = [dataclasses.replace(c, status=Status.FAIL,
                                 detail=f"required capability {', '.join(sorted(set(c.needs) & lacking))} is "
                                        f"not implemented by the adapter")
             if c.status is Status.SKIPPED and set(c.needs) & lacking else c for c in checks]
-    for cap in sorted(required):
-        if any(cap in c.needs and c.status is not Status.SKIPPED for c in checks):
+    for cap in sorted(required) if exercised else ():
+        reason = unmet(cap, checks, caps, fixtures)
+        if reason is None or cap in lacking and any(cap in c.needs for c in checks):   # those rows FAIL already
             continue
-        if cap in lacking:
-            if any(cap in c.needs for c in checks):
-                continue
-            detail = f"required, but the adapter has no {', '.join(m + '()' for m in CAPABILITIES[cap])}"
-        else:
-            detail = f"required, but no check of {fixtures} exercised it"
-        rows.append(Check("validate", f"capability {cap}", Status.FAIL, detail=detail, needs=(cap,)))
+        rows.append(Check(REQUIREMENTS, f"capability {cap}", Status.FAIL, detail=reason, needs=(cap,)))
     return rows
+
+
+def unmet(cap: str, checks: list[Check], caps: set[str], fixtures: str) -> str | None:
+    """Why a required capability is not met by these rows; None when one of them exercised it."""
+    if cap not in caps:
+        return f"required, but the adapter has no {', '.join(m + '()' for m in CAPABILITIES[cap])}"
+    if any(cap in c.needs and c.status is not Status.SKIPPED for c in checks):
+        return None
+    return f"required, but no check of {fixtures} exercised it"
