@@ -66,7 +66,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         try:
             config.stash[_PLAN] = plan(config.getoption("kdtree_fixtures"))
         except ValidateError as exc:
-            raise pytest.UsageError(f"kdtree: {exc}") from None
+            raise _failure(exc) from None             # the module's collection error, in one line
     metafunc.parametrize("kdtree_case", [pytest.param(case, id=case.id, marks=pytest.mark.xdist_group(case.section))
                                          for case in config.stash[_PLAN]], indirect=True)
 
@@ -81,8 +81,8 @@ def kdtree_adapter(pytestconfig: pytest.Config) -> Any:
 
     try:
         return load_impl(spec)
-    except ValueError as exc:
-        pytest.fail(f"kdtree: {exc}", pytrace=False)
+    except ValueError as exc:               # load_impl names the CLI's option
+        raise _failure(str(exc).replace("--impl", "--kdtree-impl", 1)) from None
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +94,7 @@ def kdtree_validation(pytestconfig: pytest.Config, kdtree_adapter: Any) -> Valid
         return Validation(kdtree_adapter, pytestconfig.getoption("kdtree_fixtures"),
                           require=pytestconfig.getoption("kdtree_require"))
     except ValidateError as exc:
-        pytest.fail(f"kdtree: {exc}", pytrace=False)
+        raise _failure(exc) from None
 
 
 @pytest.fixture
@@ -107,7 +107,12 @@ def kdtree_case(request: pytest.FixtureRequest, kdtree_validation: Validation) -
     try:
         return kdtree_validation.check(request.param)
     except ValidateError as exc:
-        pytest.fail(f"kdtree: {exc}", pytrace=False)
+        raise _failure(exc) from None
+
+
+def _failure(error: Exception | str) -> BaseException:
+    """pytest's failure with kdtree's one-line message and no traceback (raise it `from None`)."""
+    return pytest.fail.Exception(f"kdtree: {error}", pytrace=False)
 
 
 def assert_passes(row: Check) -> None:
