@@ -18,7 +18,7 @@ import headless
 import kdtr_format
 from engine.adapter import TorchAdapter
 from engine.cli import main
-from engine.validate import GOLDEN_DIR, Check, Report, Status, validate
+from engine.validate import GOLDEN_DIR, Check, Report, Status, Validation, plan
 from engine.validate.html import acceptance_lengths, to_html
 from engine.validate.junit import to_junit, write_junit
 
@@ -41,17 +41,23 @@ class ShiftedTreePositions(TorchAdapter):
 
 
 @pytest.fixture(scope="module")
-def failing() -> Report:
+def failing_run() -> Validation:
+    """The planted bug's run over tiny.kdtr, its report made."""
     if not TINY.exists():
         pytest.skip(f"golden fixture {TINY} is absent (generate it with `refgen generate`)")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        report = validate(ShiftedTreePositions(), TINY)
+        validation = Validation(ShiftedTreePositions(), TINY)
+        validation.report().timings = {"total_seconds": 1.5}
     finally:
         torch.set_num_threads(threads)
-    report.timings = {"total_seconds": 1.5}
-    return report
+    return validation
+
+
+@pytest.fixture(scope="module")
+def failing(failing_run) -> Report:
+    return failing_run.report()
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,40 @@ def a_row_of_every_status() -> Report:
     return Report("every status", "cpu", "somewhere", checks=checks, section_seconds={"a.kdtr": 0.5})
 
 
-# ---- what the rows carry ----
+# ---- the rows: case by case as in the report, and what they carry ----
+
+def test_the_plan_names_the_rows_and_each_case_is_its_report_row(failing_run, failing):
+    cases = plan(TINY)
+    rows = [(c.section, c.name, c.needs) for c in failing.checks]
+    assert rows == [(c.section, c.name, c.needs) for c in cases if c.section == "tiny.kdtr" and not c.builtin_only]
+    by_id = {f"{c.section}::{c.name}": c for c in failing.checks}
+    for case in cases:
+        got = failing_run.check(case)
+        if case.builtin_only:
+            assert got.status is Status.SKIPPED and "built-in engine" in got.detail
+        elif case.section == "validate":
+            required = case.needs and case.needs[0] in ("model", "tree", "accept", "sample_accept")
+            assert got.status is (Status.EXACT if required or not case.needs else Status.SKIPPED), got
+        else:
+            assert got == by_id[case.id]
+
+
+def test_a_fixture_whose_checks_stop_fails_each_of_its_cases(tmp_path):
+    tensors = {f"cases/c/{name}": np.zeros(1, np.int64) for name in ("parents", "tokens", "depths", "topk_id")}
+    tensors.update({"cases/c/scores": np.zeros(1), "cases/c/topk_lp": np.zeros((1, 1), np.float32)})
+    kdtr_format.write(tmp_path / "tree_build.kdtr", tensors,       # its case has no budget
+                      metadata={"kind": "tree_build", "cases": [{"name": "c", "start": 0}]})
+    kdtr_format.write(tmp_path / "odd.kdtr", {"x": np.zeros(1)}, metadata={"kind": "mystery"})
+    cases = [c for c in plan(tmp_path) if c.section.endswith(".kdtr")]
+    assert [c.id for c in cases] == ["odd.kdtr::fixture", "tree_build.kdtr::top-k log-probs",
+                                     "tree_build.kdtr::tree build", "tree_build.kdtr::tree compile"]
+    validation = Validation(TorchAdapter(), tmp_path, require="none")
+    odd, *stopped = [validation.check(c) for c in cases]
+    assert odd.status is Status.FAIL and odd.detail == "unknown fixture kind 'mystery'"
+    assert [c.name for c in stopped] == ["top-k log-probs", "tree build", "tree compile"]
+    assert all(c.status is Status.FAIL and c.detail.startswith("checking stopped: KeyError") for c in stopped)
+    assert [c.name for c in validation.report().checks] == ["fixture", "fixture"]     # the CLI's rows, unchanged
+
 
 def test_a_failing_round_names_its_first_wrong_node_as_a_table(failing):
     for name in ("verify logits", "target choices", "sampled choices"):
