@@ -26,6 +26,7 @@ import torch
 
 from kdtr_format import PRESETS
 from kernels_cuda.mla_ops import mla_verify, pack_visibility
+from bench_record import record
 from gpu_bench import bf16_matmul_TFLOPs, copy_TBps, cuda_time_ms, graph_time_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
@@ -115,7 +116,7 @@ def test_bench_mla_verify_k2(benchmark, ceilings, context, tree, batch):
     if flops < GENERIC_FLOP_CAP and not KERNEL_ONLY:
         row["generic_ms"] = cuda_time_ms(lambda: mla_verify(**args, max_tree=tree, max_kv=context + tree,
                                                             generic=True))
-    benchmark.extra_info.update(row)
+    record(benchmark, row, "cuda")
     ROWS.append(row)
     out = os.environ.get("KDTREE_BENCH_OUT")
     if out:                                      # after every case: a run cut short keeps its rows

@@ -24,6 +24,7 @@ import torch
 
 from engine.stages import TorchStages
 from kernels_cuda import tree_ops
+from bench_record import record as record_figures
 from gpu_bench import copy_TBps, cuda_time_ms, graph_time_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
@@ -124,5 +125,5 @@ def test_bench_tree_build(benchmark, copy_bandwidth, batch: int, budget: int, dt
         row["graph_floor_multiple"] = graph["kernel_graph_ms"] / floor_ms
         row["graph_speedup_vs_published"] = published_ms / graph["kernel_graph_ms"]
     record(copy_bandwidth, row)
-    benchmark.extra_info.update(row)
+    record_figures(benchmark, row, "cuda")
     benchmark.pedantic(lambda: (kernels(), torch.cuda.synchronize()), rounds=3, iterations=1, warmup_rounds=1)
