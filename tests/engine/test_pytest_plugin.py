@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.validate import GOLDEN_DIR, Status, Validation, plan
+from engine.pytest_plugin import assert_passes
+from engine.validate import GOLDEN_DIR, Check, Status, Validation, plan
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "docs" / "examples"
@@ -135,6 +136,19 @@ def test_bad_options_are_one_line_without_a_traceback(project):
     assert "\nkdtree: --kdtree-impl 'no_such_module_xyz:make': cannot import" in bad.stdout, bad.stdout
     for out in (run.stdout, bad.stdout):                        # the message alone, no traceback, no chain
         assert not re.search(r"Traceback|During handling|\.py:\d+", out.split("short test summary")[0]), out
+
+
+def test_assert_passes_fails_skips_or_passes_as_the_row_says():
+    fail = Check("tiny.kdtr", "verify logits", Status.FAIL, 3e-3, 3e-4, detail="first wrong node 3 (trace t0 round 1)")
+    with pytest.raises(pytest.fail.Exception, match=re.escape(fail.text())):
+        assert_passes(fail)
+    near = Check("tiny.kdtr", "AR tokens", Status.NEAR_TIE, margin=1e-6, tolerance=1e-4, detail="at 3")
+    with pytest.raises(pytest.skip.Exception, match=re.escape(near.text())):
+        assert_passes(near)
+    with pytest.raises(pytest.skip.Exception, match=r"^tiny.kdtr::tree compile: skipped \(not implemented"):
+        assert_passes(Check("tiny.kdtr", "tree compile", Status.SKIPPED, detail="skipped (not implemented by adapter)"))
+    for status in (Status.EXACT, Status.WITHIN):
+        assert_passes(Check("tiny.kdtr", "x", status, 1e-6, 1e-5))
 
 
 def test_the_plugin_leaves_the_projects_own_suite_alone():

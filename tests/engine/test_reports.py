@@ -101,6 +101,43 @@ def test_the_plan_names_the_rows_and_each_case_is_its_report_row(failing_run, fa
             assert got == by_id[case.id]
 
 
+class AcceptOnly:
+    name = "accept only"
+
+    def __init__(self) -> None:
+        self.engine = TorchAdapter()
+
+    def accept(self, parents, tokens, choices):
+        return self.engine.accept(parents, tokens, choices)
+
+
+def test_the_validate_cases_apply_the_requirements(tmp_path):
+    fixture = GOLDEN_DIR / "kernels" / "accept_compact.kdtr"
+    if not fixture.exists():
+        pytest.skip(f"golden fixture {fixture} is absent")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "accept_compact.kdtr").symlink_to(fixture)
+    cases = {c.name: c for c in plan(tmp_path) if c.section == "validate"}
+    validation = Validation(AcceptOnly(), tmp_path, require="accept,compact,model")
+    outcome = {name: (validation.check(case).status, validation.check(case).detail) for name, case in cases.items()}
+    assert outcome["capability accept"] == (Status.EXACT, "required; 1 rows exercised it")
+    assert outcome["capability compact"] == (Status.FAIL, "required, but the adapter has no compact()")
+    assert outcome["capability model"] == (Status.FAIL, "required, but the adapter has no load_weights(), reset(), "
+                                                        "forward()")
+    assert outcome["capability tree"] == (Status.SKIPPED, "capability tree is not required")
+    assert outcome["any check ran"][0] is Status.EXACT
+    report_rows = {(c.section, c.name): c.status for c in validation.report().checks}
+    assert report_rows[("kernels/accept_compact.kdtr", "KV compaction")] is Status.FAIL   # the same rule, as rows
+    assert report_rows[("validate", "capability model")] is Status.FAIL
+    nothing = Validation(AcceptOnly(), tmp_path / "kernels" / "accept_compact.kdtr", require="none")
+    assert nothing.check(cases["any check ran"]).status is Status.EXACT
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tree_build.kdtr").symlink_to(GOLDEN_DIR / "kernels" / "tree_build.kdtr")
+    skipped_all = Validation(AcceptOnly(), tmp_path / "other", require="none")
+    ran = skipped_all.check(cases["any check ran"])
+    assert ran.status is Status.FAIL and ran.detail == "no check ran: every row was skipped"
+
+
 def test_a_fixture_whose_checks_stop_fails_each_of_its_cases(tmp_path):
     tensors = {f"cases/c/{name}": np.zeros(1, np.int64) for name in ("parents", "tokens", "depths", "topk_id")}
     tensors.update({"cases/c/scores": np.zeros(1), "cases/c/topk_lp": np.zeros((1, 1), np.float32)})
