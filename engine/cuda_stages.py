@@ -43,6 +43,8 @@ class CudaStages:
         """draft_logits [B, L, V] float32|bf16|fp16 -> (topk_lp float32 [B, L, K], topk_id int64 [B, L, K])."""
         if draft_logits.dim() != 3:
             raise ValueError(f"draft_logits: expected [B, L, V], got shape {list(draft_logits.shape)}")
+        if bool(draft_logits.isnan().any()):      # the contract's explicit error (one host read; the graphed
+            raise ValueError("draft_logits: contains NaN")   # round, engine/graphs.py, skips it)
         return tree_ops.topk_logprobs(draft_logits, k)
 
     def build_trees(self, topk_lp: torch.Tensor, topk_id: torch.Tensor, budgets: torch.Tensor,
