@@ -12,13 +12,20 @@ top-k; the build's shared memory (about 4 L K + 24 width bytes) must fit the dev
 
 from __future__ import annotations
 
-from ctypes import c_int, c_void_p
+import math
+import os
+from ctypes import c_double, c_int, c_void_p
 
 import torch
 
 from . import _lib
 
+# Which kernel version serves by default: a new version stays off until a GPU run proves it
+# (tests and benchmarks select versions explicitly); the lead flips these lines after that run.
+SAMPLE_KERNEL = os.environ.get("KDTREE_SAMPLE_KERNEL", "0") == "1"   # CudaStages.sample_choices
+
 _LOGIT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_SAMPLE_DTYPES = {**_LOGIT_DTYPES, torch.float64: 3}
 
 
 def _require(ok: bool, message: str) -> None:
@@ -193,6 +200,41 @@ def _(parents, depths, n, starts):
     batch, width = parents.shape
     return (torch.empty_like(parents), parents.new_empty(batch, width, -(-width // 32), dtype=torch.int32),
             torch.empty_like(parents), torch.empty_like(parents))
+
+
+# --- sampling choices --------------------------------------------------------------------------
+
+@torch.library.custom_op("kdtree::sample_choices", mutates_args=())
+def sample_choices(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] float32|bf16|fp16|float64, uniforms float64 [...] in [0, 1)
+    -> choices int64 [...] (contract section 5).
+
+    Inverse CDF in float64 over ids ascending: p = softmax(logits / T); the smallest id with
+    p > 0 whose cdf exceeds u, else the largest id with p > 0 (csrc/tree_sample.cu). A row with
+    a NaN logit, no finite maximum, or u outside [0, 1) gets -1 (checked on the device, so the
+    op never syncs).
+    """
+    _check(logits, "logits", tuple(_SAMPLE_DTYPES), None)
+    device = logits.device
+    _require(logits.dim() >= 1, "logits: expected [..., V], got a scalar")
+    vocab = logits.shape[-1]
+    _require(vocab > 0, "logits: the vocabulary is empty")
+    _require(vocab <= 1 << 20, f"logits: at most 1048576 ids supported, got V = {vocab}")
+    _require(isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0,
+             f"temperature: sampling needs a finite temperature > 0, got {temperature!r}")
+    _check(uniforms, "uniforms", (torch.float64,), logits.dim() - 1, device)
+    _require(uniforms.shape == logits.shape[:-1],
+             f"uniforms: expected shape {list(logits.shape[:-1])}, got {list(uniforms.shape)}")
+    choices = torch.empty(logits.shape[:-1], dtype=torch.int64, device=device)
+    _launch("kdtree_sample_choices", (c_void_p, c_int, c_int, c_int, c_double, c_void_p, c_void_p), device,
+            _p(logits), _SAMPLE_DTYPES[logits.dtype], uniforms.numel(), vocab, float(temperature), _p(uniforms),
+            _p(choices))
+    return choices
+
+
+@sample_choices.register_fake
+def _(logits, temperature, uniforms):
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
 
 
 # --- accept and compaction ----------------------------------------------------------------------
