@@ -53,7 +53,7 @@ def cdf(logits: torch.Tensor, temperature: float) -> np.ndarray:
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vocab", [1, 7, 255, 256, 257, 1000, 4099, 163840])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_random_rows_match_refgen(dtype: torch.dtype, vocab: int, temperature: float) -> None:
@@ -116,7 +116,7 @@ ADVERSARIAL = [
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vocab, positives", ADVERSARIAL, ids=lambda v: str(v) if isinstance(v, int) else f"{len(v)}ids")
 @pytest.mark.parametrize("zero", [-np.inf, -3000.0], ids=["-inf", "underflow"])
 def test_adversarial_uniforms(dtype: torch.dtype, vocab: int, positives: list[int], zero: float) -> None:
