@@ -7,8 +7,9 @@
 //            kBatch vectors, the K-th largest of those over the CTA (a radix select): the CTA
 //            alone holds K elements at or above it, so it never cuts the answer (v3: two
 //            histogram passes with per-element shared atomics over a prefix of the row);
-//   loop     kBatch 16-byte loads in flight per thread, the float64 rescale and the candidate
-//            append out of the per-element path (one branch per vector, one warp vote a batch);
+//   loop     kBatch 16-byte loads in flight per thread all along (a register is refilled as soon
+//            as its vector is used), the float64 rescale and the candidate append out of the
+//            per-element path (one branch per vector, one warp vote a batch);
 //   select   the K-th best candidate by a radix select, then a sort of those K only (v3: a
 //            bitonic sort of every candidate);
 //   split    when rows are fewer than the multiprocessors, a row's 512 threads are spread over
@@ -251,15 +252,10 @@ __device__ PassOut pass_a(const T* __restrict__ row, int V, int K, int vt, uint6
     const uint32_t bound = ~static_cast<uint32_t>(kth_smallest<kThreads>(bound_keys, kTop * kThreads, K, 4, sm) >> 32);
     const float floor_value = key_value(bound);
 
+    // Each vector's register is refilled with the next batch's as soon as it is used (the
+    // appends reread flagged vectors from the cache), so kBatch loads stay in flight throughout.
     for (int b = 0; b < batches; ++b) {
         const int first = b * kBatch;
-        if (b > 0) {
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int v = vt + kRowThreads * (first + u);
-                if (v < nvec) raw[u] = __ldg(vrow + v);
-            }
-        }
         unsigned vmask = 0;
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
@@ -277,6 +273,8 @@ __device__ PassOut pass_a(const T* __restrict__ row, int V, int K, int vt, uint6
                 }
                 vmask |= static_cast<unsigned>(vmax >= floor_value) << u;
             }
+            const int next = vt + kRowThreads * (first + kBatch + u);
+            if (next < nvec) raw[u] = __ldg(vrow + next);
         }
         append<T>(vrow, vt, first, vmask, floor_value, cand, counter, cap);
     }
