@@ -37,3 +37,13 @@ def test_loader_names_what_is_missing(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(peers, "ATTENTION", tmp_path / "sglang" / "kernels" / "ops" / "attention")
     with pytest.raises(PeerUnavailable, match="run scripts/fetch_peers.sh"):
         load_sglang()
+
+
+def test_sglang_kernels_import_with_the_standins() -> None:
+    """With the fetched files and triton (the GPU machine), SGLang's modules import through our stand-ins."""
+    if not (peers.ATTENTION / "extend_attention.py").is_file():
+        pytest.skip(f"SGLang's kernels are not in {peers.PEERS} (run scripts/fetch_peers.sh)")
+    pytest.importorskip("triton", reason="SGLang's kernels need triton")
+    sgl = load_sglang()
+    assert callable(sgl.extend_attention_fwd) and callable(sgl.decode_attention_fwd)
+    assert sgl.version == "sglang 0.5.23"
