@@ -23,6 +23,11 @@ a peer whose output differs from ours by more than bf16 rounding (relative Frobe
 above PEER_TOLERANCE) is void, its time not reported. Without the fetched files or triton the
 peer columns say why they are empty. KDTREE_BENCH_PEERS=0 leaves the peers out;
 KDTREE_BENCH_PEER_BUDGET_MS sets the repeats of each peer timing (default 100 ms).
+
+FlashInfer's MLA decode is not among the peers: flashinfer-python 0.7.2.post1 is a 62 MB wheel
+on its own (its kernels are compiled with nvcc at first use, minutes per variant) and needs
+apache-tvm-ffi, nvidia-cutlass-dsl, cuda-tile and nvidia-cudnn-frontend, none on the GPU
+image; with this repository's ~29 MB it exceeds the 64 MiB that travels to the GPU machine.
 """
 
 from __future__ import annotations
