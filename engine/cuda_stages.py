@@ -76,8 +76,18 @@ class CudaStages:
         return self._torch.greedy_choices(logits)
 
     def sample_choices(self, logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor:
-        """logits [B, N, V], uniforms [B, N] -> int64 [B, N]: TorchStages' float64 inverse CDF, on the GPU."""
-        return self._torch.sample_choices(logits, temperature, uniforms)
+        """logits [B, N, V], uniforms [B, N] -> int64 [B, N]: the float64 inverse CDF, by the kernel
+        kdtree::sample_choices when tree_ops.SAMPLE_KERNEL is set, else by TorchStages' torch ops."""
+        if not tree_ops.SAMPLE_KERNEL:
+            return self._torch.sample_choices(logits, temperature, uniforms)
+        if logits.dim() != 3:
+            raise ValueError(f"logits: expected [B, N, V], got shape {list(logits.shape)}")
+        choices = tree_ops.sample_choices(logits.contiguous(), temperature, uniforms.double().contiguous())
+        refused = (choices < 0).nonzero().tolist()
+        if refused:
+            raise ValueError(f"uniforms: every value must lie in [0, 1), and every logits row needs a finite "
+                             f"maximum and no NaN; refused at [b, n] = {refused[:8]}")
+        return choices
 
     def accept(self, trees: TreeBatch, choices: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
