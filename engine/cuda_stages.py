@@ -1,8 +1,8 @@
 """`Stages` on the GPU with the kernels_cuda tree ops (engine/stages.py has the protocol).
 
-Top-k, tree build, compile, greedy accept and KV compaction run as CUDA kernels
-(torch.ops.kdtree.*); target choices stay on torch (argmax, and the float64 inverse-CDF
-sampler), already on the GPU. Outputs have TorchStages' layout exactly: trees are built
+Top-k, tree build, compile, greedy accept, sampling choices (the float64 inverse CDF,
+when tree_ops.SAMPLE_KERNEL) and KV compaction run as CUDA kernels (torch.ops.kdtree.*);
+greedy choices are torch's argmax, already on the GPU. Outputs have TorchStages' layout exactly: trees are built
 into 1 + max(budget) columns and trimmed to 1 + max(n), which costs two host syncs.
 """
 

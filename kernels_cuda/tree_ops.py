@@ -21,10 +21,11 @@ import torch
 
 from . import _lib
 
-# Which kernel version serves by default: a new version stays off until a GPU run proves it
-# (tests and benchmarks select versions explicitly); the lead flips these lines after that run.
-SAMPLE_KERNEL = os.environ.get("KDTREE_SAMPLE_KERNEL", "0") == "1"   # CudaStages.sample_choices
-TOPK_VERSION = int(os.environ.get("KDTREE_TOPK_VERSION", "3"))      # topk_logprobs(version=0)
+# Which kernel version serves by default: a new version serves only after a GPU run proves it
+# (tests and benchmarks select versions explicitly). Top-k v4 and the sampling kernel were proven
+# on an H200 on 2026-12-01 (docs/results/kernels-v3-h200.md): bit-exact with v3 / the torch sampler.
+SAMPLE_KERNEL = os.environ.get("KDTREE_SAMPLE_KERNEL", "1") == "1"   # CudaStages.sample_choices
+TOPK_VERSION = int(os.environ.get("KDTREE_TOPK_VERSION", "4"))      # topk_logprobs(version=0)
 
 _LOGIT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _SAMPLE_DTYPES = {**_LOGIT_DTYPES, torch.float64: 3}
