@@ -5,7 +5,11 @@ serves prefill, autoregressive decode and tree verify: it takes the new tokens,
 their positions, a visibility mask over every cache slot up to the last new
 token, and the cache slot where the first new token goes.
 
-Everything runs in float64 from float32-stored weights. Shapes: n new tokens,
+Everything runs in float64 from the stored weights (float32, or the bf16 / float16 /
+float32 a checkpoint holds; widening is exact): `Float64Weights` widens small
+tensors once and large ones (a K2-sized embedding, head, MLP) where they are used,
+the head a block of rows at a time, so memory stays that of the stored form and
+the numbers are those of widening everything up front. Shapes: n new tokens,
 S = start + n keys, D hidden, H heads, R = kv_lora_rank, dn / dr / dv the nope /
 rope / value head dims, E routed experts, k experts per token, V vocab.
 """
@@ -16,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from kdtr_format import ModelConfig
@@ -209,6 +214,42 @@ class KVCache:
         return self.c_kv[0].shape[0]
 
 
+# ---------------------------------------------------------------------------- weights
+
+WIDEN_ONCE = 1 << 24            # tensors up to this many elements are widened to float64 once
+ROWS_PER_BLOCK = 8192           # rows of a large tensor widened at a time by `project`
+NARROW = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16))
+
+
+class Float64Weights:
+    """Weights as the reference reads them, always float64. A tensor of at most `widen_once`
+    elements is widened once; a larger one of a narrow float dtype stays as given (a
+    memory map, say) and is widened where it is used: whole (`w[name]`), by rows
+    (`rows`), or a block of rows at a time (`project`). Widening is exact, and BLAS
+    computes each output element of `project` the same way for any block of rows, so
+    every path gives the numbers of widening everything up front."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], widen_once: int = WIDEN_ONCE) -> None:
+        self._stored = {}
+        for name, value in weights.items():
+            value = np.asarray(value)
+            large = value.size > widen_once and value.dtype in NARROW
+            self._stored[name] = value if large else np.asarray(value, dtype=np.float64)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(self._stored[name], dtype=np.float64)
+
+    def rows(self, name: str, index) -> np.ndarray:
+        """w[name][index] in float64 (an embedding row, one expert of a stacked tensor)."""
+        return np.asarray(self._stored[name][index], dtype=np.float64)
+
+    def project(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x [n, d], w[name] [m, d] -> x @ w.T [n, m], widening ROWS_PER_BLOCK rows at a time."""
+        w = self._stored[name]
+        return np.concatenate([x @ np.asarray(w[r:r + ROWS_PER_BLOCK], dtype=np.float64).T
+                               for r in range(0, w.shape[0], ROWS_PER_BLOCK)], axis=-1)
+
+
 # ---------------------------------------------------------------------------- model
 
 class Model:
@@ -217,7 +258,7 @@ class Model:
     per head); the two agree to rounding."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray],
-                 attention: Attention = "absorbed") -> None:
+                 attention: Attention = "absorbed", widen_once: int = WIDEN_ONCE) -> None:
         if attention not in ("absorbed", "naive"):
             raise ValueError(f"attention: must be 'absorbed' or 'naive', got {attention!r}")
         shapes = weight_shapes(cfg)
@@ -233,7 +274,7 @@ class Model:
                                  f"expected {shape}")
         self.cfg = cfg
         self.attention = attention
-        self.w = {name: np.asarray(weights[name], dtype=np.float64) for name in shapes}
+        self.w = Float64Weights({name: weights[name] for name in shapes}, widen_once)
         self.scale = softmax_scale(cfg)
         H, dn, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)
@@ -254,7 +295,7 @@ class Model:
         (one token, all slots visible) and tree verify (ancestors only) are all this.
         """
         hidden = self.hidden_states(tokens, positions, visibility, cache, start)[-1]
-        return rms_norm(hidden, self.w["norm"], self.cfg.rms_norm_eps) @ self.w["lm_head"].T
+        return self.w.project(rms_norm(hidden, self.w["norm"], self.cfg.rms_norm_eps), "lm_head")
 
     def prefill(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         """tokens [m] -> logits [m, V]: causal, positions 0 .. m-1, cache slots 0 .. m-1."""
@@ -266,7 +307,7 @@ class Model:
         """Same inputs and cache writes as `forward` -> the residual stream [n, D] after
         the embedding and after each layer (num_hidden_layers + 1 arrays)."""
         tokens, positions = self._check_inputs(tokens, positions, visibility, cache, start)
-        x = self.w["embed_tokens"][tokens]
+        x = self.w.rows("embed_tokens", tokens)
         stream = [x]
         for i in range(self.cfg.num_hidden_layers):
             x = self._layer(i, x, positions, visibility, cache, start)
@@ -325,8 +366,8 @@ class Model:
         for e in np.unique(idx):
             rows, slot = np.nonzero(idx == e)          # each expert at most once per token
             out[rows] += weight[rows, slot, None] * swiglu(
-                x[rows], w[p + "experts.w_gate"][e], w[p + "experts.w_up"][e],
-                w[p + "experts.w_down"][e])
+                x[rows], w.rows(p + "experts.w_gate", e), w.rows(p + "experts.w_up", e),
+                w.rows(p + "experts.w_down", e))
         if self.cfg.n_shared_experts > 0:
             out += swiglu(x, w[p + "shared.w_gate"], w[p + "shared.w_up"], w[p + "shared.w_down"])
         return out
