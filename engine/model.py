@@ -30,7 +30,7 @@ from kdtr_format import ModelConfig
 
 from .attention import AttentionBackend, torch_attention
 from .cache import KVCache
-from .weights import as_tensor, check_weights, load_fixture_weights
+from .weights import as_tensor, check_weights, load_fixture_weights, weight_dtype
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -255,9 +255,7 @@ class Transformer:
         self.device = torch.empty(0, device=device).device      # "cuda" -> "cuda:0", comparable with tensors
         self.dtype = dtype
         self.attention: AttentionBackend = attention if attention is not None else torch_attention
-        router = ("moe.gate", "moe.e_score_correction_bias")    # routing stays float32 in any dtype
-        w = {name: as_tensor(value).to(device=self.device,
-                                       dtype=torch.float32 if name.endswith(router) else dtype)
+        w = {name: as_tensor(value).to(device=self.device, dtype=weight_dtype(name, dtype))
              for name, value in weights.items()}
         self.embed, self.norm, self.lm_head = w["embed_tokens"], w["norm"], w["lm_head"]
         self.layers = [Block(cfg, w, i) for i in range(cfg.num_hidden_layers)]
@@ -268,7 +266,7 @@ class Transformer:
     def from_fixture(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
                      dtype: torch.dtype = torch.float32,
                      attention: AttentionBackend | None = None) -> "Transformer":
-        cfg, weights = load_fixture_weights(path)
+        cfg, weights = load_fixture_weights(path, dtype)
         return cls(cfg, weights, device=device, dtype=dtype, attention=attention)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
