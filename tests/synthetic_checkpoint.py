@@ -20,7 +20,6 @@ any Mapping (the script's makes each on demand). Layouts:
   K2.5), a vision tower and projector beside it; quantization_config at the top level.
 - mtp: an MTP layer ``model.layers.{N}`` (enorm, hnorm, eh_proj, shared_head, its own block), declared
   by num_nextn_predict_layers.
-- rope "rope_scaling" (``rope_scaling`` + ``rope_theta``) or "rope_parameters" (transformers 5.x).
 - shard_bytes: shards of at most about this size, with model.safetensors.index.json.
 """
 
@@ -64,7 +63,6 @@ class Layout:
     experts: str = "per-expert"         # "per-expert" | "fused"
     multimodal: bool = False
     mtp: bool = False
-    rope: str = "rope_scaling"          # "rope_scaling" | "rope_parameters"
     shard_bytes: int = 1 << 20
 
 
@@ -134,18 +132,11 @@ def int4_config(multimodal: bool) -> dict:
 # ---------------------------------------------------------------------------- config.json
 
 def hf_config(cfg: ModelConfig, layout: Layout) -> dict:
-    """An HF config.json for `cfg` in the layout's form."""
+    """An HF config.json for `cfg` (rope_scaling + rope_theta, as shipped checkpoints have it)."""
     text = {k: v for k, v in cfg.to_dict().items() if k not in ("rope_style", "rope_scaling")}
     text.update(architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", torch_dtype="bfloat16",
                 rope_interleave=cfg.rope_style == "interleave", num_nextn_predict_layers=int(layout.mtp))
-    yarn = cfg.rope_scaling.to_dict() if cfg.rope_scaling is not None else None
-    if layout.rope == "rope_parameters":
-        del text["rope_theta"]
-        rope = {"rope_type": "default"} if yarn is None else {"rope_type": "yarn", **yarn}
-        rope.pop("type", None)
-        text["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
-    else:
-        text["rope_scaling"] = yarn
+    text["rope_scaling"] = cfg.rope_scaling.to_dict() if cfg.rope_scaling is not None else None
     quant = {"fp8": FP8_CONFIG, "int4": int4_config(layout.multimodal) if layout.quant == "int4" else None
              }.get(layout.quant)
     if not layout.multimodal:
