@@ -200,6 +200,7 @@ def test_float64_weights_widen_exactly_by_rows_and_blocks(monkeypatch):
     _same_numbers(w.project(x, "bf16"), x @ wide["bf16"].T)
     _same_numbers(w.project(x[:1], "f32", 2), x[:1] @ wide["f32"][2].T)
     np.testing.assert_array_equal(w.rows("bf16", np.array([4, 4, 49])), wide["bf16"][[4, 4, 49]])
+    np.testing.assert_array_equal(w.rows("f32", 1), wide["f32"][1])
     np.testing.assert_array_equal(w["f32"], wide["f32"])
     assert w.rows("f32", 1).dtype == w.project(x, "bf16").dtype == np.float64
 
