@@ -105,9 +105,9 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
     bodies = [b for b in BODIES if b + "embed_tokens.weight" in files.tensors]
     heads = [h for h in HEADS if h in files.tensors]
     if len(bodies) != 1 or len(heads) != 1:
-        raise CheckpointError(f"{directory}: expected one embedding ({' or '.join(b + 'embed_tokens.weight' for b in BODIES)}) "
-                              f"and one head ({' or '.join(HEADS)}); found {bodies or 'no embedding'}, "
-                              f"{heads or 'no head'}")
+        embeddings = " or ".join(b + "embed_tokens.weight" for b in BODIES)
+        raise CheckpointError(f"{directory}: expected one embedding ({embeddings}) and one head "
+                              f"({' or '.join(HEADS)}); found {bodies or 'no embedding'}, {heads or 'no head'}")
     return Checkpoint(directory, text, quantization_config, quant, cfg, mtp, multimodal, files, bodies[0], heads[0])
 
 
@@ -147,7 +147,8 @@ def plan_import(ckpt: Checkpoint, layers: int | None = None, experts: int | None
         cfg = dataclasses.replace(full, num_hidden_layers=layers, n_routed_experts=experts,
                                   first_k_dense_replace=min(full.first_k_dense_replace, layers))
     except KdtrError as exc:
-        raise CheckpointError(f"--layers {layers} --experts {experts}: the slice is no valid config ({exc})") from None
+        raise CheckpointError(f"--layers {layers} --experts {experts}: the slice is no valid config "
+                              f"({exc})") from None
     params: dict[str, Param] = {}
     for stored in ckpt.files.tensors.values():
         name, role = param_and_role(stored.name)

@@ -190,8 +190,9 @@ def test_bench_k2_moe_layer(benchmark, ceilings, moe_layer, tokens):
     shared = [w[p + f"shared.w_{n}"] for n in ("gate", "up", "down")]
     router = [w[p + "gate"], w[p + "e_score_correction_bias"]]
     bytes_min = touched * expert_bytes + _nbytes(shared) + _nbytes(router)
-    per_token = 2 * 3 * cfg.moe_intermediate_size * cfg.hidden_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) \
-        + 2 * cfg.n_routed_experts * cfg.hidden_size
+    experts_per_token = cfg.num_experts_per_tok + cfg.n_shared_experts
+    per_token = (2 * 3 * cfg.moe_intermediate_size * cfg.hidden_size * experts_per_token
+                 + 2 * cfg.n_routed_experts * cfg.hidden_size)
     _record(benchmark, ceilings, lambda: moe(x), layer="moe", bytes_min=bytes_min, flops=tokens * per_token,
             weight_bytes=_nbytes(w.values()), batch=tokens, tokens=tokens, context=0, experts_touched=touched,
             attention="-")
