@@ -163,7 +163,7 @@ def plan_import(ckpt: Checkpoint, layers: int | None = None, experts: int | None
         if param.kind == "mtp":
             mtp_names += [t.name for t in param.tensors.values()]
         if param.kind in ("kept", "sliced"):
-            check_storage(ckpt, param, expected_shape(full, shapes, param))
+            check_storage(ckpt, param, expected_shape(shapes, param))
         if param.kind == "kept":
             for target in param.targets:
                 weights[target.weight].append(param)

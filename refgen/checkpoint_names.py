@@ -17,8 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kdtr_format import ModelConfig
-
 from .safetensors_dir import CheckpointError, StoredTensor
 
 if TYPE_CHECKING:
@@ -46,6 +44,7 @@ _ROUTER = ("moe.gate", "moe.e_score_correction_bias")
 # a tensor name's quantization suffix -> its role in the parameter (the name without the suffix)
 _ROLES = (("_scale_inv", "scale_inv"), ("_packed", "packed"), ("_scale", "scale"), ("_shape", "shape"),
           ("_zero_point", "zero_point"))
+
 
 @dataclass(frozen=True)
 class Target:
@@ -81,6 +80,8 @@ class Param:
 
 
 def param_and_role(name: str) -> tuple[str, str]:
+    """A tensor name -> (its parameter, its role): "...q_a_proj.weight_scale_inv" -> ("...q_a_proj.weight",
+    "scale_inv"); a name without a quantization suffix is its parameter's "data"."""
     for suffix, role in _ROLES:
         if name.endswith(suffix):
             return name[:-len(suffix)], role
@@ -137,8 +138,8 @@ def classify(ckpt: Checkpoint, param: Param, layers: int, experts: int) -> None:
     param.kind = "sliced" if sliced else "kept"
 
 
-def expected_shape(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], param: Param) -> tuple[int, ...]:
-    """The shape config.json implies for a mapped parameter (whole model, unsliced)."""
+def expected_shape(shapes: Mapping[str, tuple[int, ...]], param: Param) -> tuple[int, ...]:
+    """The shape config.json implies for a mapped parameter, from the whole model's weight shapes."""
     target = param.targets[0]
     shape = shapes[target.weight]
     if target.expert is not None:
