@@ -63,6 +63,7 @@ class Checkpoint:
     quantization_config: dict[str, Any] | None
     quant: Quantization
     cfg: ModelConfig                    # the whole model
+    config_notes: list[str]             # what ModelConfig.from_hf_dict decided (defaults taken, keys noted)
     mtp_layers: int                     # num_nextn_predict_layers
     multimodal: bool                    # config.json nests the language model in text_config
     files: SafetensorsDir
@@ -95,7 +96,7 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
     quantization_config = found[0] if found else None
     try:
         quant = parse_quantization(quantization_config)
-        cfg = ModelConfig.from_hf_dict(text)
+        cfg, config_notes = ModelConfig.from_hf_dict(text)
     except (QuantError, KdtrError) as exc:
         raise CheckpointError(f"config.json: {exc}") from None
     mtp = text.get("num_nextn_predict_layers") or 0
@@ -108,7 +109,8 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
         embeddings = " or ".join(b + "embed_tokens.weight" for b in BODIES)
         raise CheckpointError(f"{directory}: expected one embedding ({embeddings}) and one head "
                               f"({' or '.join(HEADS)}); found {bodies or 'no embedding'}, {heads or 'no head'}")
-    return Checkpoint(directory, text, quantization_config, quant, cfg, mtp, multimodal, files, bodies[0], heads[0])
+    return Checkpoint(directory, text, quantization_config, quant, cfg, config_notes, mtp, multimodal, files,
+                      bodies[0], heads[0])
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -190,7 +192,7 @@ def _check_complete(weight: str, found: list[Param], cfg: ModelConfig) -> None:
 
 
 def _notes(ckpt: Checkpoint, cfg: ModelConfig, counts: Mapping[str, int], mtp_names: list[str]) -> list[str]:
-    full, notes = ckpt.cfg, []
+    full, notes = ckpt.cfg, list(ckpt.config_notes)
     if cfg.num_hidden_layers < full.num_hidden_layers:
         notes.append(f"layers 0..{cfg.num_hidden_layers - 1} of {full.num_hidden_layers} kept, then the final "
                      "norm and the head: a different (shallower) model than the checkpoint's")

@@ -133,7 +133,7 @@ def int4_config(multimodal: bool) -> dict:
 
 def hf_config(cfg: ModelConfig, layout: Layout) -> dict:
     """An HF config.json for `cfg` (rope_scaling + rope_theta, as shipped checkpoints have it)."""
-    text = {k: v for k, v in cfg.to_dict().items() if k not in ("rope_style", "rope_scaling")}
+    text = {k: v for k, v in cfg.to_dict().items() if k not in ("rope_style", "rope_scaling", "latent_norm_eps")}
     text.update(architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", torch_dtype="bfloat16",
                 rope_interleave=cfg.rope_style == "interleave", num_nextn_predict_layers=int(layout.mtp))
     text["rope_scaling"] = cfg.rope_scaling.to_dict() if cfg.rope_scaling is not None else None

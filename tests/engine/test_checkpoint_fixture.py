@@ -82,14 +82,12 @@ def test_validate_passes_on_checkpoint_fixtures(fixtures, capsys):
     assert "prefill logits" in out and "verify logits" in out and "DDTree tokens" in out
 
 
-@pytest.mark.xfail(strict=True, reason="needs `kdtree validate --fixtures FILE` from the clis branch")
 def test_validate_takes_one_fixture_file(fixtures, capsys):
     _, paths = fixtures
     code, out = _kdtree(capsys, "validate", "--fixtures", paths["k2-fp8"], "--impl", "engine.adapter:TorchAdapter")
     assert code == 0 and "PASSED" in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="needs `kdtree demo --fixture` on any model fixture from the clis branch")
 def test_demo_runs_on_a_checkpoint_fixture(fixtures, capsys):
     _, paths = fixtures
     code, out = _kdtree(capsys, "demo", "--fixture", paths["k25-int4"], "--max-new-tokens", 6, "--budget", 8)

@@ -211,6 +211,6 @@ def test_cli_reports_one_line_and_writes_nothing(good, tmp_path, refgen_process)
     assert len(lines) == 1 and lines[0].startswith(f"refgen: error: checkpoint {directory}: {Q_A}"), result.stderr
     assert "Traceback" not in result.stderr and not out.exists()
     for argv, fragment in ((["--layers", "2", "--preset", "tiny"], "give --checkpoint DIR"),
-                           (["--checkpoint", tmp_path / "nowhere"], "not a directory")):
+                           (["--checkpoint", tmp_path / "nowhere"], "does not exist")):
         result = refgen_process("generate", *argv, "--out", out)
         assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr
