@@ -18,7 +18,8 @@ from kdtr_format import YarnScaling
 from refgen.checkpoint import load, open_checkpoint, plan_import
 from refgen.model import KVCache, Model
 from refgen.weights import init_weights
-from synthetic_checkpoint import SMALL, hf_param
+from engine.adapters.hf_mapping import deepseek_v3_kwargs, hf_state_dict
+from synthetic_checkpoint import SMALL
 
 transformers = pytest.importorskip("transformers", reason="HF transformers is not installed (pip install "
                                    "'kdtree[test]'): the save_pretrained round trip needs it")
@@ -34,28 +35,13 @@ K25 = dataclasses.replace(SMALL, rope_theta=50000.0, rms_norm_eps=1e-5, rope_sca
 
 
 def hf_model(cfg):
-    """transformers' DeepseekV3ForCausalLM of `cfg` holding refgen's seeded float32 weights."""
-    yarn = cfg.rope_scaling
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} if yarn is None else {
-        "rope_type": "yarn", "rope_theta": cfg.rope_theta, **{k: v for k, v in yarn.to_dict().items() if k != "type"}}
-    fields = {k: v for k, v in cfg.to_dict().items()
-              if k not in ("rope_scaling", "rope_theta", "rope_style", "latent_norm_eps")}
-    config = transformers.DeepseekV3Config(**fields, rope_parameters=rope, rope_interleave=True,
-                                           num_key_value_heads=cfg.num_attention_heads,
-                                           experts_implementation="eager", attn_implementation="eager")
+    """transformers' DeepseekV3ForCausalLM of `cfg` holding refgen's seeded float32 weights (the config
+    and state dict as the HF adapter builds them: engine/adapters/hf_mapping.py)."""
+    config = transformers.DeepseekV3Config(**deepseek_v3_kwargs(cfg), experts_implementation="eager",
+                                           attn_implementation="eager")
     model = transformers.DeepseekV3ForCausalLM(config)
     weights = init_weights(cfg, 11)
-    state = {}
-    for name, w in weights.items():
-        param = hf_param(name, "model.", multimodal=False)
-        if "{e}" not in param:
-            state[param] = torch.from_numpy(w)
-        elif name.endswith("w_down"):
-            state[param.replace("{e}.", "").removesuffix(".weight")] = torch.from_numpy(w)
-        elif name.endswith("w_gate"):
-            up = weights[name.removesuffix("w_gate") + "w_up"]
-            state[param.replace("{e}.gate_proj.weight", "gate_up_proj")] = torch.from_numpy(np.concatenate([w, up], 1))
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in hf_state_dict(cfg, weights).items()}, strict=True)
     return model, weights
 
 
