@@ -1,12 +1,16 @@
 """GPU cost of one Kimi K2 layer at full dims, for extrapolating to the whole model (docs/scale_up_k2.md).
 
-The torch engine's own layer code (engine.model.MLA and engine.model.MoE) in bf16 at Kimi K2's dims
+The torch engine's own layer code (engine.model.MLA, MoE, DenseMLP) in bf16 at Kimi K2's dims
 (kdtr_format.CONFIGS["kimi-k2-full"]: hidden 7168, 64 heads, q_lora 1536, kv_lora 512, rope 64; 384
 routed experts of width 2048, 8 a token, one shared), seeded random weights made on the device:
 
 - MLA: decode (one token, batch 1 and 8) and a 64-token tree verify (batch 1), contexts 4096 and 32768,
-  with the torch attention and, when kernels_cuda loads, the CUDA tree-verify kernel.
-- MoE: 1, 8 and 64 tokens (the routed experts they touch depend on the random router, and are recorded).
+  with the torch attention and, when kernels_cuda loads, the CUDA tree-verify kernel: the layer's
+  projections, the new tokens' cache rows written, attention over the cache, the output projection
+  (what `Transformer.forward` runs per layer between the input norm and the FFN).
+- MoE: 1, 8 and 64 tokens, with each routed-expert dispatch (engine/moe.py: "grouped", the default on
+  Hopper in bf16, and "dense"); the routed experts the tokens touch depend on the random router and
+  are recorded.
 - The dense MLP of K2's first layer (width 18432): 1, 8 and 64 tokens.
 
 Each case records in benchmark.extra_info: the median milliseconds from CUDA events over the rounds, the
@@ -28,9 +32,10 @@ import torch
 
 from kdtr_format import CONFIGS
 from engine.adapter import cuda_backends
-from engine.attention import torch_attention
+from engine.attention import bind_attention, torch_attention
 from engine.cache import KVCache
 from engine.model import MLA, DenseMLP, MoE, rope_cos_sin, rope_inv_freq, route, softmax_scale
+from engine.moe import DISPATCHES, moe_dispatch
 from engine.weights import weight_dtype, weight_shapes
 
 CFG = dataclasses.replace(CONFIGS["kimi-k2-full"], num_hidden_layers=2)     # layer 0 dense, layer 1 MoE
@@ -147,18 +152,23 @@ def test_bench_k2_mla_layer(benchmark, ceilings, mla_layer, backend, batch, toke
     cache = KVCache.allocate(cfg, batch, context + tokens, "cuda", torch.bfloat16)
     cache.c_kv.normal_(generator=generator)
     cache.k_pe.normal_(generator=generator)
-    x = torch.randn(batch, tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
-    positions = (context + torch.arange(tokens, device="cuda")).expand(batch, tokens)
+    x = torch.randn(batch * tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
+    positions = (context + torch.arange(tokens, device="cuda")).repeat(batch)                # [M]
     cos, sin = rope_cos_sin(cfg, positions, rope_inv_freq(cfg).to("cuda"))
     starts = torch.full((batch,), context, device="cuda")
     n_new = torch.full((batch,), tokens, device="cuda")
-    rows, cols = torch.ones(batch, tokens, dtype=torch.bool, device="cuda").nonzero(as_tuple=True)
-    write = (rows, cols, starts[rows] + cols)
     visibility = torch.ones(tokens, tokens, dtype=torch.bool, device="cuda").tril().expand(batch, tokens, tokens)
+    attend = bind_attention(backends[backend], starts, n_new, visibility, cache.max_len)
+    c_kv_cache, k_pe_cache = cache.c_kv[LAYER], cache.k_pe[LAYER]                          # [B, T, R], [B, T, dr]
     scale = softmax_scale(cfg)
 
     def call():
-        return mla(x, cos, sin, cache, LAYER, write, starts, n_new, visibility, backends[backend], scale)
+        q_lat, q_pe, c_kv, k_pe = mla.project(x, cos, sin)
+        c_kv_cache[:, context:] = c_kv.view(batch, tokens, -1)
+        k_pe_cache[:, context:] = k_pe.view(batch, tokens, -1)
+        o_lat = attend(q_lat.view(batch, tokens, *q_lat.shape[1:]), q_pe.view(batch, tokens, *q_pe.shape[1:]),
+                       c_kv_cache, k_pe_cache, scale)
+        return mla.output(o_lat.reshape(q_lat.shape).to(x.dtype))
 
     H, R, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     kv_bytes = batch * (context + tokens) * (R + dr) * 2
@@ -179,11 +189,15 @@ def moe_layer():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_bench_k2_moe_layer(benchmark, ceilings, moe_layer, tokens):
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_bench_k2_moe_layer(benchmark, ceilings, moe_layer, dispatch, tokens):
     moe, w = moe_layer
+    if moe_dispatch(torch.device("cuda"), torch.bfloat16) != dispatch and dispatch == "grouped":
+        pytest.skip("grouped MoE dispatch: torch has no grouped kernel for bf16 on this GPU (engine/moe.py)")
     cfg, p = CFG, f"layers.{LAYER}.moe."
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16,
                     generator=torch.Generator(device="cuda").manual_seed(2))
+    real = torch.ones(tokens, dtype=torch.bool, device="cuda")
     idx, _ = route(cfg, x, w[p + "gate"], w[p + "e_score_correction_bias"])
     touched = int(idx.unique().numel())
     expert_bytes = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
@@ -193,9 +207,9 @@ def test_bench_k2_moe_layer(benchmark, ceilings, moe_layer, tokens):
     experts_per_token = cfg.num_experts_per_tok + cfg.n_shared_experts
     per_token = (2 * 3 * cfg.moe_intermediate_size * cfg.hidden_size * experts_per_token
                  + 2 * cfg.n_routed_experts * cfg.hidden_size)
-    _record(benchmark, ceilings, lambda: moe(x), layer="moe", bytes_min=bytes_min, flops=tokens * per_token,
-            weight_bytes=_nbytes(w.values()), batch=tokens, tokens=tokens, context=0, experts_touched=touched,
-            attention="-")
+    _record(benchmark, ceilings, lambda: moe(x, real, dispatch), layer="moe", bytes_min=bytes_min,
+            flops=tokens * per_token, weight_bytes=_nbytes(w.values()), batch=tokens, tokens=tokens, context=0,
+            experts_touched=touched, attention=f"- ({dispatch})")
 
 
 @pytest.mark.gpu

@@ -74,15 +74,19 @@ def _kdtree(capsys, *args) -> tuple[int, str]:
 
 def test_validate_passes_on_checkpoint_fixtures(fixtures, capsys):
     """The torch engine as an adapter: every model check of both fixtures (the built-in engine's run adds
-    its batched decode loops and the invariant on random preset weights, which the engine tests cover)."""
+    its batched decode loops and the invariant on random preset weights, which the engine tests cover).
+    A directory of model fixtures exercises no kernel case, so it requires the model-level capabilities."""
     directory, paths = fixtures
-    code, out = _kdtree(capsys, "validate", "--fixtures", directory, "--impl", "engine.adapter:TorchAdapter")
+    code, out = _kdtree(capsys, "validate", "--fixtures", directory, "--impl", "engine.adapter:TorchAdapter",
+                        "--require", "model,topk,tree,compile,accept,sample_accept")
     assert code == 0, out
     assert "PASSED" in out and "FAIL" not in out
     assert "prefill logits" in out and "verify logits" in out and "DDTree tokens" in out
+    assert all(path.name in out for path in paths.values())
 
 
 def test_validate_takes_one_fixture_file(fixtures, capsys):
+    """What docs/checkpoints.md tells a user to run on the fixture refgen wrote."""
     _, paths = fixtures
     code, out = _kdtree(capsys, "validate", "--fixtures", paths["k2-fp8"], "--impl", "engine.adapter:TorchAdapter")
     assert code == 0 and "PASSED" in out, out
