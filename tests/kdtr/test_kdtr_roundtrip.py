@@ -123,7 +123,7 @@ METADATA_CASES = {
     "nested": {"a": {"b": {"c": [1, [2, [3, {"d": None}]]]}}},
     "unicode": {"ключ": "値", "emoji": "🌲", "escape": "\"\\\n\t"},
     "floats": {"tiny": 5e-324, "big": 1.7976931348623157e308, "neg_zero": -0.0, "third": 1 / 3},
-    "ints": {"big": 2**63 + 12345, "neg": -(2**70)},
+    "ints": {"big": 2**63 + 12345, "max": 2**64 - 1, "min": -(2**63), "list": [-(2**63), 2**64 - 1, 0]},
     "bools_null": {"t": True, "f": False, "n": None, "list": [True, None, 0]},
     "depth_64": {"a": _nested_lists(63)},
 }
@@ -192,7 +192,7 @@ def test_open_many_tensors_reads_only_the_index(tmp_path):
     kdtr_format.write(path, {f"cases/{i}/expected/logits": np.full(2, i, np.float32) for i in range(10_000)})
     with kdtr_format.open(path) as f:
         assert len(f) == 10_000
-        assert not f._checked.any()
+        assert not any(f._checked)
         assert f["cases/9999/expected/logits"].tolist() == [9999, 9999]
 
 
