@@ -43,9 +43,6 @@ class Columns:
         return cls(*(np.ascontiguousarray(records[f]) for f in ("offset", "nbytes", "crc32c", "dtype", "ndim")),
                    reserved.view("<u8").reshape(-1), np.ascontiguousarray(records["shape"]))
 
-    def shape_of(self, i: int) -> tuple[int, ...]:
-        return tuple(self.shape[i, : self.ndim[i]].tolist())
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -202,7 +199,7 @@ def _check_records(c: Columns, names: list[str], index_offset: int, alignment: i
             exact *= np.maximum(c.shape[:, d], np.uint64(1))
         bad = _first(exact > fmt.MAX_ELEMENT_BYTES)
     if bad is not None:
-        raise fail(f"shape {c.shape_of(bad)} is too large (over 2**62 bytes)", bad, 40)
+        raise fail(f"shape {tuple(c.shape[bad, : c.ndim[bad]].tolist())} is too large (over 2**62 bytes)", bad, 40)
     expected = np.where(c.dtype == _INT4, (elements + np.uint64(1)) // np.uint64(2), elements * itemsize)
     bad = _first(c.nbytes != expected)
     if bad is not None:

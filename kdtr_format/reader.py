@@ -26,8 +26,7 @@ import mmap
 import os
 import stat
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -38,12 +37,12 @@ from .errors import ChecksumError, FormatError, TensorNotFoundError
 from .index import Layout, check_size, parse_layout
 
 _VERIFY_CHUNK = 16 << 20
+_SHAPE_BLOCK_BITS = 12
 _BOOL = fmt.DTYPE_BY_NAME["bool"]
 _INT4 = fmt.DTYPE_BY_NAME["int4"]
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
     """Where and what one tensor is: `nbytes` is the stored length (int4: packed)."""
 
     name: str
@@ -103,6 +102,9 @@ class Reader:
         self._offsets = layout.columns.offset.tolist()
         self._nbytes = layout.columns.nbytes.tolist()
         self._dtypes = layout.columns.dtype.tolist()
+        self._crcs = layout.columns.crc32c.tolist()
+        self._ndims = layout.columns.ndim.tolist()
+        self._shape_blocks: dict[int, list[list[int]]] = {}
         self._checked = bytearray(len(layout.names))
         self._metadata_raw: bytes | None = layout.metadata
         self._metadata_at = layout.metadata_at
@@ -117,14 +119,14 @@ class Reader:
             raise TensorNotFoundError(str(name), self.path) from None
 
     def _check_crc(self, i: int, actual: int) -> None:
-        expected = int(self._columns.crc32c[i])
+        expected = self._crcs[i]
         if actual != expected:
             raise ChecksumError("data", self._offsets[i], expected, actual, tensor=self._names[i])
         self._checked[i] = 1
 
     def _check_bools(self, i: int, raw: np.ndarray, at: int) -> None:
-        """Bool tensors hold bytes 0 and 1 only; `raw` [k] uint8 are tensor i's bytes from file offset `at`."""
-        if self._dtypes[i] == _BOOL.code and raw.size and raw.max() > 1:
+        """Bool tensors hold bytes 0 and 1 only; `raw` [k] uint8 are bool tensor i's bytes from file offset `at`."""
+        if raw.size and raw.max() > 1:
             bad = int(np.argmax(raw > 1))
             raise FormatError(f"bool byte {int(raw[bad])} is not 0 or 1", offset=at + bad, tensor=self._names[i])
 
@@ -132,12 +134,17 @@ class Reader:
         offset = self._offsets[i]
         raw = self._bytes[offset : offset + self._nbytes[i]]
         if not self._checked[i]:
-            self._check_bools(i, raw, offset)
+            if self._dtypes[i] == _BOOL.code:
+                self._check_bools(i, raw, offset)
             self._check_crc(i, crc32c(raw))
         return raw
 
     def _shape(self, i: int) -> tuple[int, ...]:
-        return self._columns.shape_of(i)
+        block = self._shape_blocks.get(i >> _SHAPE_BLOCK_BITS)
+        if block is None:       # shapes become Python ints a block at a time: cheap to open, cheap to scan
+            start = i >> _SHAPE_BLOCK_BITS << _SHAPE_BLOCK_BITS
+            block = self._shape_blocks[i >> _SHAPE_BLOCK_BITS] = self._columns.shape[start : start + (1 << _SHAPE_BLOCK_BITS)].tolist()
+        return tuple(block[i & ((1 << _SHAPE_BLOCK_BITS) - 1)][: self._ndims[i]])
 
     def __getitem__(self, name: str) -> np.ndarray:
         """Read-only numpy array of a tensor, zero-copy over the mapping (int4: an unpacked copy)."""
@@ -202,7 +209,8 @@ class Reader:
             crc = 0
             for start in range(offset, offset + size, _VERIFY_CHUNK):
                 piece = window.read(start, min(_VERIFY_CHUNK, offset + size - start), i)
-                self._check_bools(i, piece, start)
+                if self._dtypes[i] == _BOOL.code:
+                    self._check_bools(i, piece, start)
                 crc = crc32c(piece, crc)
                 done += piece.size
                 if progress is not None and done - reported >= 1 << 20:
