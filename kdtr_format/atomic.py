@@ -88,9 +88,11 @@ def replacing(path: str) -> Iterator[str]:
     """A temporary path to write (keeping the target's extension, for libraries that look at it);
     renamed onto the target of `path` when the block ends, removed when it raises."""
     fd, tmp = create_beside(path, os.path.splitext(path)[1])
+    mode = os.fstat(fd).st_mode & 0o777         # 0666 less the umask, as the kernel applied it
     os.close(fd)
     try:
         yield tmp
+        os.chmod(tmp, mode)                     # a library may have replaced the file (safetensors does)
         rename_over(tmp, path)
     finally:
         remove(tmp)

@@ -2,8 +2,8 @@
 
 Exit status: 0 success (and help: every command prints it when run with no arguments or -h);
 1 a file is corrupt or malformed, or (diff) the files differ; 2 bad usage or input that is not
-there (missing file, unknown tensor, unsupported extension, missing optional library); 130
-interrupted. Errors are one line on stderr, `kdtr: error: ...`, never a traceback; arguments are
+there or cannot be converted (missing file, unknown tensor, unsupported extension or dtype,
+missing optional library); 130 interrupted. Errors are one line on stderr, `kdtr: error: ...`, never a traceback; arguments are
 checked before any work starts, and an output file appears complete or not at all.
 
 Output is plain text sized for the terminal (80 columns is enough; a wider one is used), and the
@@ -21,14 +21,12 @@ from typing import Callable, Iterator
 
 import click
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from . import __version__
 from . import format as fmt
 from .compare import compare_arrays, diff_metadata
 from .convert import ConvertError, convert as convert_file, kind_of
-from .errors import KdtrError, TensorNotFoundError
+from .errors import KdtrError, TensorNotFoundError, WriterError
 from .listing import LIST_AT_MOST, listing, metadata_text, shown
 from .reader import Reader
 
@@ -56,7 +54,7 @@ class _Cli(click.Group):
         except click.ClickException as e:
             _error(e.format_message())
             status = EXIT_USAGE
-        except (TensorNotFoundError, ConvertError) as e:
+        except (TensorNotFoundError, ConvertError, WriterError) as e:
             _error(str(e))
             status = EXIT_USAGE
         except KdtrError as e:
@@ -88,6 +86,9 @@ def _width() -> int:
 @contextmanager
 def _progress(label: str, unit_bytes: bool) -> Iterator[Callable[[int, int], None]]:
     """A rich progress bar on stderr (shown only on a terminal); yields update(done, total)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     console = Console(stderr=True)
     count = DownloadColumn() if unit_bytes else MofNCompleteColumn()
     with Progress(TextColumn(label), BarColumn(), count, TimeRemainingColumn(), console=console, transient=True,
@@ -191,10 +192,10 @@ def diff(a: str, b: str, rtol: float, atol: float, prefix: str | None) -> int:
                 ia, ib = fa.info(name), fb.info(name)
                 click.echo(f"{label}: {result.status} differs: {ia.dtype}{list(ia.shape)} vs {ib.dtype}{list(ib.shape)}")
             else:
+                where = (f"{result.count} outside tolerance, first at {list(result.first_index)}" if result.count
+                         else f"first difference at {list(result.first_index)}")
                 ulp = f", max ulp {result.max_ulp}" if result.max_ulp is not None else ""
-                outside = f", {result.count} outside tolerance, first at {list(result.first_index)}" if result.count else ""
-                click.echo(f"{label}: {result.status}: max abs {result.max_abs:.6g}, max rel {result.max_rel:.6g}{ulp}{outside}"
-                           + ("" if result.count else f", first difference at {list(result.first_index)}"))
+                click.echo(f"{label}: {result.status}, {where}\n  max abs {result.max_abs:.6g}, max rel {result.max_rel:.6g}{ulp}")
             different += not result.same
     for line in metadata_lines:
         click.echo(line)

@@ -58,11 +58,11 @@ def _problem(value: object, depth: int) -> str | None:
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int):
-        return None if INT_MIN <= value <= INT_MAX else "is an integer outside [-2**63, 2**64 - 1]"
+        return None if INT_MIN <= value <= INT_MAX else "an integer outside [-2**63, 2**64 - 1]"
     if isinstance(value, float):
         return None if math.isfinite(value) else f"{value} is not representable in JSON"
     if isinstance(value, str):
-        return None if _encodable(value) else "is not encodable as UTF-8 (a lone surrogate)"
+        return None if _encodable(value) else "a string not encodable as UTF-8 (a lone surrogate)"
     return f"{type(value).__name__} is not a JSON type (dict, list, str, int, float, bool, None)"
 
 
@@ -85,7 +85,7 @@ def encode(metadata: object) -> bytes:
         value, depth, trail = stack.pop()
         problem = _problem(value, depth)
         if problem is not None:
-            raise WriterError(f"{_where(trail)} {problem}")
+            raise WriterError(f"{_where(trail)}: {problem}")
         if isinstance(value, dict):
             for key, child in value.items():
                 if not isinstance(key, str):
@@ -122,7 +122,8 @@ def _utf8_error(raw: bytes) -> int | None:
     view, start = memoryview(raw), 0
     while start < len(raw):
         stop = min(start + _CHUNK, len(raw))
-        while stop < len(raw) and stop - start > _CHUNK - 4 and raw[stop] & 0xC0 == 0x80:
+        floor = max(start + 1, stop - 3)
+        while floor < stop < len(raw) and raw[stop] & 0xC0 == 0x80:
             stop -= 1                    # cut before a character, not inside one
         try:
             str(view[start:stop], "utf-8")

@@ -440,12 +440,12 @@ int kdtr_open(kdtr_file *f, const char *path) {
 #else
     struct stat st;
     void *map;
-    int fd = open(path, O_RDONLY), status;
+    int fd = open(path, O_RDONLY | O_NONBLOCK), status;   /* a FIFO must not block the open */
     memset(f, 0, sizeof *f);
     if (fd < 0) return kdtr__fail(f, "cannot open %s", path);
-    if (fstat(fd, &st) != 0) {
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        return kdtr__fail(f, "cannot stat %s", path);
+        return kdtr__fail(f, "%s is not a regular file", path);
     }
     if (st.st_size < (off_t)(KDTR__HEADER + KDTR__TRAILER)) {
         close(fd);
@@ -505,9 +505,9 @@ int kdtr_verify_tensor(kdtr_file *f, const kdtr_tensor *t) {
     struct stat st;
     if (f->mapped && fstat(f->fd, &st) != 0)
         return kdtr__fail(f, "cannot stat the open file (tensor '%s', offset %llu)", t->name, (unsigned long long)t->offset);
-    if (f->mapped && (uint64_t)st.st_size < f->size)
-        return kdtr__fail(f, "the file is %lld bytes now, %llu when it was opened (changed while open?) (tensor '%s', offset %llu)",
-                          (long long)st.st_size, (unsigned long long)f->size, t->name, (unsigned long long)t->offset);
+    if (f->mapped && (uint64_t)st.st_size < f->size)   /* names lie in the mapping too: number the tensor */
+        return kdtr__fail(f, "the file is %lld bytes now, %llu when it was opened (changed while open?) (tensor #%zu, offset %llu)",
+                          (long long)st.st_size, (unsigned long long)f->size, (size_t)(t - f->tensors), (unsigned long long)t->offset);
 #endif
     if (t->dtype == KDTR_BOOL)
         for (uint64_t k = 0; k < t->nbytes; k++)

@@ -251,14 +251,6 @@ def test_commit_failure_removes_the_temporary_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_committed_file_has_default_permissions(tmp_path):
-    path = tmp_path / "p.kdtr"
-    kdtr_format.write(path, {"a": np.zeros(1)})
-    mask = os.umask(0)
-    os.umask(mask)
-    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
-
-
 def test_sigkill_mid_write_leaves_no_file_under_the_final_name(tmp_path):
     path = tmp_path / "killed.kdtr"
     script = textwrap.dedent(
