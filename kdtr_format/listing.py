@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from .reader import Reader
+from .reader import Reader, TensorInfo
 
 LIST_AT_MOST = 1000          # more tensors than this are summarized by prefix unless --all
 _NOT_ASCII_PRINTABLE = re.compile(r"[^\x20-\x7e\n]+")
@@ -27,9 +27,9 @@ def shown(name: str) -> str:
 def columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
     """Rows of cells as lines, each column padded to its widest cell (right-aligned where asked), the
     last column unpadded."""
-    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]) - 1)]
-    return ["  ".join([*(cell.rjust(w) if k in right else cell.ljust(w) for k, (cell, w) in enumerate(zip(row, widths))),
-                      row[-1]]) for row in rows]
+    widths = [max(map(len, column)) for column in list(zip(*rows))[:-1]]
+    line = "  ".join([*(f"{{:{'>' if k in right else '<'}{w}}}" for k, w in enumerate(widths)), "{}"])
+    return [line.format(*row) for row in rows]
 
 
 @dataclass(frozen=True)
@@ -39,24 +39,21 @@ class Group:
     nbytes: int
 
 
-def groups(reader: Reader, names: list[str], prefix: str) -> list[Group]:
-    """The names under `prefix` grouped by their next path component (`prefix` + up to and including a '/')."""
+def groups(infos: list[TensorInfo], prefix: str) -> list[Group]:
+    """The tensors under `prefix` grouped by their next path component (`prefix` + up to and including a '/')."""
     found: dict[str, list[int]] = {}
-    for name in names:
-        rest = name[len(prefix) :]
+    for info in infos:
+        rest = info.name[len(prefix) :]
         cut = rest.find("/")
-        key = prefix + (rest if cut < 0 else rest[: cut + 1])
-        entry = found.setdefault(key, [0, 0])
+        entry = found.setdefault(prefix + (rest if cut < 0 else rest[: cut + 1]), [0, 0])
         entry[0] += 1
-        entry[1] += reader.info(name).nbytes
+        entry[1] += info.nbytes
     return [Group(key, count, nbytes) for key, (count, nbytes) in found.items()]
 
 
-def tensor_table(reader: Reader, names: list[str]) -> list[str]:
+def tensor_table(infos: list[TensorInfo]) -> list[str]:
     rows = [("dtype", "shape", "nbytes", "offset", "crc32c", "name")]
-    for name in names:
-        info = reader.info(name)
-        rows.append((info.dtype, str(list(info.shape)), str(info.nbytes), str(info.offset), f"{info.crc32c:08x}", shown(name)))
+    rows += [(i.dtype, str(list(i.shape)), str(i.nbytes), str(i.offset), f"{i.crc32c:08x}", shown(i.name)) for i in infos]
     return columns(rows, right={2, 3})
 
 
@@ -67,26 +64,25 @@ def group_table(found: list[Group]) -> list[str]:
 
 def listing(reader: Reader, prefix: str | None, everything: bool) -> list[str]:
     """The lines of the tensor part of `kdtr inspect`."""
-    names = reader.names(prefix)
-    total = sum(reader.info(n).nbytes for n in names)
+    infos = [reader.info(name) for name in reader.names(prefix)]
     scope = f" under {shown(prefix)}" if prefix else ""
     lines = [f"KDTR {reader.version[0]}.{reader.version[1]}, alignment {reader.alignment}, "
-             f"{len(names)} tensors{scope}, {total} bytes"]
-    if not names:
+             f"{len(infos)} tensors{scope}, {sum(i.nbytes for i in infos)} bytes"]
+    if not infos:
         return lines
-    if everything or len(names) <= LIST_AT_MOST:
-        return lines + tensor_table(reader, names)
+    if everything or len(infos) <= LIST_AT_MOST:
+        return lines + tensor_table(infos)
     scope = prefix or ""
-    found = groups(reader, names, scope)
+    found = groups(infos, scope)
     while len(found) == 1 and found[0].prefix.endswith("/") and found[0].prefix != scope:   # one level further down
         scope = found[0].prefix
-        found = groups(reader, names, scope)
+        found = groups(infos, scope)
     if len(found) <= LIST_AT_MOST:
-        lines.append(f"{len(names)} tensors in {len(found)} groups by prefix "
+        lines.append(f"{len(infos)} tensors in {len(found)} groups by prefix "
                      "(--prefix PREFIX lists a group, --all every tensor):")
         return lines + group_table(found)
-    lines += tensor_table(reader, names[:LIST_AT_MOST])
-    lines.append(f"... and {len(names) - LIST_AT_MOST} more (--all lists every tensor, --prefix PREFIX those under it)")
+    lines += tensor_table(infos[:LIST_AT_MOST])
+    lines.append(f"... and {len(infos) - LIST_AT_MOST} more (--all lists every tensor, --prefix PREFIX those under it)")
     return lines
 
 

@@ -178,7 +178,7 @@ class Reader:
     def info(self, name: str) -> TensorInfo:
         i = self._position(name)
         return TensorInfo(name, fmt.DTYPE_BY_CODE[self._dtypes[i]].name, self._shape(i), self._offsets[i],
-                          self._nbytes[i], int(self._columns.crc32c[i]))
+                          self._nbytes[i], self._crcs[i])
 
     def names(self, prefix: str | None = None) -> list[str]:
         """Tensor names in file order; with `prefix`, those that start with it (plain string prefix)."""
