@@ -4,7 +4,8 @@ Exit status: 0 success (and help: every command prints it when run with no argum
 1 a file is corrupt or malformed, or (diff) the files differ; 2 bad usage or input that is not
 there or cannot be converted (missing file, unknown tensor, unsupported extension or dtype,
 missing optional library); 130 interrupted. Errors are one line on stderr, `kdtr: error: ...`, never a traceback; arguments are
-checked before any work starts, and an output file appears complete or not at all.
+checked before any work starts, and an output file appears complete or not at all. A closed
+pipe (`kdtr inspect f.kdtr | head`) ends quietly with status 1 (click's handling).
 
 Output is plain text sized for the terminal (80 columns is enough; a wider one is used), and the
 same when piped; a progress bar shows on stderr only when stderr is a terminal.
@@ -13,7 +14,6 @@ same when piped; a progress bar shows on stderr only when stderr is a terminal.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import sys
 from contextlib import contextmanager
@@ -59,9 +59,6 @@ class _Cli(click.Group):
             status = EXIT_USAGE
         except KdtrError as e:
             _error(str(e))
-            status = EXIT_DIFFERENT
-        except BrokenPipeError:          # `kdtr inspect big.kdtr | head`: the reader has seen enough
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             status = EXIT_DIFFERENT
         except OSError as e:
             _error(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))

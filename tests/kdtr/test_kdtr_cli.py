@@ -120,7 +120,7 @@ def test_ctrl_c_during_convert_is_one_line_and_leaves_nothing(tmp_path):
     source = tmp_path / "many.kdtr"
     kdtr_format.write(source, {f"t/{i}": np.full(256, i, np.float32) for i in range(20000)}, durable=False)
     result = in_terminal(["kdtr", "convert", str(source), str(tmp_path / "many.h5")], columns=80,
-                         interrupt_on="convert")
+                         interrupt_on="/20000")          # the bar counts written tensors: writing has begun
     assert result.returncode == 130, result.output
     assert "Traceback" not in result.output
     assert [line for line in screen_lines(result.output) if "error" in line] == ["kdtr: error: interrupted"]
@@ -258,6 +258,16 @@ def test_verify_names_the_bad_tensor_and_inspect_the_layout(corpus_dir):
     assert result.returncode == 1
     result = piped(["kdtr", "inspect", str(corpus_dir / "overlapping_offsets.kdtr")])
     assert_clean_error(result, "overlaps the previous tensor")
+
+
+def test_an_internal_error_is_still_one_line(files, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("kdtr_format.cli.listing", broken)
+    result = CliRunner().invoke(main, ["inspect", str(files["sample"])])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr == "kdtr: error: internal error, please report: RuntimeError: boom\n"
 
 
 def test_the_console_script_entry_point_runs(files):
