@@ -122,9 +122,9 @@ def _utf8_error(raw: bytes) -> int | None:
     view, start = memoryview(raw), 0
     while start < len(raw):
         stop = min(start + _CHUNK, len(raw))
-        floor = max(start + 1, stop - 3)
-        while floor < stop < len(raw) and raw[stop] & 0xC0 == 0x80:
-            stop -= 1                    # cut before a character, not inside one
+        for _ in range(3):               # end the chunk after a character, not inside one
+            if stop < len(raw) and raw[stop] & 0xC0 == 0x80:
+                stop += 1
         try:
             str(view[start:stop], "utf-8")
         except UnicodeDecodeError as e:

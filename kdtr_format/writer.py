@@ -74,7 +74,7 @@ def to_raw(array: Any, name: str) -> tuple[fmt.DType, tuple[int, ...], np.ndarra
     if torch is not None and isinstance(array, torch.Tensor):
         dtype, shape, raw = _torch_raw(torch, array, name)
     else:
-        if isinstance(array, (np.generic, int, float, bool)) and not isinstance(array, np.ndarray):
+        if isinstance(array, (np.generic, int, float, bool)):
             array = np.asarray(array)
         if not isinstance(array, np.ndarray):
             raise WriterError(f"tensor {name!r}: expected a numpy array or torch tensor, got {type(array).__name__}")
