@@ -1,11 +1,11 @@
 """`kdtr`: inspect, verify, diff, cat and convert KDTR files.
 
-Exit status: 0 success (and help: every command prints it when run with no arguments or -h);
-1 a file is corrupt or malformed, or (diff) the files differ; 2 bad usage or input that is not
-there or cannot be converted (missing file, unknown tensor, unsupported extension or dtype,
-missing optional library); 130 interrupted. Errors are one line on stderr, `kdtr: error: ...`, never a traceback; arguments are
-checked before any work starts, and an output file appears complete or not at all. A closed
-pipe (`kdtr inspect f.kdtr | head`) ends quietly with status 1 (click's handling).
+The project's command-line conventions (`clikit`): every command prints its help when run with no
+arguments or -h; every failure is one line on stderr, `kdtr: error: ...`, never a traceback;
+arguments are checked before any work starts, and an output file appears complete or not at all.
+Exit status: 0 success; 1 a file is corrupt or malformed, or (diff) the files differ; 2 bad input
+(usage, a missing file, an unknown tensor, an extension, dtype or name another format cannot
+take, a missing optional library); 3 an internal error; 130 interrupted.
 
 Output is plain text sized for the terminal (80 columns is enough; a wider one is used), and the
 same when piped; a progress bar shows on stderr only when stderr is a terminal.
@@ -13,16 +13,16 @@ same when piped; a progress bar shows on stderr only when stderr is a terminal.
 
 from __future__ import annotations
 
-import math
 import shutil
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import click
 import numpy as np
 
-from . import __version__
+from . import __version__, clikit
 from . import format as fmt
 from .compare import compare_arrays, diff_metadata
 from .convert import ConvertError, convert as convert_file, kind_of
@@ -30,50 +30,7 @@ from .errors import KdtrError, TensorNotFoundError, WriterError
 from .listing import LIST_AT_MOST, listing, metadata_text, shown
 from .reader import Reader
 
-EXIT_DIFFERENT = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-_NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", ())
-
-
-class _Cli(click.Group):
-    """A click group whose every failure is one line and an exit status (see the module docstring)."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        for stream in (sys.stdout, sys.stderr):
-            if hasattr(stream, "reconfigure"):
-                stream.reconfigure(errors="backslashreplace")    # a path from argv may not be UTF-8
-        try:
-            status = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except _NoArgsIsHelp as e:
-            click.echo(e.ctx.get_help())
-            status = 0
-        except click.exceptions.Abort:
-            _error("interrupted")
-            status = EXIT_INTERRUPTED
-        except click.ClickException as e:
-            _error(e.format_message())
-            status = EXIT_USAGE
-        except (TensorNotFoundError, ConvertError, WriterError) as e:
-            _error(str(e))
-            status = EXIT_USAGE
-        except KdtrError as e:
-            _error(str(e))
-            status = EXIT_DIFFERENT
-        except OSError as e:
-            _error(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
-            status = EXIT_USAGE
-        except MemoryError:
-            _error("out of memory")
-            status = EXIT_DIFFERENT
-        except Exception as e:           # a bug in kdtr: still one line, but say what it was
-            _error(f"internal error, please report: {type(e).__name__}: {e}")
-            status = EXIT_DIFFERENT
-        sys.exit(status or 0)
-
-
-def _error(message: str) -> None:
-    click.echo(f"kdtr: error: {' '.join(str(message).split())}", err=True)
+EXIT_DIFFERENT = clikit.EXIT_FAILED
 
 
 def _width() -> int:
@@ -94,18 +51,6 @@ def _progress(label: str, unit_bytes: bool) -> Iterator[Callable[[int, int], Non
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-class _Tolerance(click.ParamType):
-    """A finite float >= 0."""
-
-    name = "tolerance"
-
-    def convert(self, value, param, ctx):
-        number = click.FLOAT.convert(value, param, ctx)
-        if not math.isfinite(number) or number < 0:
-            self.fail(f"{value!r} is not a finite number >= 0", param, ctx)
-        return number
-
-
 class _Alignment(click.ParamType):
     """A power of two from 64 to 4096."""
 
@@ -122,11 +67,14 @@ def _command(**settings):
     return main.command(no_args_is_help=True, **settings)
 
 
-@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "-V", "--version", prog_name="kdtr",
-                      message=f"%(prog)s %(version)s (KDTR format {fmt.VERSION_MAJOR}.{fmt.VERSION_MINOR})")
+@click.group(cls=clikit.Cli, name="kdtr", bad_input=(TensorNotFoundError, ConvertError, WriterError), failed=(KdtrError,))
+@click.version_option(__version__, "--version", prog_name="kdtr",
+                      message=f"%(prog)s, version %(version)s (KDTR format {fmt.VERSION_MAJOR}.{fmt.VERSION_MINOR})")
 def main() -> None:
     """Inspect, verify, diff, print and convert KDTR files."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")    # a path from argv may not be UTF-8
 
 
 @_command()
@@ -164,8 +112,8 @@ def verify(path: str) -> None:
 @_command()
 @click.argument("a")
 @click.argument("b")
-@click.option("--rtol", type=_Tolerance(), default=0.0, show_default=True, help="Relative tolerance (against B).")
-@click.option("--atol", type=_Tolerance(), default=0.0, show_default=True, help="Absolute tolerance.")
+@click.option("--rtol", type=clikit.FiniteFloat(min=0), default=0.0, show_default=True, help="Relative tolerance (against B).")
+@click.option("--atol", type=clikit.FiniteFloat(min=0), default=0.0, show_default=True, help="Absolute tolerance.")
 @click.option("--prefix", default=None, help="Only tensors whose name starts with this.")
 def diff(a: str, b: str, rtol: float, atol: float, prefix: str | None) -> int:
     """Compare tensors and metadata of A against B.
@@ -227,15 +175,15 @@ def cat(path: str, name: str, mode: str | None, threshold: int) -> None:
 
 @_command()
 @click.argument("src")
-@click.argument("dst")
+@click.argument("dst", type=clikit.OutputFile())
 @click.option("--alignment", type=_Alignment(), default=fmt.DEFAULT_ALIGNMENT, show_default=True,
               help="Data alignment when writing KDTR (a power of two from 64 to 4096).")
-def convert(src: str, dst: str, alignment: int) -> None:
+def convert(src: str, dst: Path, alignment: int) -> None:
     """Convert between KDTR, HDF5, npz and safetensors.
 
     Formats by extension (.kdtr, .h5/.hdf5, .npz, .safetensors); every dtype, shape, the
     tensor order and the metadata survive a round trip."""
-    kind_of(src), kind_of(dst)
+    kind_of(src), kind_of(str(dst))
     with _progress("convert", unit_bytes=False) as update:
-        written = convert_file(src, dst, alignment=alignment, progress=update)
+        written = convert_file(src, str(dst), alignment=alignment, progress=update)
     click.echo(f"wrote {dst}: {written} tensors")
