@@ -51,6 +51,7 @@ class Layout:
     version: tuple[int, int]
     alignment: int
     names: list[str]
+    positions: dict[str, int]  # name -> index in the file
     columns: Columns
     metadata: bytes  # the metadata text, checked by metadata.check_text
     metadata_at: int
@@ -107,7 +108,8 @@ def parse_layout(buffer, size: int) -> Layout:
     records = index_raw[: count * fmt.RECORD_SIZE].view(fmt.RECORD)
     names_at = t.index_offset + count * fmt.RECORD_SIZE
     names = _parse_names(records, index_raw[count * fmt.RECORD_SIZE :], t.index_offset, names_at)
-    if len(set(names)) != count:
+    positions = dict(zip(names, range(count)))
+    if len(positions) != count:
         seen: set[str] = set()
         duplicate = next(n for n in names if n in seen or seen.add(n))
         raise FormatError("duplicate tensor name", offset=t.index_offset, tensor=duplicate)
@@ -119,7 +121,7 @@ def parse_layout(buffer, size: int) -> Layout:
     if actual != t.metadata_crc32c:
         raise ChecksumError("metadata", metadata_at, t.metadata_crc32c, actual)
     metadata.check_text(metadata_raw, metadata_at)
-    return Layout((fmt.VERSION_MAJOR, header.minor), alignment, names, columns, metadata_raw, metadata_at)
+    return Layout((fmt.VERSION_MAJOR, header.minor), alignment, names, positions, columns, metadata_raw, metadata_at)
 
 
 def _parse_names(records: np.ndarray, blob: np.ndarray, index_at: int, names_at: int) -> list[str]:
