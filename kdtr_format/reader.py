@@ -198,10 +198,10 @@ class Reader:
             self._metadata_raw = None
         return self._metadata
 
-    def verify(self, progress: Callable[[int, int], None] | None = None) -> None:
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Check the metadata JSON and every tensor's CRC32C and bool values; the error names the
-        first bad tensor. Reads through the file descriptor, so a file that shrank since it was
-        opened is a FormatError, not a fault.
+        first bad tensor; returns the tensor bytes checked. Reads through the file descriptor, so
+        a file that shrank since it was opened is a FormatError, not a fault.
 
         `progress(done_bytes, total_bytes)` is called as the check advances."""
         self.metadata
@@ -223,6 +223,7 @@ class Reader:
             self._check_crc(i, crc)
         if progress is not None:
             progress(done, total)
+        return done
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self._index

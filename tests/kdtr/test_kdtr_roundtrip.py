@@ -164,7 +164,7 @@ def test_large_tensor_streams_and_verifies(tmp_path):
         w.metadata = {"bytes": chunk.nbytes}
     progress = []
     with kdtr_format.open(path) as f:
-        f.verify(progress=lambda done, total: progress.append((done, total)))
+        assert f.verify(progress=lambda done, total: progress.append((done, total))) == chunk.nbytes + 12
         assert f["big"][-1] == 2**23 - 1 and f["after"].tolist() == [1, 1, 1]
         assert f.info("big").crc32c == crc32c(chunk)
     assert progress[-1] == (chunk.nbytes + 12, chunk.nbytes + 12)
