@@ -43,12 +43,17 @@ class TorchAdapter:
     """The built-in torch engine (engine.model, engine.stages, engine.attention) as an adapter.
 
     device "cuda" takes the CUDA stages and attention kernels when they load
-    (`backends` says which ran), the torch paths otherwise.
+    (`backends` says which ran), the torch paths otherwise. invariant: the model in
+    batch-invariant mode (Transformer's `invariant`).
     """
 
-    def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    capabilities = ("model", "topk", "tree", "compile", "accept", "sample_accept", "compact", "attention")
+
+    def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 invariant: bool = False) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
+        self.invariant = invariant
         self.stages: Stages = TorchStages()
         self.attention_backend: AttentionBackend = torch_attention
         self.backends = {"stages": "torch", "attention": "torch"}
@@ -57,7 +62,7 @@ class TorchAdapter:
             self.stages = stages or self.stages
             self.attention_backend = attention or self.attention_backend
         self.name = f"torch engine ({self.device.type}, stages: {self.backends['stages'].split()[0]}, " \
-                    f"attention: {self.backends['attention'].split()[0]})"
+                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if invariant else ''})"
         self.model: Transformer | None = None
         self.weights: dict[str, torch.Tensor] = {}
         self.cache: KVCache | None = None
@@ -66,7 +71,7 @@ class TorchAdapter:
     def load_weights(self, config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
         self.weights = {name: torch.tensor(np.asarray(w)) for name, w in weights.items()}
         self.model = Transformer(config, self.weights, device=self.device, dtype=self.dtype,
-                                 attention=self.attention_backend)
+                                 attention=self.attention_backend, invariant=self.invariant)
 
     def reset(self, max_len: int) -> None:
         self.cache = self._model().new_cache(1, max_len)
@@ -123,6 +128,15 @@ class TorchAdapter:
         choices_t = torch.tensor(np.asarray(choices), dtype=torch.int64, device=self.device)[None]
         accepted, accept_len, next_root = self.stages.accept(self._tree(parents, tokens, depths), choices_t)
         return accepted[0, :int(accept_len[0])].cpu().numpy(), int(next_root[0])
+
+    def sample_accept(self, parents: np.ndarray, tokens: np.ndarray, logits: np.ndarray, temperature: float,
+                      uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """parents, tokens [n+1], logits [n+1, V], uniforms [n+1] -> (choices [n+1], accepted [a], next_root)."""
+        choices = self.stages.sample_choices(torch.tensor(np.asarray(logits), device=self.device)[None],
+                                             float(temperature),
+                                             torch.tensor(np.asarray(uniforms), dtype=torch.float64,
+                                                          device=self.device)[None])[0].cpu().numpy()
+        return (choices, *self.accept(parents, tokens, choices))
 
     def _tree(self, parents: np.ndarray, tokens: np.ndarray, depths: np.ndarray) -> TreeBatch:
         """One request's tree as a TreeBatch (scores unused by compile and accept: zeros)."""

@@ -1,7 +1,9 @@
 """The `kdtree` command line: `validate` (the main job) and `demo`.
 
     kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--json PATH] [--impl module:factory]
+                    [--require CAPS] [--invariant]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
+                [--invariant]
 
 Exit status: 0 passed, 1 a check failed (validate) or DDTree differed from AR
 (demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
@@ -125,8 +127,17 @@ def _check_device(device: str) -> None:
 @click.option("--impl", type=str, default=None,
               help="Adapter factory to validate: module:factory (a module on PYTHONPATH or in the "
                    "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
-def validate_command(fixtures: Path | None, device: str, json_path: Path | None, impl: str | None) -> int:
+@click.option("--require", type=str, default="declared", show_default=True,
+              help="Capabilities whose checks must run, comma-separated (model, topk, tree, compile, accept, "
+                   "sample_accept, compact, attention); `declared`: the adapter's `capabilities`, else what it "
+                   "implements; `none`: nothing required. A required capability that is skipped or that no "
+                   "fixture exercises is a FAIL.")
+@click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
+def validate_command(fixtures: Path | None, device: str, json_path: Path | None, impl: str | None,
+                     require: str, invariant: bool) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
+    if invariant and impl:
+        raise CliError("--invariant is a mode of the built-in engine; it does not apply to --impl")
     _check_device(device)
     from .validate import load_impl, validate, write_json
 
@@ -136,7 +147,7 @@ def validate_command(fixtures: Path | None, device: str, json_path: Path | None,
         raise CliError(str(exc)) from None
     out = console()
     steps = _Steps(lambda line: out.print(Text(line, style="dim")))
-    report = validate(adapter, fixtures, device, log=steps)
+    report = validate(adapter, fixtures, device, log=steps, require=require, invariant=invariant)
     report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
     report.timings = steps.timings()
     render(report, out)
@@ -265,8 +276,10 @@ class _DemoModel:
 @click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--plot", "plot_path", type=OutputFile(), default=None,
               help="Save a PNG histogram of acceptance lengths (needs matplotlib: the `plot` extra).")
+@click.option("--invariant", is_flag=True, help="Run the engine in batch-invariant mode.")
 def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | None, max_new_tokens: int,
-                 budget: int, block_size: int, accuracy: float, device: str, plot_path: Path | None) -> int:
+                 budget: int, block_size: int, accuracy: float, device: str, plot_path: Path | None,
+                 invariant: bool) -> int:
     """AR and DDTree side by side on a model fixture's weights (oracle and layerskip drafters)."""
     if plot_path is not None:
         _require_matplotlib()
@@ -281,7 +294,7 @@ def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | N
     from .decode import ar_decode, ddtree_decode
     from .drafters import LayerSkipDrafter, OracleDrafter
 
-    adapter = TorchAdapter(device)
+    adapter = TorchAdapter(device, invariant=invariant)
     with _reading(model.path) as reader:
         adapter.load_weights(cfg, {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")})
     target, layers = adapter.model, max(1, cfg.num_hidden_layers // 2)
