@@ -14,6 +14,7 @@ same when piped; a progress bar shows on stderr only when stderr is a terminal.
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +50,29 @@ def _progress(label: str, unit_bytes: bool) -> Iterator[Callable[[int, int], Non
                   disable=not console.is_terminal) as bar:
         task = bar.add_task(label, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@contextmanager
+def _interrupt_between_steps() -> Iterator[Callable[[], None]]:
+    """Ctrl-C takes effect at the next `check()` (between tensors), not inside a library's weakref
+    callback, where Python can only print it and carry on (h5py has many); a second Ctrl-C
+    interrupts at once."""
+    pressed: list[bool] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    def check() -> None:
+        if pressed:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _Alignment(click.ParamType):
@@ -183,6 +207,10 @@ def convert(src: str, dst: Path, alignment: int) -> None:
     Formats by extension (.kdtr, .h5/.hdf5, .npz, .safetensors); every dtype, shape, the
     tensor order and the metadata survive a round trip."""
     kind_of(src), kind_of(str(dst))
-    with _progress("convert", unit_bytes=False) as update:
-        written = convert_file(src, str(dst), alignment=alignment, progress=update)
+    with _progress("convert", unit_bytes=False) as update, _interrupt_between_steps() as check:
+        def step(done: int, total: int) -> None:
+            check()
+            update(done, total)
+
+        written = convert_file(src, str(dst), alignment=alignment, progress=step)
     click.echo(f"wrote {dst}: {written} tensors")
