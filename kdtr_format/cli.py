@@ -113,8 +113,9 @@ def inspect(path: str, prefix: str | None, everything: bool, no_metadata: bool) 
     One row per tensor: dtype, shape, bytes, offset, checksum, name (verbatim)."""
     with Reader(path) as f:
         text = None if no_metadata else metadata_text(f.metadata)
-        lines = listing(f, prefix, everything)
-    lines[0] = f"{path}: {lines[0]}"
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        lines = listing(f, prefix, everything, width)
+    lines.insert(0, f"{path}:")
     click.echo("\n".join(lines))
     if text is not None:
         click.echo(f"metadata:\n{text}")
@@ -129,7 +130,7 @@ def verify(path: str) -> None:
     with Reader(path) as f, _progress("verify", unit_bytes=True) as update:
         checked = f.verify(progress=update)
         count = len(f)
-    click.echo(f"ok: {path}: {count} tensors, {checked} bytes, all checksums match")
+    click.echo(f"ok: {path}\n  {count} tensors, {checked} bytes, all checksums match")
 
 
 @_command()

@@ -1,10 +1,11 @@
 """What `kdtr inspect` prints: the tensor table (or a summary by prefix) and the metadata, as plain text.
 
 Plain text, not a rich table: names and metadata are printed verbatim (no markup is interpreted,
-nothing is cut to fit a width, piped or not), a name that holds characters a terminal would act on
-(control characters, lone surrogates, other non-printables) is printed as a Python string literal,
-and 200,000 rows take a fraction of a second. The name is the last column, so only a long name runs
-past 80 columns and the other columns stay aligned at any width.
+nothing is cut), a name that holds characters a terminal would act on (control characters, lone
+surrogates, other non-printables) is printed as a Python string literal, and 200,000 rows take a
+fraction of a second. Piped, the table has one line per tensor (for grep and awk), the name last.
+On a terminal narrower than that table each tensor takes two lines instead: its name, then the
+other columns indented, so only a name longer than the terminal wraps.
 """
 
 from __future__ import annotations
@@ -51,10 +52,15 @@ def groups(infos: list[TensorInfo], prefix: str) -> list[Group]:
     return [Group(key, count, nbytes) for key, (count, nbytes) in found.items()]
 
 
-def tensor_table(infos: list[TensorInfo]) -> list[str]:
+def tensor_table(infos: list[TensorInfo], width: int | None) -> list[str]:
+    """One line per tensor; two (name, then the rest indented) when a line would pass `width`."""
     rows = [("dtype", "shape", "nbytes", "offset", "crc32c", "name")]
     rows += [(i.dtype, str(list(i.shape)), str(i.nbytes), str(i.offset), f"{i.crc32c:08x}", shown(i.name)) for i in infos]
-    return columns(rows, right={2, 3})
+    lines = columns(rows, right={2, 3})
+    if width is None or max(map(len, lines)) <= width:
+        return lines
+    fields = columns([(*row[:-1], "") for row in rows], right={2, 3})
+    return [f"name\n    {fields[0].rstrip()}"] + [f"{row[-1]}\n    {line.rstrip()}" for row, line in zip(rows[1:], fields[1:])]
 
 
 def group_table(found: list[Group]) -> list[str]:
@@ -62,8 +68,8 @@ def group_table(found: list[Group]) -> list[str]:
     return columns(rows, right={0, 1})
 
 
-def listing(reader: Reader, prefix: str | None, everything: bool) -> list[str]:
-    """The lines of the tensor part of `kdtr inspect`."""
+def listing(reader: Reader, prefix: str | None, everything: bool, width: int | None = None) -> list[str]:
+    """The lines of the tensor part of `kdtr inspect`; `width` is the terminal's (None when piped)."""
     infos = [reader.info(name) for name in reader.names(prefix)]
     scope = f" under {shown(prefix)}" if prefix else ""
     lines = [f"KDTR {reader.version[0]}.{reader.version[1]}, alignment {reader.alignment}, "
@@ -71,7 +77,7 @@ def listing(reader: Reader, prefix: str | None, everything: bool) -> list[str]:
     if not infos:
         return lines
     if everything or len(infos) <= LIST_AT_MOST:
-        return lines + tensor_table(infos)
+        return lines + tensor_table(infos, width)
     scope = prefix or ""
     found = groups(infos, scope)
     while len(found) == 1 and found[0].prefix.endswith("/") and found[0].prefix != scope:   # one level further down
@@ -81,7 +87,7 @@ def listing(reader: Reader, prefix: str | None, everything: bool) -> list[str]:
         lines.append(f"{len(infos)} tensors in {len(found)} groups by prefix "
                      "(--prefix PREFIX lists a group, --all every tensor):")
         return lines + group_table(found)
-    lines += tensor_table(infos[:LIST_AT_MOST])
+    lines += tensor_table(infos[:LIST_AT_MOST], width)
     lines.append(f"... and {len(infos) - LIST_AT_MOST} more (--all lists every tensor, --prefix PREFIX those under it)")
     return lines
 

@@ -160,7 +160,7 @@ def test_inspect_piped_prints_every_long_name_in_full(tmp_path):
     kdtr_format.write(path, {n: np.zeros(1, np.float32) for n in names}, durable=False)
     result = piped(["kdtr", "inspect", str(path), "--no-metadata"])
     assert result.returncode == 0
-    listed = [line.split()[-1] for line in result.stdout.splitlines()[2:]]
+    listed = [line.split()[-1] for line in result.stdout.splitlines()[3:]]
     assert listed == names
     assert "…" not in result.stdout
 
@@ -171,16 +171,16 @@ def test_inspect_summarizes_many_tensors_by_prefix_and_lists_them_with_all(tmp_p
     kdtr_format.write(path, {n: np.zeros(2, np.float32) for n in names}, durable=False)
     runner = CliRunner()
     summary = runner.invoke(main, ["inspect", str(path), "--no-metadata"]).stdout.splitlines()
-    assert summary[1].startswith(f"{len(names)} tensors in 2 groups by prefix")
-    assert [line.split() for line in summary[2:]] == [["tensors", "nbytes", "prefix"], ["1005", "8040", "cases/"],
+    assert summary[2].startswith(f"{len(names)} tensors in 2 groups by prefix")
+    assert [line.split() for line in summary[3:]] == [["tensors", "nbytes", "prefix"], ["1005", "8040", "cases/"],
                                                      ["10", "80", "weights/"]]
     one_group = runner.invoke(main, ["inspect", str(path), "--prefix", "weights/", "--no-metadata"]).stdout
-    assert [line.split()[-1] for line in one_group.splitlines()[2:]] == names[-10:]
+    assert [line.split()[-1] for line in one_group.splitlines()[3:]] == names[-10:]
     paged = runner.invoke(main, ["inspect", str(path), "--prefix", "cases/", "--no-metadata"]).stdout.splitlines()
-    assert [line.split()[-1] for line in paged[2:-1]] == names[:LIST_AT_MOST]
+    assert [line.split()[-1] for line in paged[3:-1]] == names[:LIST_AT_MOST]
     assert paged[-1].startswith("... and 5 more (--all lists every tensor")
     everything = runner.invoke(main, ["inspect", str(path), "--all", "--no-metadata"]).stdout.splitlines()
-    assert [line.split()[-1] for line in everything[2:]] == names
+    assert [line.split()[-1] for line in everything[3:]] == names
 
 
 def test_a_closed_pipe_ends_quietly(tmp_path):
