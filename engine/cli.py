@@ -1,6 +1,7 @@
 """The `kdtree` command line: `validate` (the main job) and `demo`.
 
     kdtree validate [--fixtures DIR] [--device cpu|cuda] [--json PATH] [--impl module:factory]
+    kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
 
 Bad input ends in one line on stderr (`kdtree: error: ...`) and a non-zero
@@ -26,6 +27,8 @@ from kdtr_format import PRESETS, DDTreeConfig, KdtrError
 
 from .adapter import TorchAdapter
 from .decode import DecodeResult, ar_decode, ddtree_decode
+from .diverge_run import WAYS, from_config, from_fixture, run
+from .diverge_run import render as render_divergence
 from .drafters import LayerSkipDrafter, OracleDrafter
 from .metrics import STAGES
 from .validate import Report, Status, ValidateError, find_fixtures, load_impl, model_fixture_config, validate, write_json
@@ -95,6 +98,71 @@ def validate_command(fixtures: str | None, device: str, json_path: str | None, i
     if json_path is not None:
         write_json(report, json_path)
     return 1 if report.failed else 0
+
+
+@cli.command("diverge")
+@click.option("--fixture", type=str, default=None, help="A model fixture: its weights, a prompt, its AR tokens and trees.")
+@click.option("--config", "config", type=str, default=None,
+              help="Or a config (a preset, or kdtr_format.CONFIGS such as k2-mid) with seeded random weights.")
+@click.option("--prompt", default=None, help="The fixture's prompt name (default: the longest).")
+@click.option("--prompt-length", default=64, show_default=True, type=click.IntRange(min=1),
+              help="With --config: random prompt tokens.")
+@click.option("--prompt-seed", default=1, show_default=True, type=int, help="With --config: the prompt's seed.")
+@click.option("--seed", default=0, show_default=True, type=int, help="With --config: the weights' seed.")
+@click.option("--way", type=click.Choice(WAYS), default="chunk", show_default=True,
+              help="What AR decode is compared with: one causal chunk, a tree verify, or a batch.")
+@click.option("--tokens", "count", default=16, show_default=True, type=click.IntRange(min=1),
+              help="New tokens compared (chunk, batch).")
+@click.option("--trace", default=None, help="With --fixture and --way tree: the round as TRACE/ROUND (default: "
+                                            "the largest tree).")
+@click.option("--batch", default=4, show_default=True, type=click.IntRange(min=2), help="Requests of the batch way.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--device", type=str, default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--impl", type=str, default=None, help="Adapter factory (model + intermediates capabilities).")
+@click.option("--json", "json_path", type=str, default=None, help="Also write the finding as JSON here.")
+def diverge_command(fixture: str | None, config: str | None, prompt: str | None, prompt_length: int,
+                    prompt_seed: int, seed: int, way: str, count: int, trace: str | None, batch: int, dtype: str,
+                    device: str, impl: str | None, json_path: str | None) -> int:
+    """The first op where AR decode and a verify of the same tokens differ bit for bit (exit 1 if any)."""
+    if (fixture is None) == (config is None):
+        raise click.ClickException("give exactly one of --fixture PATH and --config NAME")
+    if device not in ("cpu", "cuda"):
+        raise click.ClickException(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("--device cuda: no CUDA device is visible")
+    if json_path is not None and not Path(json_path).resolve().parent.is_dir():
+        raise click.ClickException(f"--json {json_path}: directory {Path(json_path).parent} does not exist")
+    pick = None
+    if trace is not None:
+        name, _, number = trace.partition("/")
+        if not number.isdigit():
+            raise click.ClickException(f"--trace {trace!r}: expected TRACE/ROUND, e.g. t1/0")
+        pick = (name, int(number))
+    if config is not None and prompt is not None:
+        raise click.ClickException("--prompt names a fixture's prompt; with --config use --prompt-length and "
+                                   "--prompt-seed")
+    if fixture is not None and not Path(fixture).is_file():
+        raise click.ClickException(f"--fixture {fixture}: no such file")
+    _cpu_threads(device)
+    adapter = load_impl(impl) if impl else TorchAdapter(device)
+    if not callable(getattr(adapter, "intermediates", None)):
+        raise click.ClickException(f"--impl {impl}: the adapter has no `intermediates` method (protocol capability)")
+    set_dtype = getattr(adapter, "set_dtype", None)
+    if dtype != "float32" and not callable(set_dtype):
+        raise click.ClickException(f"--dtype {dtype}: the adapter has no `set_dtype` method")
+    if callable(set_dtype):
+        set_dtype(dtype)
+    if fixture is not None:
+        subject = from_fixture(fixture, prompt, adapter)
+    elif not isinstance(adapter, TorchAdapter):
+        raise click.ClickException("--config builds the built-in engine; use --fixture with --impl")
+    else:
+        subject = from_config(config, adapter, seed, prompt_length, prompt_seed)
+    a, b, divergence = run(subject, way, count, batch, pick)
+    render_divergence(subject, a, b, divergence, _console())
+    if json_path is not None:
+        write_json(divergence, json_path)
+    return 1 if divergence.first is not None else 0
 
 
 @cli.command("demo")

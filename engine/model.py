@@ -14,13 +14,21 @@ nothing that a real row sees.
 
 Compute dtype is float32 (default) or bfloat16; norms, rotary embeddings,
 router scores, softmax and the MoE sum run in float32 whatever the dtype.
+
+`Transformer.capture`, None by default, is called as capture(name, layer, tensor)
+at the points named in CAPTURE_POINTS (listed in compute order; docs/precision.md):
+the divergence finder (engine/diverge.py) reads every layer's intermediates
+through it. Points up to the attention output and `layer_out` / `logits` pass
+[B, N, ...] tensors (padding rows included); the FFN points (`ffn_in`,
+`router_scores`, `experts`, `ffn_out`) pass [M, ...], the M real rows in
+request-major order. `logits` comes with layer = num_hidden_layers.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -33,6 +41,11 @@ from .cache import KVCache
 from .weights import as_tensor, check_weights, load_fixture_weights
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+
+Capture = Callable[[str, int, torch.Tensor], None]      # capture(name, layer, tensor)
+Tap = Callable[..., None]                               # one layer's capture: tap(name=tensor, ...)
+CAPTURE_POINTS = ("attn_in", "q_lat", "q_pe", "c_kv", "k_pe", "o_lat", "attn_out", "residual",
+                  "ffn_in", "router_scores", "experts", "ffn_out", "layer_out", "logits")
 
 
 # ---- rotary embedding and softmax scale (MODEL.md "Rotary embedding") ----
@@ -121,13 +134,14 @@ def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def route(cfg: ModelConfig, x: torch.Tensor, gate: torch.Tensor,
-          bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(cfg: ModelConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor,
+          tap: Tap | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid noaux_tc routing. x [T, D] -> (idx int64 [T, k], weight float32 [T, k]).
 
     The correction bias steers selection only; dropped groups become -inf.
     """
     scores = torch.sigmoid(x.float() @ gate.float().T)                     # [T, E]
+    if tap: tap(router_scores=scores)
     selection = scores + bias.float()
     if cfg.n_group > 1:
         tokens, experts = selection.shape
@@ -137,10 +151,22 @@ def route(cfg: ModelConfig, x: torch.Tensor, gate: torch.Tensor,
         kept.scatter_(1, top_indices(group_score, cfg.topk_group), True)
         selection = grouped.masked_fill(~kept[..., None], float("-inf")).view(tokens, experts)
     idx = top_indices(selection, cfg.num_experts_per_tok)                  # [T, k]
+    if tap: tap(experts=idx)
     weight = scores.gather(1, idx)
     if cfg.norm_topk_prob:
         weight = weight / weight.sum(-1, keepdim=True)
     return idx, weight * cfg.routed_scaling_factor
+
+
+def _layer_tap(capture: Capture | None, layer: int) -> Tap | None:
+    """capture bound to one layer as tap(name=tensor, ...), or None (the hot path tests `if tap:`)."""
+    if capture is None:
+        return None
+
+    def tap(**tensors: torch.Tensor) -> None:
+        for name, tensor in tensors.items():
+            capture(name, layer, tensor)
+    return tap
 
 
 # ---- layers ----
@@ -163,7 +189,7 @@ class MLA:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                  layer: int, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
-                 attention: AttentionBackend, scale: float) -> torch.Tensor:
+                 attention: AttentionBackend, scale: float, tap: Tap | None = None) -> torch.Tensor:
         """x [B, N, D] -> [B, N, D]; writes the real tokens' c_kv / k_pe into `cache` first."""
         cfg = self.cfg
         batch, n, _ = x.shape
@@ -177,14 +203,17 @@ class MLA:
         kv_a = x @ self.wkv_a.T
         c_kv = rms_norm(kv_a[..., :cfg.kv_lora_rank], self.kv_a_norm, cfg.rms_norm_eps)  # [B, N, R]
         k_pe = apply_rope(kv_a[..., cfg.kv_lora_rank:], cos, sin, cfg.rope_style)      # [B, N, dr]
+        if tap: tap(c_kv=c_kv, k_pe=k_pe)
 
         rows, cols, slots = write
         cache.c_kv[layer, rows, slots] = c_kv[rows, cols]
         cache.k_pe[layer, rows, slots] = k_pe[rows, cols]
 
         q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, self.w_uk)                   # [B, N, H, R]
+        if tap: tap(q_lat=q_lat, q_pe=q_pe)
         o_lat = attention(q_lat, q_pe, cache.c_kv[layer], cache.k_pe[layer], starts, n_new,
                           new_visibility, scale)
+        if tap: tap(o_lat=o_lat)
         o = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x.dtype), self.w_uv)             # [B, N, H, d_v]
         return o.reshape(batch, n, -1) @ self.wo.T
 
@@ -193,7 +222,7 @@ class DenseMLP:
     def __init__(self, w: Mapping[str, torch.Tensor], prefix: str):
         self.w_gate, self.w_up, self.w_down = (w[prefix + n] for n in ("w_gate", "w_up", "w_down"))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         return swiglu(x, self.w_gate, self.w_up, self.w_down)
 
@@ -207,10 +236,10 @@ class MoE:
         self.w_gate, self.w_up, self.w_down = (w[prefix + "experts." + n] for n in ("w_gate", "w_up", "w_down"))
         self.shared = DenseMLP(w, prefix + "shared.") if cfg.n_shared_experts else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         k = self.cfg.num_experts_per_tok
-        idx, weight = route(self.cfg, x, self.gate, self.bias)                     # [T, k]
+        idx, weight = route(self.cfg, x, self.gate, self.bias, tap)                # [T, k]
         flat_expert = idx.flatten()                                                 # [T * k]
         order = torch.argsort(flat_expert, stable=True)
         counts = torch.bincount(flat_expert, minlength=self.cfg.n_routed_experts).tolist()
@@ -245,7 +274,7 @@ class Transformer:
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor | np.ndarray],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 attention: AttentionBackend | None = None):
+                 attention: AttentionBackend | None = None, capture: Capture | None = None):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Transformer: dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -255,6 +284,7 @@ class Transformer:
         self.device = torch.empty(0, device=device).device      # "cuda" -> "cuda:0", comparable with tensors
         self.dtype = dtype
         self.attention: AttentionBackend = attention if attention is not None else torch_attention
+        self.capture = capture
         router = ("moe.gate", "moe.e_score_correction_bias")    # routing stays float32 in any dtype
         w = {name: as_tensor(value).to(device=self.device,
                                        dtype=torch.float32 if name.endswith(router) else dtype)
@@ -296,11 +326,19 @@ class Transformer:
 
         x = self.embed[tokens]                                                       # [B, N, D]
         for layer, block in enumerate(self.layers):
-            x = x + block.attn(rms_norm(x, block.input_norm, block.eps), cos, sin, cache, layer, write,
-                               starts, n_new, new_visibility, self.attention, self.scale)
+            tap = _layer_tap(self.capture, layer)
+            attn_in = rms_norm(x, block.input_norm, block.eps)
+            attn_out = block.attn(attn_in, cos, sin, cache, layer, write, starts, n_new, new_visibility,
+                                  self.attention, self.scale, tap)
+            x = x + attn_out
             h = rms_norm(x[real], block.post_norm, block.eps)                        # [M, D] real rows
-            x = x.index_put((rows, cols), block.ffn(h), accumulate=True)
-        return (rms_norm(x, self.norm, cfg.rms_norm_eps) @ self.lm_head.T).float()
+            if tap: tap(attn_in=attn_in, attn_out=attn_out, residual=x, ffn_in=h)
+            ffn_out = block.ffn(h, tap)
+            x = x.index_put((rows, cols), ffn_out, accumulate=True)
+            if tap: tap(ffn_out=ffn_out, layer_out=x)
+        logits = rms_norm(x, self.norm, cfg.rms_norm_eps) @ self.lm_head.T
+        if self.capture: self.capture("logits", cfg.num_hidden_layers, logits)
+        return logits.float()
 
     __call__ = forward
 

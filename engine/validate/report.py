@@ -82,8 +82,9 @@ class Report:
                 "summary": self.summary(), "checks": [c.to_dict() for c in self.checks]}
 
 
-def write_json(report: Report, path: str | os.PathLike) -> None:
-    """The report as JSON, written atomically (a temporary file, then a rename)."""
+def write_json(report: Any, path: str | os.PathLike) -> None:
+    """A Report (or anything with to_dict(), e.g. a divergence) as JSON, written atomically
+    (a temporary file, then a rename)."""
     path = Path(path)
     if not path.parent.is_dir():
         raise ValidateError(f"--json {path}: directory {path.parent} does not exist")
