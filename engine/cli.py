@@ -1,6 +1,6 @@
 """The `kdtree` command line: `validate` (the main job) and `demo`.
 
-    kdtree validate [--fixtures DIR] [--device cpu|cuda] [--json PATH] [--impl module:factory]
+    kdtree validate [--fixtures DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--json PATH] [--impl module:factory]
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
 
@@ -57,11 +57,11 @@ def _console() -> Console:
 
 def render(report: Report, console: Console) -> None:
     table = Table(title=f"kdtree validate: {report.implementation}", title_justify="left")
-    for column in ("fixture", "check", "status", "worst error", "tolerance", "margin", "detail"):
+    for column in ("fixture", "check", "status", "worst error", "tolerance", "margin", "regime", "detail"):
         table.add_column(column, overflow="fold")
     for c in report.checks:
         table.add_row(c.section, c.name, f"[{STATUS_STYLE[c.status]}]{c.status.value}[/]", _number(c.error),
-                      _number(c.tolerance), _number(c.margin), c.detail)
+                      _number(c.tolerance), _number(c.margin), c.regime, c.detail)
     console.print(table)
     if report.backends:
         console.print("backends: " + ", ".join(f"{k}: {v}" for k, v in report.backends.items()))
@@ -78,11 +78,13 @@ def cli() -> None:
 @click.option("--fixtures", "fixtures", type=str, default=None,
               help="Fixture directory (default: tests/golden, else generated into a cache dir).")
 @click.option("--device", type=str, default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Compute dtype of the implementation and the tolerance regime it is judged in.")
 @click.option("--json", "json_path", type=str, default=None, help="Also write the report as JSON here.")
 @click.option("--impl", type=str, default=None,
               help="Adapter factory to validate: module:factory or path/to/file.py:factory "
                    "(default: the built-in torch engine).")
-def validate_command(fixtures: str | None, device: str, json_path: str | None, impl: str | None) -> int:
+def validate_command(fixtures: str | None, device: str, dtype: str, json_path: str | None, impl: str | None) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
     if device not in ("cpu", "cuda"):
         raise click.ClickException(f"--device must be cpu or cuda, got {device!r}")
@@ -93,7 +95,7 @@ def validate_command(fixtures: str | None, device: str, json_path: str | None, i
     _cpu_threads(device)
     adapter = load_impl(impl) if impl else None
     console = _console()
-    report = validate(adapter, fixtures, device, log=lambda line: console.print(f"[dim]{line}[/]"))
+    report = validate(adapter, fixtures, device, log=lambda line: console.print(f"[dim]{line}[/]"), dtype=dtype)
     render(report, console)
     if json_path is not None:
         write_json(report, json_path)

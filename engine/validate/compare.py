@@ -60,8 +60,11 @@ def compare_close(section: str, name: str, actual: Any, expected: Any, rtol: flo
 
 
 def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins: Any,
-                   threshold: float, where: str = "") -> Check:
-    """Token decisions: equal, or the first divergence classified by the reference's margin there."""
+                   threshold: float, where: str = "", tied: Any = None, sequence: bool = False) -> Check:
+    """Token decisions: equal, or the divergences classified by the reference's margin there (the
+    worst reported). tied [decisions] bool: near-ties whatever their margin (rows a routing flip
+    reaches, in bf16). sequence: the tokens follow each other, so only the first divergence is
+    judged (the later ones follow another prefix)."""
     actual, expected = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
     at = f" ({where})" if where else ""
     n = min(len(actual), len(expected))
@@ -72,12 +75,15 @@ def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins:
                          detail=f"{len(actual)} tokens, expected {len(expected)}{at}")
         return Check(section, name, Status.EXACT)
     margins = np.asarray(margins, dtype=np.float64).reshape(-1)
-    statuses = [classify_divergence(float(margins[i]), threshold) for i in differ]
-    worst = max(range(len(differ)), key=lambda k: _SEVERITY[statuses[k]])
-    i = int(differ[worst])
+    tied = np.zeros(len(margins), dtype=bool) if tied is None else np.asarray(tied, dtype=bool).reshape(-1)
+    judged = differ[:1] if sequence else differ
+    statuses = [Status.NEAR_TIE if tied[i] else classify_divergence(float(margins[i]), threshold) for i in judged]
+    worst = max(range(len(judged)), key=lambda k: _SEVERITY[statuses[k]])
+    i = int(judged[worst])
+    routing = ", reached by a routing flip" if tied[i] else ""
     return Check(section, name, statuses[worst], margin=float(margins[i]), tolerance=threshold,
                  detail=f"first divergence at {int(differ[0])}; at {i}: got {actual[i]}, expected "
-                        f"{expected[i]}, margin {margins[i]:.3g} vs threshold {threshold:.3g}{at}")
+                        f"{expected[i]}, margin {margins[i]:.3g} vs threshold {threshold:.3g}{routing}{at}")
 
 
 def merge(section: str, name: str, checks: Iterable[Check]) -> Check:
@@ -91,8 +97,9 @@ def merge(section: str, name: str, checks: Iterable[Check]) -> Check:
     telling = next((c for c in checks if c.status is status), worst)
     margin = min((c.margin for c in checks if c.margin is not None), default=None)
     tolerance = worst.tolerance if worst.error is not None else telling.tolerance
+    regime = " | ".join(dict.fromkeys(c.regime for c in checks if c.regime))
     return Check(section, name, status, worst.error, tolerance, margin,
-                 telling.detail if telling.status is not Status.EXACT else "")
+                 telling.detail if telling.status is not Status.EXACT else "", regime)
 
 
 def skipped(section: str, name: str) -> Check:

@@ -16,24 +16,28 @@ from kdtr_format import DDTreeConfig, ModelConfig
 from ..adapter import TorchAdapter
 from ..decode import ar_decode, ddtree_decode
 from ..drafters import ReplayDrafter
-from .compare import _int, _words, compare_close, compare_exact, compare_tokens, compare_tree, merge, \
-    skipped, unpack_bits
+from .compare import _int, _words, compare_exact, compare_tree, merge, skipped, unpack_bits
 from .fixtures import model_fixture_config
 from .invariant import invariant_checks
+from .regime import Regime, RoutingWatch, reached_rows, sequence_reached
 from .report import Check, Status
 
 
-def _model_fixture(adapter: Any, caps: set[str], reader, path: Path, builtin: bool) -> list[Check]:
+def _model_fixture(adapter: Any, caps: set[str], reader, path: Path, builtin: bool,
+                   dtype: str = "float32") -> list[Check]:
     cfg = model_fixture_config(reader, path)
-    metadata = reader.metadata
     section = path.name
-    tol = metadata["tolerances"]
-    threshold = float(metadata["margin_threshold"])
-    fixture = _Fixture(reader, cfg, tol, threshold)
+    regime = Regime.of(reader.metadata, dtype)
+    if regime is None:
+        return [Check(section, f"{dtype} cases", Status.SKIPPED,
+                      detail=f"the fixture holds no {dtype} cases (regenerate it with `refgen generate`)")]
+    fixture = _Fixture(reader, cfg, regime, exact="intermediates" in caps)
+    metadata = regime.metadata
     checks: list[Check] = []
     if "model" in caps:
-        adapter.load_weights(cfg, {name[len("weights/"):]: np.array(reader[name])
-                                   for name in reader.names("weights/")})
+        prefix = regime.prefix + "weights/"
+        adapter.load_weights(cfg, {name[len(prefix):]: np.array(reader[name], dtype=np.float32)
+                                   for name in reader.names(prefix)})
         prefill, ar = [], []
         for prompt in metadata["prompts"]:
             p, a = fixture.prompt_checks(adapter, section, prompt["name"])
@@ -43,31 +47,56 @@ def _model_fixture(adapter: Any, caps: set[str], reader, path: Path, builtin: bo
     else:
         checks += [skipped(section, "prefill logits"), skipped(section, "AR tokens")]
     checks += fixture.trace_checks(adapter, caps, section)
+    if regime.routing_threshold is not None and "model" in caps:
+        checks.append(fixture.routing.check(section))
     if builtin:
         checks += fixture.engine_decode_checks(adapter, section)
         checks += invariant_checks(adapter, [fixture[f"prompts/{p['name']}/tokens"] for p in metadata["prompts"]],
-                                   threshold, section)
+                                   regime.margin_threshold, section, regime.label("tokens"))
     return checks
 
 
 class _Fixture:
-    """A model fixture's tensors, read lazily, and the checks over them."""
+    """A model fixture's cases for one regime (its tensors, read lazily) and the checks over them."""
 
-    def __init__(self, reader, cfg: ModelConfig, tolerances: Mapping[str, Any], threshold: float) -> None:
-        self.reader, self.cfg, self.tol, self.threshold = reader, cfg, tolerances, threshold
-        self.traces = reader.metadata["traces"]
+    def __init__(self, reader, cfg: ModelConfig, regime: Regime, exact: bool) -> None:
+        self.reader, self.cfg, self.regime = reader, cfg, regime
+        self.prompts, self.traces = regime.metadata["prompts"], regime.metadata["traces"]
+        self.routing = RoutingWatch(regime, cfg, exact)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return np.asarray(self.reader[name])
+        return np.asarray(self.reader[self.regime.prefix + name])
 
-    def close(self, section: str, name: str, actual, expected, kind: str, where: str) -> Check:
-        rule = self.tol[kind]
-        return compare_close(section, name, actual, expected, rule["rtol"], rule["atol"], where)
+    def close(self, section: str, name: str, actual, expected, kind: str, where: str,
+              reached: np.ndarray | None = None) -> Check:
+        return self.regime.close(section, name, actual, expected, kind, where, reached)
+
+    def tokens(self, section: str, name: str, actual, expected, margins, where: str,
+               reached: np.ndarray | None = None, sequence: bool = False) -> Check:
+        return self.regime.tokens(section, name, actual, expected, margins, where, reached, sequence)
+
+    def route(self, where: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The reference's routing of the rows at `where` (bf16 cases), else None."""
+        if self.regime.routing_threshold is None:
+            return None
+        return self[f"{where}/router_experts"], self[f"{where}/router_margins"]
+
+    def ar_reached(self, prompt: str) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt's AR decisions a possible routing flip reaches [N], and the cached keys it
+        moved [m + N - 1] (every near-tie a suspect: the engine's own loops report no experts)."""
+        if self.regime.routing_threshold is None:
+            n = len(self[f"prompts/{prompt}/ar/tokens"])
+            return np.zeros(n, dtype=bool), np.zeros(n + len(self[f"prompts/{prompt}/tokens"]), dtype=bool)
+        margins = np.concatenate([self[f"prompts/{prompt}/router_margins"][:-1],
+                                  self[f"prompts/{prompt}/ar/router_margins"]])
+        reached, taints = sequence_reached(margins, self.regime.routing_threshold, self.routing.reach)
+        m = len(self[f"prompts/{prompt}/tokens"])
+        return reached[m - 1:], taints
 
     def max_len(self) -> int:
-        longest = max(p["length"] for p in self.reader.metadata["prompts"])
+        longest = max(p["length"] for p in self.prompts)
         most = max((t["max_new_tokens"] for t in self.traces), default=0)
-        ar_tokens = max(len(self[f"prompts/{p['name']}/ar/tokens"]) for p in self.reader.metadata["prompts"])
+        ar_tokens = max(len(self[f"prompts/{p['name']}/ar/tokens"]) for p in self.prompts)
         budget = max((t["ddtree"]["budget"] for t in self.traces), default=0)
         return longest + max(most, ar_tokens) + budget + 2
 
@@ -78,17 +107,25 @@ class _Fixture:
         margins = self[f"prompts/{name}/ar/margins"]
         m = len(prompt)
         adapter.reset(self.max_len())
-        logits = adapter.forward(prompt, np.arange(m), np.tri(m, dtype=bool), 0)
+        self.routing.reset()
+        route = self.route(f"prompts/{name}")
+        logits, reached = self.routing.forward(adapter, prompt, np.arange(m), np.tri(m, dtype=bool), 0, route,
+                                               f"prompt {name} prefill")
         prefill = self.close(section, "prefill logits", logits, self[f"prompts/{name}/prefill_logits"],
-                             "logits", f"prompt {name}")
+                             "logits", f"prompt {name}", reached)
         tokens = [int(np.argmax(logits[-1]))]
+        decisions = [reached is not None and bool(reached[-1])]
+        ar_route = self.route(f"prompts/{name}/ar")
         while len(tokens) < len(expected) and tokens[-1] == expected[len(tokens) - 1]:
             start = m + len(tokens) - 1
-            step = adapter.forward(np.array([tokens[-1]]), np.array([start]),
-                                   np.ones((1, start + 1), dtype=bool), start)
+            row = None if ar_route is None else tuple(a[len(tokens):len(tokens) + 1] for a in ar_route)
+            step, reached = self.routing.forward(adapter, np.array([tokens[-1]]), np.array([start]),
+                                                 np.ones((1, start + 1), dtype=bool), start, row,
+                                                 f"prompt {name} AR token {len(tokens)}")
             tokens.append(int(np.argmax(step[-1])))
-        ar = compare_tokens(section, "AR tokens", tokens, expected[:len(tokens)], margins, self.threshold,
-                            f"prompt {name}")
+            decisions.append(reached is not None and bool(reached[0]))
+        ar = self.tokens(section, "AR tokens", tokens, expected[:len(tokens)], margins, f"prompt {name}",
+                         np.array(decisions), sequence=True)
         if ar.status is Status.EXACT and len(tokens) != len(expected):
             ar = Check(section, "AR tokens", Status.FAIL, detail=f"prompt {name}: stopped early")
         return prefill, ar
@@ -114,10 +151,15 @@ class _Fixture:
         prompt = self[f"prompts/{trace['prompt']}/tokens"]
         budget = int(trace["ddtree"]["budget"])
         committed: list[int] = []          # the adapter's own: its prefill's argmax, then its rounds
+        reached_decisions: list[bool] = []
         if "model" in caps:
             adapter.reset(self.max_len())
+            self.routing.reset()
             m = len(prompt)
-            committed.append(int(np.argmax(adapter.forward(prompt, np.arange(m), np.tri(m, dtype=bool), 0)[-1])))
+            logits, reached = self.routing.forward(adapter, prompt, np.arange(m), np.tri(m, dtype=bool), 0,
+                                                   self.route(f"prompts/{trace['prompt']}"), f"trace {name} prefill")
+            committed.append(int(np.argmax(logits[-1])))
+            reached_decisions.append(reached is not None and bool(reached[-1]))
         for r in range(int(trace["rounds"])):
             rp = f"{prefix}/rounds/{r}"
             where = f"trace {name} round {r}"
@@ -144,19 +186,23 @@ class _Fixture:
                 n = len(tokens)
                 visibility = np.concatenate([np.ones((n, start), dtype=bool),
                                              unpack_bits(self[f"{rp}/visibility_bits"], n)], axis=1)
-                logits = adapter.forward(tokens, self[f"{rp}/positions"], visibility, start)
+                route = self.route(rp)
+                logits, reached = self.routing.forward(adapter, tokens, self[f"{rp}/positions"], visibility, start,
+                                                       route, where, commit=False)
                 found["verify logits"].append(self.close(section, "verify logits", logits,
-                                                         self[f"{rp}/verify_logits"], "logits", where))
+                                                         self[f"{rp}/verify_logits"], "logits", where, reached))
                 choices = np.argmax(logits, axis=-1)
-                found["target choices"].append(compare_tokens(section, "target choices", choices,
-                                                              choices_expected, margins, self.threshold, where))
+                found["target choices"].append(self.tokens(section, "target choices", choices,
+                                                           choices_expected, margins, where, reached))
                 a = len(accepted_expected)
-                restated = adapter.forward(tokens[accepted_expected], start + np.arange(a),
-                                           np.concatenate([np.ones((a, start), dtype=bool),
-                                                           np.tri(a, dtype=bool)], axis=1), start)
+                path_route = None if route is None else tuple(x[accepted_expected] for x in route)
+                restated, restated_reached = self.routing.forward(
+                    adapter, tokens[accepted_expected], start + np.arange(a),
+                    np.concatenate([np.ones((a, start), dtype=bool), np.tri(a, dtype=bool)], axis=1), start,
+                    path_route, f"{where}, accepted path restated")
                 found["verify logits"].append(self.close(
                     section, "verify logits", restated, self[f"{rp}/verify_logits"][accepted_expected],
-                    "logits", f"{where}, accepted path restated causally"))
+                    "logits", f"{where}, accepted path restated causally", restated_reached))
             if "accept" in caps:
                 accepted, next_root = adapter.accept(parents, tokens, choices_expected)
                 found["accept"] += [compare_exact(section, "accepted", accepted, accepted_expected, where),
@@ -165,23 +211,23 @@ class _Fixture:
                 if "model" in caps:
                     path, bonus = adapter.accept(parents, tokens, choices)
                     committed += [int(t) for t in tokens[np.asarray(path)[1:]]] + [int(bonus)]
+                    reached_decisions += [reached is not None and bool(reached[i]) for i in path]
         if {"model", "accept"} <= caps:
             expected = self[f"{prefix}/tokens"]
-            found["DDTree tokens"].append(compare_tokens(section, "DDTree tokens",
-                                                         committed[:len(expected)], expected,
-                                                         self[f"prompts/{trace['prompt']}/ar/margins"],
-                                                         self.threshold, f"trace {name}"))
+            found["DDTree tokens"].append(self.tokens(section, "DDTree tokens", committed[:len(expected)], expected,
+                                                      self[f"prompts/{trace['prompt']}/ar/margins"], f"trace {name}",
+                                                      np.array(reached_decisions[:len(expected)]), sequence=True))
 
     def engine_decode_checks(self, adapter: TorchAdapter, section: str) -> list[Check]:
         """The built-in engine's own batched decode loops against the fixture."""
         model, stages = adapter.model, adapter.stages
-        prompts = [p["name"] for p in self.reader.metadata["prompts"]]
+        prompts = [p["name"] for p in self.prompts]
         expected = [self[f"prompts/{p}/ar/tokens"] for p in prompts]
         ar = ar_decode(model, [self[f"prompts/{p}/tokens"] for p in prompts], [len(e) for e in expected],
                        stages=stages)
         checks = [merge(section, "engine AR decode (batched)",
-                        [compare_tokens(section, "engine AR decode", got.tokens, want,
-                                        self[f"prompts/{p}/ar/margins"], self.threshold, f"prompt {p}")
+                        [self.tokens(section, "engine AR decode", got.tokens, want, self[f"prompts/{p}/ar/margins"],
+                                     f"prompt {p}", self.ar_reached(p)[0], sequence=True)
                          for p, got, want in zip(prompts, ar.requests, expected)])]
         rows = []
         greedy = [t for t in self.traces if t["ddtree"].get("temperature", 0.0) == 0.0]
@@ -205,11 +251,12 @@ class _Fixture:
         for t, request in zip(traces, result.requests):
             name = t["name"]
             expected = self[f"traces/{name}/tokens"]
-            rows.append(compare_tokens(section, "tokens", request.tokens[:len(expected)], expected,
-                                       self[f"prompts/{t['prompt']}/ar/margins"], self.threshold,
-                                       f"trace {name}"))
-            rows.append(compare_exact(section, "acceptance lengths", request.acceptance_lengths,
-                                      self[f"traces/{name}/acceptance_lengths"], f"trace {name}"))
+            ar_reached, taints = self.ar_reached(t["prompt"])
+            trace_rows = [self.tokens(section, "tokens", request.tokens[:len(expected)], expected,
+                                      self[f"prompts/{t['prompt']}/ar/margins"], f"trace {name}", ar_reached,
+                                      sequence=True)]
+            lengths = compare_exact(section, "acceptance lengths", request.acceptance_lengths,
+                                    self[f"traces/{name}/acceptance_lengths"], f"trace {name}")
             for r, got in enumerate(request.rounds[:t["rounds"]]):
                 rp, where = f"traces/{name}/rounds/{r}", f"trace {name} round {r}"
                 # The engine computed its own top-k from the draft logits here, and the contract lets
@@ -221,12 +268,39 @@ class _Fixture:
                                             where) for what in ("parents", "tokens", "depths", "accepted")]
                 round_rows += [
                     self.close(section, "scores", got.scores.numpy(), self[f"{rp}/scores"], "logprobs", where),
-                    compare_tokens(section, "choices", got.choices.numpy(), self[f"{rp}/choices"],
-                                   self[f"{rp}/margins"], self.threshold, where),
+                    self.tokens(section, "choices", got.choices.numpy(), self[f"{rp}/choices"],
+                                self[f"{rp}/margins"], where, self._tree_reached(rp, taints)),
                     compare_exact(section, "next root", got.next_root, _int(self[f"{rp}/next_root"]), where)]
-                rows += replayed_round(round_rows, tree_rows=3,
-                                       same_topk=np.array_equal(got.topk_lp.numpy(), self[f"{rp}/topk_lp"]))
+                round_rows = replayed_round(round_rows, tree_rows=3,
+                                            same_topk=np.array_equal(got.topk_lp.numpy(), self[f"{rp}/topk_lp"]))
+                choices_tied = any(row.name == "choices" and row.status is Status.NEAR_TIE for row in round_rows)
+                trace_rows += follow_near_tie(round_rows, choices_tied, ("accepted", "next root"))
+                if any(row.status is Status.NEAR_TIE for row in round_rows):
+                    break                       # the request left the recorded path: later rounds are not comparable
+            tied = any(row.status is Status.NEAR_TIE for row in trace_rows)
+            rows += trace_rows + follow_near_tie([lengths], tied, ("acceptance lengths",))
         return rows
+
+    def _tree_reached(self, rp: str, taints: np.ndarray) -> np.ndarray | None:
+        """A round's nodes a possible routing flip reaches (bf16 cases), from the round's own routing and
+        the prompt's AR keys cached before it (taints of its causal sequence)."""
+        if self.regime.routing_threshold is None:
+            return None
+        start = _int(self[f"{rp}/start"])
+        parents = self[f"{rp}/parents"]
+        visibility = unpack_bits(self[f"{rp}/visibility_bits"], len(parents))
+        suspects = self[f"{rp}/router_margins"] < self.regime.routing_threshold
+        return reached_rows(suspects, self.routing.reach, visibility, bool(taints[:start].any()))[0]
+
+
+def follow_near_tie(rows: list[Check], tied: bool, names: tuple[str, ...]) -> list[Check]:
+    """When `tied` (a near-tie decided what these rows depend on: a round's choices for its accept
+    path and next root, any of a trace's decisions for its acceptance lengths), the FAIL rows of
+    `names` are near-ties: they follow the near-tie, they do not add a failure of their own."""
+    if not tied:
+        return rows
+    return [dataclasses.replace(row, status=Status.NEAR_TIE, detail=f"{row.detail}; follows a near-tie decision")
+            if row.status is Status.FAIL and row.name in names else row for row in rows]
 
 
 def replayed_round(rows: list[Check], tree_rows: int, same_topk: bool) -> list[Check]:

@@ -55,6 +55,7 @@ CAPABILITIES: dict[str, tuple[str, ...]] = {
     "accept": ("accept",),
     "compact": ("compact",),
     "attention": ("attention",),
+    "intermediates": ("intermediates",),
 }
 
 

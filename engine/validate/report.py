@@ -35,7 +35,8 @@ _SEVERITY = {Status.SKIPPED: 0, Status.EXACT: 1, Status.WITHIN: 2, Status.NEAR_T
 @dataclass
 class Check:
     """One row of the report. error / tolerance: the worst element's |actual - expected| and
-    its tolerance (floats); margin: the reference's top1 - top2 logit gap at a token divergence."""
+    its tolerance (floats); margin: the reference's top1 - top2 logit gap at a token divergence;
+    regime: the tolerance regime that judged it and its numbers (engine/validate/regime.py)."""
 
     section: str
     name: str
@@ -44,6 +45,7 @@ class Check:
     tolerance: float | None = None
     margin: float | None = None
     detail: str = ""
+    regime: str = ""
 
     @property
     def ratio(self) -> float:

@@ -14,15 +14,18 @@ from .invariant import preset_invariant_checks
 from .kernel_checks import _KERNEL_CASES
 from .model_checks import _model_fixture
 from .protocol import capabilities
+from .regime import DTYPES
 from .report import Check, Report, Status, ValidateError
 
 
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
-             log: Callable[[str], None] = lambda line: None) -> Report:
-    """Run every check (module docstring) and return the report. adapter None = the built-in engine."""
+             log: Callable[[str], None] = lambda line: None, dtype: str = "float32") -> Report:
+    """Run every check (module docstring) and return the report. adapter None = the built-in engine.
+    dtype: the compute dtype the implementation is told (`set_dtype`) and judged in (regime.py)."""
     builtin = adapter is None
     if builtin:
         adapter = TorchAdapter(device)
+    _set_dtype(adapter, dtype)
     directory = find_fixtures(fixtures)
     report = Report(implementation=getattr(adapter, "name", type(adapter).__name__), device=device,
                     fixtures=str(directory), backends=dict(getattr(adapter, "backends", {})))
@@ -33,10 +36,11 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
             with kdtr_format.open(path) as reader:
                 kind = reader.metadata.get("kind")
                 if kind == "model":
-                    report.checks += _model_fixture(adapter, caps, reader, path, builtin)
+                    report.checks += _stamped(_model_fixture(adapter, caps, reader, path, builtin, dtype), "exact")
                 elif kind in _KERNEL_CASES:
-                    report.checks += _KERNEL_CASES[kind](adapter, caps, reader,
-                                                         str(path.relative_to(directory)))
+                    report.checks += _stamped(_KERNEL_CASES[kind](adapter, caps, reader,
+                                                                  str(path.relative_to(directory))),
+                                              "float32: the kernel case's tolerance (float32 inputs)")
                 else:
                     report.checks.append(Check(path.name, "fixture", Status.FAIL,
                                                detail=f"unknown fixture kind {kind!r}"))
@@ -51,3 +55,26 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
             log(f"invariant on preset {preset} (no fixture: random weights)")
             report.checks += preset_invariant_checks(adapter, preset)
     return report
+
+
+def _set_dtype(adapter: Any, dtype: str) -> None:
+    """Tell the adapter its compute dtype (protocol: `set_dtype`); bfloat16 needs it."""
+    if dtype not in DTYPES:
+        raise ValidateError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    set_dtype = getattr(adapter, "set_dtype", None)
+    if not callable(set_dtype):
+        if dtype != "float32":
+            raise ValidateError(f"--dtype {dtype}: the adapter has no set_dtype method to be told its dtype")
+        return
+    try:
+        set_dtype(dtype)
+    except (ValueError, TypeError) as exc:
+        raise ValidateError(f"--dtype {dtype}: the adapter refuses it ({exc})") from None
+
+
+def _stamped(checks: list[Check], default: str) -> list[Check]:
+    """Rows without a regime get `default` for float comparisons, "exact" for exact ones."""
+    for check in checks:
+        if not check.regime and check.status is not Status.SKIPPED:
+            check.regime = default if check.tolerance is not None else "exact"
+    return checks

@@ -102,7 +102,8 @@ class NoCompaction(StagesOnly):
 
 def test_capabilities():
     assert capabilities(StagesOnly()) == {"accept", "compact"}
-    assert capabilities(TorchAdapter()) == {"model", "topk", "tree", "compile", "accept", "compact", "attention"}
+    assert capabilities(TorchAdapter()) == {"model", "topk", "tree", "compile", "accept", "compact", "attention",
+                                            "intermediates"}
 
 
 def test_missing_methods_are_skipped_not_failed(tmp_path):
