@@ -9,9 +9,9 @@ scaled to change the logit scale), seed and prompt, one causal prefill:
   the final rounding of the logits to bf16;
 - routing-gap error of a (row, MoE layer): how far the engine's gap between the two
   experts at the reference's selection boundary (k-th and (k+1)-th) is from the reference's;
-- a row counts (its rounding is measured, not a routing flip's consequence) when its cone
-  margin (refgen.bf16.cone_margins) is at least CLEAN for the logits, and for the routing
-  gap at a layer when no decision at an earlier MoE layer that can reach it is within CLEAN.
+- a row counts (its rounding is measured, not a routing flip's consequence) when no routing
+  decision within CLEAN of a tie reaches it (engine.validate.regime.reached_rows, every such
+  decision a suspect), and its routing gap at a layer when none at an earlier MoE layer does.
 
 docs/precision.md gives the fit (kdtr_format.precision: logits b sqrt(layers), routing a
 constant) and the figures. `python3 tests/bf16_error_model.py` reruns the full measurement
@@ -33,8 +33,9 @@ from kdtr_format import PRESETS, ModelConfig
 from kdtr_format.precision import BF16_UNIT_ROUNDOFF
 from engine.capture import capturing
 from engine.model import Transformer
-from refgen.bf16 import RoutingRecorder, bf16_weights, prefill_cone
-from refgen.model import KVCache, Model, _selection
+from engine.validate.regime import reached_rows
+from refgen.bf16 import RoutingRecorder, bf16_weights
+from refgen.model import KVCache, Model, _selection, causal_visibility
 from refgen.weights import init_weights
 
 CLEAN = 0.03                       # a routing decision this far from a tie cannot have flipped
@@ -63,16 +64,18 @@ def configuration(preset: str, layers: int) -> ModelConfig:
 
 def measure_one(cfg: ModelConfig, seed: int, length: int, gain: float = 1.0
                 ) -> tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """One prefill -> (logit scale, row logit errors [m], row cone margins [m],
+    """One prefill -> (logit scale, row logit errors [m], whether each row counts [m],
     gap errors [m, Lm], whether each gap counts [m, Lm])."""
     weights = init_weights(cfg, seed)
     weights["lm_head"] = weights["lm_head"] * np.float32(gain)
     weights = {name: w.astype(np.float32) for name, w in bf16_weights(weights).items()}
     recorder = RoutingRecorder(Model(cfg, weights))
     prompt = np.random.default_rng([seed, length]).integers(0, cfg.vocab_size, size=length)
-    cone, own = prefill_cone(recorder, prompt)
-    inputs = dict(recorder._inputs)
-    reference = recorder.model.prefill(prompt, KVCache.new(cfg, length))
+    causal = np.tri(length, dtype=bool)
+    reference = recorder.forward(prompt, np.arange(length), causal_visibility(length, 0), KVCache.new(cfg, length), 0)
+    inputs, suspects = dict(recorder.inputs), recorder.margins < CLEAN
+    reach = np.array([layer < cfg.num_hidden_layers - 1 for layer in recorder.moe_layers], dtype=bool)
+    counts_row = ~reached_rows(suspects, reach, causal, False)[0]
     engine = Transformer(cfg, weights, dtype=torch.bfloat16)
     with capturing(engine, [length]) as captured:
         logits = engine.forward(torch.tensor(prompt)[None], torch.arange(length)[None],
@@ -80,7 +83,7 @@ def measure_one(cfg: ModelConfig, seed: int, length: int, gain: float = 1.0
                                 torch.zeros(1, dtype=torch.int64), engine.new_cache(1, length))[0].double().numpy()
     scale = float(reference.std())
     excess = np.maximum(np.abs(logits - reference) - BF16_UNIT_ROUNDOFF * np.abs(reference), 0.0)
-    gap_errors, counts = np.zeros(own.shape), np.zeros(own.shape, dtype=bool)
+    gap_errors, counts = np.zeros(suspects.shape), np.zeros(suspects.shape, dtype=bool)
     for j, layer in enumerate(recorder.moe_layers):
         p = f"layers.{layer}.moe."
         bias = weights[p + "e_score_correction_bias"].astype(np.float64)
@@ -92,20 +95,19 @@ def measure_one(cfg: ModelConfig, seed: int, length: int, gain: float = 1.0
         gap = np.take_along_axis(selection, pair, 1) @ [1.0, -1.0]
         engine_gap = np.take_along_axis(engine_selection, pair, 1) @ [1.0, -1.0]
         gap_errors[:, j] = np.where(np.isfinite(gap), np.abs(engine_gap - gap), 0.0)
-        earlier = np.minimum.accumulate(own[:, :j].min(axis=1, initial=np.inf))   # every token it sees
-        counts[:, j] = earlier >= CLEAN
-    return scale, excess.max(axis=1) / scale, cone, gap_errors, counts
+        counts[:, j] = ~reached_rows(suspects[:, :j], reach[:j], causal, False)[0]
+    return scale, excess.max(axis=1) / scale, counts_row, gap_errors, counts
 
 
 def measure(preset: str, layers: int, gain: float = 1.0, seeds: int = 8, length: int = 24) -> Measured:
     cfg = configuration(preset, layers)
     scales, logit_errors, gap_errors, rows, total, gaps = [], [0.0], [0.0], 0, 0, 0
     for seed in range(seeds):
-        scale, errors, cone, gap, counts = measure_one(cfg, seed, length, gain)
+        scale, errors, counts_row, gap, counts = measure_one(cfg, seed, length, gain)
         scales.append(scale)
-        logit_errors += errors[cone >= CLEAN].tolist()
+        logit_errors += errors[counts_row].tolist()
         gap_errors += gap[counts].tolist()
-        rows, total, gaps = rows + int((cone >= CLEAN).sum()), total + len(cone), gaps + int(counts.sum())
+        rows, total, gaps = rows + int(counts_row.sum()), total + len(counts_row), gaps + int(counts.sum())
     return Measured(preset, layers, gain, float(np.mean(scales)), max(logit_errors), max(gap_errors), rows, total,
                     gaps)
 
