@@ -69,6 +69,15 @@ def render(report: Report, console: Console) -> None:
     console.print(f"[{'bold red' if report.failed else 'bold green'}]{report.summary()}[/]")
 
 
+def _check_device_and_json(device: str, json_path: str | None) -> None:
+    if device not in ("cpu", "cuda"):
+        raise click.ClickException(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("--device cuda: no CUDA device is visible")
+    if json_path is not None and not Path(json_path).resolve().parent.is_dir():
+        raise click.ClickException(f"--json {json_path}: directory {Path(json_path).parent} does not exist")
+
+
 @click.group()
 def cli() -> None:
     """kdtree: validate DDTree speculative decoding on DeepSeek-V3 / Kimi-K2-class models."""
@@ -86,12 +95,7 @@ def cli() -> None:
                    "(default: the built-in torch engine).")
 def validate_command(fixtures: str | None, device: str, dtype: str, json_path: str | None, impl: str | None) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
-    if device not in ("cpu", "cuda"):
-        raise click.ClickException(f"--device must be cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("--device cuda: no CUDA device is visible")
-    if json_path is not None and not Path(json_path).resolve().parent.is_dir():
-        raise click.ClickException(f"--json {json_path}: directory {Path(json_path).parent} does not exist")
+    _check_device_and_json(device, json_path)
     _cpu_threads(device)
     adapter = load_impl(impl) if impl else None
     console = _console()
@@ -128,12 +132,7 @@ def diverge_command(fixture: str | None, config: str | None, prompt: str | None,
     """The first op where AR decode and a verify of the same tokens differ bit for bit (exit 1 if any)."""
     if (fixture is None) == (config is None):
         raise click.ClickException("give exactly one of --fixture PATH and --config NAME")
-    if device not in ("cpu", "cuda"):
-        raise click.ClickException(f"--device must be cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("--device cuda: no CUDA device is visible")
-    if json_path is not None and not Path(json_path).resolve().parent.is_dir():
-        raise click.ClickException(f"--json {json_path}: directory {Path(json_path).parent} does not exist")
+    _check_device_and_json(device, json_path)
     pick = None
     if trace is not None:
         name, _, number = trace.partition("/")

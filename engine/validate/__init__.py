@@ -26,10 +26,16 @@ Sections of the report, each a list of `Check` rows:
 A missing adapter method turns its checks into "skipped (not implemented by
 adapter)". The report fails when any check is FAIL.
 
+`validate(..., dtype="bfloat16")` tells the adapter its dtype (`set_dtype`) and
+checks the model fixtures' bf16 cases in the bf16 regime: tolerances and near-tie
+thresholds from the measured bf16 error model, and routing flips told apart from
+routing bugs (regime.py, docs/precision.md). Every row names its regime.
+
 Modules, one job each: `protocol` (what an adapter implements), `report` (rows,
-the report, JSON), `compare` (one comparison -> one row), `fixtures` (finding
-them), `model_checks`, `kernel_checks` and `invariant` (the sections above), and
-`runner` (all of them in order).
+the report, JSON), `compare` (one comparison -> one row), `regime` (how a dtype
+judges rows, the routing watch), `fixtures` (finding them), `model_checks`,
+`kernel_checks` and `invariant` (the sections above), and `runner` (all of them
+in order).
 """
 
 from .compare import (SKIPPED_DETAIL, classify_divergence, compare_close, compare_exact, compare_tokens,

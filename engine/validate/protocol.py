@@ -30,6 +30,23 @@ K top-k width, S cache rows, H heads, R kv_lora, dr d_rope):
 - attention: ``attention(q_lat [n, H, R], q_pe [n, H, dr], c_kv [S, R], k_pe [S, dr],
   visibility [n, S] bool, scale: float) -> o_lat [n, H, R]`` (the tree-verify kernel;
   the last n rows of c_kv / k_pe are the tree tokens, every earlier row is visible).
+- intermediates: ``intermediates(tokens, positions, visibility, start) -> dict[str, array]``:
+  everything `forward` does (the same cache writes), returning per new token the values at
+  the capture points (engine/model.py CAPTURE_POINTS), keyed ``"layers.{i}.{point}"``
+  ([n, ...], one row per token: attn_in, q_lat, q_pe, c_kv, k_pe, o_lat, attn_out,
+  residual, ffn_in, router_scores, experts (int, [n, k]), ffn_out, layer_out) and
+  ``"logits"`` [n, V], in the compute dtype (bfloat16 as ml_dtypes.bfloat16); optionally
+  ``"layers.{i}.expert_counts"`` [E] (rows each expert computed in this call). Any subset of
+  points may be given; ``logits`` is required. `kdtree diverge` compares them point by
+  point; `kdtree validate --dtype bfloat16` reads ``layers.{i}.experts`` to tell routing
+  flips at a near-tie from routing bugs (docs/precision.md).
+
+Precision: ``set_dtype(dtype: str)`` with "float32" or "bfloat16", called once before
+`load_weights` whenever the adapter defines it: the adapter computes in that dtype from
+then on (weights still arrive as float32 arrays; for the bf16 cases they hold bf16 values
+exactly). `kdtree validate --dtype bfloat16` needs it; an adapter that cannot compute in
+the dtype raises ValueError (reported as one line). Without it an adapter is validated
+in float32.
 
 `engine.adapter.TorchAdapter` exposes the built-in engine through this protocol,
 so the runner takes one code path for it and for any user's engine.
@@ -87,6 +104,11 @@ class EngineAdapter(Protocol):
 
     def attention(self, q_lat: np.ndarray, q_pe: np.ndarray, c_kv: np.ndarray, k_pe: np.ndarray,
                   visibility: np.ndarray, scale: float) -> np.ndarray: ...
+
+    def intermediates(self, tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
+                      start: int) -> dict[str, np.ndarray]: ...
+
+    def set_dtype(self, dtype: str) -> None: ...
 
 
 def capabilities(adapter: Any) -> set[str]:
