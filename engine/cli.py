@@ -27,8 +27,8 @@ from kdtr_format import PRESETS, DDTreeConfig, KdtrError
 
 from .adapter import TorchAdapter
 from .decode import DecodeResult, ar_decode, ddtree_decode
-from .diverge_run import WAYS, from_config, from_fixture, run
-from .diverge_run import render as render_divergence
+from .diverge import Divergence, Way
+from .diverge_run import WAYS, Subject, from_config, from_fixture, run
 from .drafters import LayerSkipDrafter, OracleDrafter
 from .metrics import STAGES
 from .validate import Report, Status, ValidateError, find_fixtures, load_impl, model_fixture_config, validate, write_json
@@ -76,6 +76,36 @@ def _check_device_and_json(device: str, json_path: str | None) -> None:
         raise click.ClickException("--device cuda: no CUDA device is visible")
     if json_path is not None and not Path(json_path).resolve().parent.is_dir():
         raise click.ClickException(f"--json {json_path}: directory {Path(json_path).parent} does not exist")
+
+
+def render_divergence(subject: Subject, a: Way, b: Way, divergence: Divergence, console: Console,
+                      rows: int = 16) -> None:
+    """The explanation, the differing points in compute order and the decisions that differ."""
+    console.print(f"[bold]kdtree diverge[/]: {subject.label}; {a.label} vs {b.label}, "
+                  f"{len(a.tokens) - a.prompt_length} new tokens after {a.prompt_length}")
+    for line in divergence.explanation:
+        console.print(f"  {line}", highlight=False)
+    differing = [p for p in divergence.points if p.tokens]
+    if differing:
+        table = Table(title="points that differ, in compute order", title_justify="left")
+        for column in ("layer", "point", "tokens differ", "values differ", "max ulp (row scale)", "cause"):
+            table.add_column(column)
+        for p in differing[:rows]:
+            table.add_row("-" if p.layer is None else str(p.layer), p.point, str(len(p.tokens)),
+                          f"{p.values} / {p.size}", "-" if p.max_ulps is None else f"{p.max_ulps:.3g}",
+                          "yes" if p.inputs_agree else "")
+        console.print(table)
+        if len(differing) > rows:
+            console.print(f"  ... and {len(differing) - rows} more points")
+    flipped = [c for c in divergence.decisions if c.choice_a != c.choice_b]
+    if flipped:
+        table = Table(title="greedy choices that differ", title_justify="left")
+        for column in ("token", "position", a.label, "margin", b.label, "margin"):
+            table.add_column(column)
+        for c in flipped[:rows]:
+            table.add_row(str(c.token), str(c.position), str(c.choice_a), f"{c.margin_a:.3g}", str(c.choice_b),
+                          f"{c.margin_b:.3g}")
+        console.print(table)
 
 
 @click.group()

@@ -1,5 +1,5 @@
 """What `kdtree diverge` runs: an implementation and a prompt from a model fixture or a named
-config, the two ways of engine/diverge.py over them, and the report.
+config, and the two ways of engine/diverge.py over them (engine/cli.py renders the finding).
 
 - From a fixture: its float32 weights, one of its prompts; the compared tokens are the
   prompt's AR tokens (teacher-forced); the tree is a trace round's (default: the longest
@@ -20,8 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from rich.console import Console
-from rich.table import Table
 
 import kdtr_format
 from kdtr_format import CONFIGS, PRESETS, DDTreeConfig
@@ -144,32 +142,3 @@ def _tree(subject: Subject, pick: tuple[str, int] | None) -> tuple[list[int], np
     result = ddtree_decode(model, drafter, [subject.prompt], BENCH_DDTREE, 2, stages=adapter.stages, record=True)
     first = result.requests[0].rounds[0]
     return (subject.prompt, first.tokens.cpu().numpy(), first.parents.cpu().numpy(), first.accepted.cpu().numpy())
-
-
-def render(subject: Subject, a: Way, b: Way, divergence: Divergence, console: Console, rows: int = 16) -> None:
-    """The explanation, the differing points in compute order and the decisions that differ."""
-    console.print(f"[bold]kdtree diverge[/]: {subject.label}; {a.label} vs {b.label}, "
-                  f"{len(a.tokens) - a.prompt_length} new tokens after {a.prompt_length}")
-    for line in divergence.explanation:
-        console.print(f"  {line}", highlight=False)
-    differing = [p for p in divergence.points if p.tokens]
-    if differing:
-        table = Table(title="points that differ, in compute order", title_justify="left")
-        for column in ("layer", "point", "tokens differ", "values differ", "max ulp (row scale)", "cause"):
-            table.add_column(column)
-        for p in differing[:rows]:
-            table.add_row("-" if p.layer is None else str(p.layer), p.point, str(len(p.tokens)),
-                          f"{p.values} / {p.size}", "-" if p.max_ulps is None else f"{p.max_ulps:.3g}",
-                          "yes" if p.inputs_agree else "")
-        console.print(table)
-        if len(differing) > rows:
-            console.print(f"  ... and {len(differing) - rows} more points")
-    flipped = [c for c in divergence.decisions if c.choice_a != c.choice_b]
-    if flipped:
-        table = Table(title="greedy choices that differ", title_justify="left")
-        for column in ("token", "position", a.label, "margin", b.label, "margin"):
-            table.add_column(column)
-        for c in flipped[:rows]:
-            table.add_row(str(c.token), str(c.position), str(c.choice_a), f"{c.margin_a:.3g}", str(c.choice_b),
-                          f"{c.margin_b:.3g}")
-        console.print(table)
