@@ -1,5 +1,10 @@
-"""`python -m engine` runs the `kdtree` command line."""
+"""`python -m engine` runs the `kdtree` command line (Ctrl-C while it loads: exit 130, quietly)."""
 
-from .cli import main
+import sys
+
+try:
+    from .cli import main
+except KeyboardInterrupt:
+    sys.exit(130)
 
 main()

@@ -1,295 +1,512 @@
-"""The `kdtree` command line: `validate` (the main job) and `demo`.
+"""The `kdtree` command line: `validate` (the main job), `diverge` and `demo`.
 
-    kdtree validate [--fixtures DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--json PATH] [--impl module:factory]
+    kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH]
+                    [--impl module:factory]
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
-    kdtree demo [--preset tiny] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
+    kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
 
-Bad input ends in one line on stderr (`kdtree: error: ...`) and a non-zero
-exit; nothing is left half-written (--json and --plot go through a temporary
-file and a rename).
+Exit status: 0 passed, 1 a check failed (validate), the two ways differ (diverge) or
+DDTree differed from AR (demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
+argument is refused before any work, in one line on stderr; --json and --plot
+are written all or nothing, with the user's umask.
+
+Help, --version and refused arguments answer without importing torch (seconds):
+each command imports the engine when it runs.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import importlib.util
 import os
-import sys
-import tempfile
+import platform
+import re
+import subprocess
+import textwrap
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import click
 import numpy as np
-import torch
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
 import kdtr_format
-from kdtr_format import PRESETS, DDTreeConfig, KdtrError
+from kdtr_format import PRESETS, DDTreeConfig, KdtrError, ModelConfig
+from kdtr_format.clikit import Cli, CliError, FiniteFloat, OutputFile, atomic_output, console, table
 
-from .adapter import TorchAdapter
-from .decode import DecodeResult, ar_decode, ddtree_decode
-from .diverge import Divergence, Way
-from .diverge_run import WAYS, Subject, from_config, from_fixture, run
-from .drafters import LayerSkipDrafter, OracleDrafter
-from .metrics import STAGES
-from .validate import Report, Status, ValidateError, find_fixtures, load_impl, model_fixture_config, validate, write_json
+if TYPE_CHECKING:
+    from .decode import DecodeResult
+    from .diverge import Divergence, Way
+    from .diverge_run import Subject
+    from .validate import Check, Report
 
-STATUS_STYLE = {Status.EXACT: "green", Status.WITHIN: "green", Status.NEAR_TIE: "yellow",
-                Status.SKIPPED: "dim", Status.FAIL: "bold red"}
-
-
-def _number(x: float | None) -> str:
-    return "" if x is None else f"{x:.2e}"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DTYPES = ("float32", "bfloat16")
+STATUS_STYLE = {"exact": "green", "within tolerance": "green", "near-tie": "yellow", "skipped": "dim",
+                "FAIL": "bold red"}
 
 
-def _cpu_threads(device: str) -> None:
-    """Tiny models gain nothing from intra-op threads, and lose much when the cores are shared."""
-    if device == "cpu":
-        torch.set_num_threads(1)
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kdtree")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
-def _console() -> Console:
-    """A console as wide as the terminal, and 160 columns when writing to a file or pipe."""
-    console = Console()
-    if not console.is_terminal:
-        console.width = 160
-    return console
+def _bad_input() -> tuple[type[Exception], ...]:
+    """The engine's own bad-input errors (imported only when an error needs judging)."""
+    return KdtrError, importlib.import_module("engine.validate").ValidateError
 
 
-def render(report: Report, console: Console) -> None:
-    table = Table(title=f"kdtree validate: {report.implementation}", title_justify="left")
-    for column in ("fixture", "check", "status", "worst error", "tolerance", "margin", "regime", "detail"):
-        table.add_column(column, overflow="fold")
-    for c in report.checks:
-        table.add_row(c.section, c.name, f"[{STATUS_STYLE[c.status]}]{c.status.value}[/]", _number(c.error),
-                      _number(c.tolerance), _number(c.margin), c.regime, c.detail)
-    console.print(table)
-    if report.backends:
-        console.print("backends: " + ", ".join(f"{k}: {v}" for k, v in report.backends.items()))
-    console.print(f"fixtures: {report.fixtures}")
-    console.print(f"[{'bold red' if report.failed else 'bold green'}]{report.summary()}[/]")
-
-
-def _check_device_and_json(device: str, json_path: str | None) -> None:
-    if device not in ("cpu", "cuda"):
-        raise click.ClickException(f"--device must be cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("--device cuda: no CUDA device is visible")
-    if json_path is not None and not Path(json_path).resolve().parent.is_dir():
-        raise click.ClickException(f"--json {json_path}: directory {Path(json_path).parent} does not exist")
-
-
-def render_divergence(subject: Subject, a: Way, b: Way, divergence: Divergence, console: Console,
-                      rows: int = 16) -> None:
-    """The explanation, the differing points in compute order and the decisions that differ."""
-    console.print(f"[bold]kdtree diverge[/]: {subject.label}; {a.label} vs {b.label}, "
-                  f"{len(a.tokens) - a.prompt_length} new tokens after {a.prompt_length}")
-    for line in divergence.explanation:
-        console.print(f"  {line}", highlight=False)
-    differing = [p for p in divergence.points if p.tokens]
-    if differing:
-        table = Table(title="points that differ, in compute order", title_justify="left")
-        for column in ("layer", "point", "tokens differ", "values differ", "max ulp (row scale)", "cause"):
-            table.add_column(column)
-        for p in differing[:rows]:
-            table.add_row("-" if p.layer is None else str(p.layer), p.point, str(len(p.tokens)),
-                          f"{p.values} / {p.size}", "-" if p.max_ulps is None else f"{p.max_ulps:.3g}",
-                          "yes" if p.inputs_agree else "")
-        console.print(table)
-        if len(differing) > rows:
-            console.print(f"  ... and {len(differing) - rows} more points")
-    flipped = [c for c in divergence.decisions if c.choice_a != c.choice_b]
-    if flipped:
-        table = Table(title="greedy choices that differ", title_justify="left")
-        for column in ("token", "position", a.label, "margin", b.label, "margin"):
-            table.add_column(column)
-        for c in flipped[:rows]:
-            table.add_row(str(c.token), str(c.position), str(c.choice_a), f"{c.margin_a:.3g}", str(c.choice_b),
-                          f"{c.margin_b:.3g}")
-        console.print(table)
-
-
-@click.group()
+@click.group(cls=Cli, name="kdtree", bad_input=_bad_input)
+@click.version_option(_version(), "--version", prog_name="kdtree")
 def cli() -> None:
     """kdtree: validate DDTree speculative decoding on DeepSeek-V3 / Kimi-K2-class models."""
 
 
+def main(argv: list[str] | None = None) -> None:
+    """The console script: exit statuses as the module docstring."""
+    cli.main(args=argv, prog_name="kdtree")
+
+
+# ---------------------------------------------------------------------------- arguments
+
+class Device(click.ParamType):
+    """cpu, cuda or cuda:N (whether the device is there is checked when the command runs)."""
+
+    name = "device"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(value)):
+            self.fail(f"{value!r}: expected cpu, cuda or cuda:N", param, ctx)
+        return str(value)
+
+
+class TokenIds(click.ParamType):
+    """Comma-separated token ids ("1,2,3"; spaces around commas allowed) -> list[int]."""
+
+    name = "ids"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
+        if isinstance(value, list):
+            return value
+        items = [item.strip() for item in str(value).split(",")]
+        if not any(items):
+            self.fail("empty; give comma-separated token ids, e.g. 1,2,3", param, ctx)
+        for item in items:
+            if not re.fullmatch(r"\d+", item):
+                what = "an empty item" if not item else f"{item!r} is not a token id"
+                self.fail(f"{value!r}: {what}; give comma-separated token ids, e.g. 1,2,3", param, ctx)
+        return [int(item) for item in items]
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise CliError(f"--device {device}: no CUDA device is visible")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise CliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    else:
+        torch.set_num_threads(1)    # tiny models gain nothing from intra-op threads on shared cores
+
+
+# ---------------------------------------------------------------------------- validate
+
 @cli.command("validate")
-@click.option("--fixtures", "fixtures", type=str, default=None,
-              help="Fixture directory (default: tests/golden, else generated into a cache dir).")
-@click.option("--device", type=str, default="cpu", show_default=True, help="cpu or cuda.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Compute dtype of the implementation and the tolerance regime it is judged in.")
-@click.option("--json", "json_path", type=str, default=None, help="Also write the report as JSON here.")
+@click.option("--fixtures", type=click.Path(exists=True, path_type=Path), default=None,
+              help="A fixture directory, or one fixture file (then only that file is checked). "
+                   "Default: tests/golden, else fixtures generated once into a cache directory.")
+@click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+              help="The implementation's compute dtype, and the tolerance regime it is judged in "
+                   "(docs/precision.md).")
+@click.option("--json", "json_path", type=OutputFile(), default=None,
+              help="Also write the report as JSON here (with versions, commit, device and timings).")
 @click.option("--impl", type=str, default=None,
-              help="Adapter factory to validate: module:factory or path/to/file.py:factory "
-                   "(default: the built-in torch engine).")
-def validate_command(fixtures: str | None, device: str, dtype: str, json_path: str | None, impl: str | None) -> int:
+              help="Adapter factory to validate: module:factory (a module on PYTHONPATH or in the "
+                   "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
+def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None, impl: str | None) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
-    _check_device_and_json(device, json_path)
-    _cpu_threads(device)
-    adapter = load_impl(impl) if impl else None
-    console = _console()
-    report = validate(adapter, fixtures, device, log=lambda line: console.print(f"[dim]{line}[/]"), dtype=dtype)
-    render(report, console)
+    _check_device(device)
+    from .validate import load_impl, validate, write_json
+
+    try:
+        adapter = load_impl(impl) if impl else None
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    out = console()
+    steps = _Steps(lambda line: out.print(Text(line, style="dim")))
+    report = validate(adapter, fixtures, device, log=steps, dtype=dtype)
+    report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
+    report.timings = steps.timings()
+    render(report, out)
     if json_path is not None:
         write_json(report, json_path)
     return 1 if report.failed else 0
 
 
+class _Steps:
+    """The runner's log, shown and timed: each line starts a step that lasts until the next."""
+
+    def __init__(self, show: Callable[[str], None]) -> None:
+        self.show = show
+        self.began = time.perf_counter()
+        self.marks: list[tuple[str, float]] = []
+
+    def __call__(self, line: str) -> None:
+        self.marks.append((line, time.perf_counter()))
+        self.show(line)
+
+    def timings(self) -> dict[str, Any]:
+        """{"total_seconds": s, "steps": [{"step": line, "seconds": s}, ...]}"""
+        now = time.perf_counter()
+        ends = [t for _, t in self.marks[1:]] + [now]
+        return {"total_seconds": now - self.began,
+                "steps": [{"step": line, "seconds": end - start} for (line, start), end in zip(self.marks, ends)]}
+
+
+def _versions() -> dict[str, str | None]:
+    import torch
+
+    return {"kdtree": _version(), "python": platform.python_version(), "numpy": np.__version__,
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def _commit() -> str | None:
+    """The checkout's commit (`-dirty` when it has changes), None outside a git checkout."""
+    if not (REPO_ROOT / ".git").exists():
+        return None
+    try:
+        run = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return run.stdout.strip() if run.returncode == 0 and run.stdout.strip() else None
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"
+
+
+def _numbers(check: Check) -> str:
+    """A row's worst error against its tolerance, or its margin against the threshold."""
+    if check.margin is not None:
+        return f"margin {check.margin:.2e} vs {check.tolerance:.2e}" if check.tolerance else f"margin {check.margin:.2e}"
+    if check.error is not None and check.tolerance is not None:
+        return f"{check.error:.2e} {'>' if check.error > check.tolerance else '<='} {check.tolerance:.2e}"
+    return "" if check.error is None else f"{check.error:.2e}"
+
+
+def render(report: Report, out: Console) -> None:
+    """The report as rows under their fixture: status, check, numbers; a detail on the lines below,
+    wrapped to the console's width (readable at 80 columns)."""
+    width = out.width
+    status_w = max((len(c.status.value) for c in report.checks), default=0)
+    name_w = min(max((len(c.name) for c in report.checks), default=0), 36)
+    indent = " " * (2 + status_w + 2)
+    out.print(Text(f"kdtree validate: {report.implementation}", style="bold"))
+    section = None
+    for c in report.checks:
+        if c.section != section:
+            section = c.section
+            out.print(Text(section, style="bold"))
+        numbers = " ".join(filter(None, [_numbers(c), f"[{c.regime}]" if c.regime else ""]))
+        line = Text.assemble("  ", (c.status.value.ljust(status_w), STATUS_STYLE[c.status.value]), "  ", c.name)
+        details = [c.detail] if c.detail else []
+        if numbers and len(line) + 2 + max(name_w - len(c.name), 0) + len(numbers) <= width:
+            line.append(" " * (2 + max(name_w - len(c.name), 0)) + numbers)
+        elif numbers:
+            details.insert(0, numbers)
+        out.print(line)
+        for detail in details:
+            wrapped = textwrap.wrap(detail, max(width - len(indent), 20), break_on_hyphens=False)
+            out.print(Text("\n".join(indent + part for part in wrapped), style="dim" if c.status.value != "FAIL" else ""))
+    if report.backends:
+        out.print(Text("backends: " + ", ".join(f"{k}: {v}" for k, v in report.backends.items())))
+    for fixture, declared in report.deviations.items():
+        out.print(Text(f"known deviations declared by the implementation for {fixture}:"))
+        for deviation in declared:
+            out.print(Text(f"  {deviation.line()}"))
+    out.print(Text(f"fixtures: {report.fixtures}"))
+    out.print(Text(report.summary(), style="bold red" if report.failed else "bold green"))
+
+
+# ---------------------------------------------------------------------------- diverge
+
 @cli.command("diverge")
-@click.option("--fixture", type=str, default=None, help="A model fixture: its weights, a prompt, its AR tokens and trees.")
-@click.option("--config", "config", type=str, default=None,
-              help="Or a config (a preset, or kdtr_format.CONFIGS such as k2-mid) with seeded random weights.")
+@click.option("--fixture", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A model fixture: its weights, a prompt, its AR tokens and trees.")
+@click.option("--config", "config", default=None,
+              help="Or a config (a preset, or kdtr_format.CONFIGS such as k2-mid) with the engine benchmark's "
+                   "seeded random weights.")
 @click.option("--prompt", default=None, help="The fixture's prompt name (default: the longest).")
 @click.option("--prompt-length", default=64, show_default=True, type=click.IntRange(min=1),
               help="With --config: random prompt tokens.")
 @click.option("--prompt-seed", default=1, show_default=True, type=int, help="With --config: the prompt's seed.")
-@click.option("--seed", default=0, show_default=True, type=int, help="With --config: the weights' seed.")
-@click.option("--way", type=click.Choice(WAYS), default="chunk", show_default=True,
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="With --config: the weights' seed.")
+@click.option("--way", type=click.Choice(("chunk", "tree", "batch")), default="chunk", show_default=True,
               help="What AR decode is compared with: one causal chunk, a tree verify, or a batch.")
 @click.option("--tokens", "count", default=16, show_default=True, type=click.IntRange(min=1),
               help="New tokens compared (chunk, batch).")
-@click.option("--trace", default=None, help="With --fixture and --way tree: the round as TRACE/ROUND (default: "
-                                            "the largest tree).")
+@click.option("--trace", default=None,
+              help="With --fixture and --way tree: the round as TRACE/ROUND (default: the longest accepted path).")
 @click.option("--batch", default=4, show_default=True, type=click.IntRange(min=2), help="Requests of the batch way.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--device", type=str, default="cpu", show_default=True, help="cpu or cuda.")
-@click.option("--impl", type=str, default=None, help="Adapter factory (model + intermediates capabilities).")
-@click.option("--json", "json_path", type=str, default=None, help="Also write the finding as JSON here.")
-def diverge_command(fixture: str | None, config: str | None, prompt: str | None, prompt_length: int,
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--impl", type=str, default=None, help="Adapter factory (model and intermediates capabilities).")
+@click.option("--json", "json_path", type=OutputFile(), default=None, help="Also write the finding as JSON here.")
+def diverge_command(fixture: Path | None, config: str | None, prompt: str | None, prompt_length: int,
                     prompt_seed: int, seed: int, way: str, count: int, trace: str | None, batch: int, dtype: str,
-                    device: str, impl: str | None, json_path: str | None) -> int:
+                    device: str, impl: str | None, json_path: Path | None) -> int:
     """The first op where AR decode and a verify of the same tokens differ bit for bit (exit 1 if any)."""
     if (fixture is None) == (config is None):
-        raise click.ClickException("give exactly one of --fixture PATH and --config NAME")
-    _check_device_and_json(device, json_path)
+        raise CliError("give exactly one of --fixture PATH and --config NAME")
+    if config is not None and prompt is not None:
+        raise CliError("--prompt names a fixture's prompt; with --config use --prompt-length and --prompt-seed")
     pick = None
     if trace is not None:
         name, _, number = trace.partition("/")
         if not number.isdigit():
-            raise click.ClickException(f"--trace {trace!r}: expected TRACE/ROUND, e.g. t1/0")
+            raise CliError(f"--trace {trace!r}: expected TRACE/ROUND, e.g. t1/0")
         pick = (name, int(number))
-    if config is not None and prompt is not None:
-        raise click.ClickException("--prompt names a fixture's prompt; with --config use --prompt-length and "
-                                   "--prompt-seed")
-    if fixture is not None and not Path(fixture).is_file():
-        raise click.ClickException(f"--fixture {fixture}: no such file")
-    _cpu_threads(device)
-    adapter = load_impl(impl) if impl else TorchAdapter(device)
-    if not callable(getattr(adapter, "intermediates", None)):
-        raise click.ClickException(f"--impl {impl}: the adapter has no `intermediates` method (protocol capability)")
-    set_dtype = getattr(adapter, "set_dtype", None)
-    if dtype != "float32" and not callable(set_dtype):
-        raise click.ClickException(f"--dtype {dtype}: the adapter has no `set_dtype` method")
-    if callable(set_dtype):
-        set_dtype(dtype)
-    if fixture is not None:
-        subject = from_fixture(fixture, prompt, adapter)
-    elif not isinstance(adapter, TorchAdapter):
-        raise click.ClickException("--config builds the built-in engine; use --fixture with --impl")
-    else:
-        subject = from_config(config, adapter, seed, prompt_length, prompt_seed)
-    a, b, divergence = run(subject, way, count, batch, pick)
-    render_divergence(subject, a, b, divergence, _console())
+    _check_device(device)
+    from .adapter import TorchAdapter
+    from .diverge_run import from_config, from_fixture, run
+    from .validate import load_impl, write_json
+
+    try:
+        adapter = load_impl(impl) if impl else TorchAdapter(device)
+        if not callable(getattr(adapter, "intermediates", None)):
+            raise CliError(f"--impl {impl}: the adapter has no `intermediates` method (protocol capability)")
+        set_dtype = getattr(adapter, "set_dtype", None)
+        if dtype != "float32" and not callable(set_dtype):
+            raise CliError(f"--dtype {dtype}: the adapter has no `set_dtype` method")
+        if callable(set_dtype):
+            set_dtype(dtype)
+        if fixture is not None:
+            subject = _reading_subject(fixture, prompt, adapter, from_fixture)
+        elif not isinstance(adapter, TorchAdapter):
+            raise CliError("--config builds the built-in engine; use --fixture with --impl")
+        else:
+            subject = from_config(config, adapter, seed, prompt_length, prompt_seed)
+        a, b, divergence = run(subject, way, count, batch, pick)
+    except ValueError as exc:          # the fixture, config, prompt, trace or way named does not fit
+        raise CliError(str(exc)) from None
+    render_divergence(subject, a, b, divergence, console())
     if json_path is not None:
         write_json(divergence, json_path)
     return 1 if divergence.first is not None else 0
 
 
+def _reading_subject(fixture: Path, prompt: str | None, adapter: Any, from_fixture: Callable) -> Subject:
+    """from_fixture, a broken file's error naming the file."""
+    try:
+        return from_fixture(fixture, prompt, adapter)
+    except KdtrError as exc:
+        raise CliError(f"{fixture}: {exc}") from None
+
+
+def render_divergence(subject: Subject, a: Way, b: Way, divergence: Divergence, out: Console, rows: int = 16) -> None:
+    """The explanation, the differing points in compute order and the decisions that differ."""
+    out.print(Text(f"kdtree diverge: {subject.label}; {a.label} vs {b.label}, "
+                   f"{len(a.tokens) - a.prompt_length} new tokens after {a.prompt_length}", style="bold"))
+    for line in divergence.explanation:
+        out.print(Text(f"  {line}"))
+    differing = [p for p in divergence.points if p.tokens]
+    if differing:
+        points = table("layer", "point", "tokens differ", "values differ", "max ulp (row scale)", "cause",
+                       title="points that differ, in compute order")
+        for p in differing[:rows]:
+            points.add_row("-" if p.layer is None else str(p.layer), p.point, str(len(p.tokens)),
+                           f"{p.values} / {p.size}", "-" if p.max_ulps is None else f"{p.max_ulps:.3g}",
+                           "yes" if p.inputs_agree else "")
+        out.print(points)
+        if len(differing) > rows:
+            out.print(Text(f"  ... and {len(differing) - rows} more points"))
+    flipped = [c for c in divergence.decisions if c.choice_a != c.choice_b]
+    if flipped:
+        choices = table("token", "position", a.label, "margin", b.label, "margin ", title="greedy choices that differ")
+        for c in flipped[:rows]:
+            choices.add_row(str(c.token), str(c.position), str(c.choice_a), f"{c.margin_a:.3g}", str(c.choice_b),
+                            f"{c.margin_b:.3g}")
+        out.print(choices)
+
+
+# ---------------------------------------------------------------------------- demo
+
+@dataclass(frozen=True)
+class _DemoModel:
+    """The model fixture the demo runs: where it is, its name and config, its longest prompt."""
+
+    path: Path
+    name: str
+    cfg: ModelConfig
+    prompt: list[int] | None
+
+
 @cli.command("demo")
-@click.option("--preset", default="tiny", show_default=True, help="A preset with a model fixture.")
-@click.option("--fixture", "fixture", type=str, default=None,
-              help="The model fixture to take weights from (default: <fixtures>/<preset>.kdtr).")
-@click.option("--prompt", default=None, help="Comma-separated token ids (default: the fixture's longest prompt).")
-@click.option("--max-new-tokens", default=32, show_default=True, type=int)
-@click.option("--budget", default=32, show_default=True, type=int)
-@click.option("--block-size", default=8, show_default=True, type=int)
-@click.option("--accuracy", default=0.8, show_default=True, type=float, help="The oracle drafter's accuracy.")
-@click.option("--device", type=str, default="cpu", show_default=True)
-@click.option("--plot", "plot_path", type=str, default=None, help="Save a PNG histogram of acceptance lengths.")
-def demo_command(preset: str, fixture: str | None, prompt: str | None, max_new_tokens: int, budget: int,
-                 block_size: int, accuracy: float, device: str, plot_path: str | None) -> int:
-    """AR and DDTree side by side on a preset's fixture weights (oracle and layerskip drafters)."""
-    if preset not in PRESETS:
-        raise click.ClickException(f"unknown preset {preset!r}; presets are {', '.join(PRESETS)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("--device cuda: no CUDA device is visible")
-    ddtree = DDTreeConfig(block_size=block_size, budget=budget)
+@click.option("--preset", default=None, help="Run <fixtures>/<preset>.kdtr (default: tiny).")
+@click.option("--fixture", "fixture", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Any model fixture to take weights and prompt from (e.g. one made with "
+                   "`refgen generate --config-file`).")
+@click.option("--prompt", type=TokenIds(), default=None,
+              help="Comma-separated token ids (default: the fixture's longest prompt).")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Tokens to generate after the prompt.")
+@click.option("--budget", default=32, show_default=True, type=click.IntRange(min=0),
+              help="Tree nodes under the root per round.")
+@click.option("--block-size", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Draft block: block size - 1 drafted depths.")
+@click.option("--accuracy", default=0.8, show_default=True, type=FiniteFloat(0.0, 1.0),
+              help="The oracle drafter's accuracy.")
+@click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--plot", "plot_path", type=OutputFile(), default=None,
+              help="Save a PNG histogram of acceptance lengths (needs matplotlib: the `plot` extra).")
+def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | None, max_new_tokens: int,
+                 budget: int, block_size: int, accuracy: float, device: str, plot_path: Path | None) -> int:
+    """AR and DDTree side by side on a model fixture's weights (oracle and layerskip drafters)."""
     if plot_path is not None:
         _require_matplotlib()
-        if not Path(plot_path).resolve().parent.is_dir():
-            raise click.ClickException(f"--plot {plot_path}: directory {Path(plot_path).parent} does not exist")
-    path = Path(fixture) if fixture else find_fixtures(None) / f"{preset}.kdtr"
-    if not path.is_file():
-        raise click.ClickException(f"no fixture {path} (run `refgen generate --preset {preset}`)")
-    _cpu_threads(device)
-    with kdtr_format.open(path) as reader:
-        cfg = model_fixture_config(reader, path)
-        if reader.metadata.get("preset") != preset or cfg != PRESETS[preset]:
-            raise click.ClickException(f"{path.name} holds preset {reader.metadata.get('preset')!r}, "
-                                       f"not {preset!r}")
-        tokens = _parse_prompt(prompt) if prompt else _longest_prompt(reader)
-        adapter = TorchAdapter(device)
-        adapter.load_weights(cfg, {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")})
-    model = adapter.model
+    _check_device(device)
+    model = _demo_model(preset, fixture)
+    cfg, tokens, ddtree = model.cfg, prompt or model.prompt, DDTreeConfig(block_size=block_size, budget=budget)
+    if not tokens:
+        raise CliError(f"{model.path} holds no prompts; give --prompt")
+    _check_demo_sizes(cfg, tokens, max_new_tokens, ddtree, device)
 
-    ar = ar_decode(model, [tokens], max_new_tokens, stages=adapter.stages)
-    truth = [tokens + ar.tokens[0]]
+    from .adapter import TorchAdapter
+    from .decode import ar_decode, ddtree_decode
+    from .drafters import LayerSkipDrafter, OracleDrafter
+
+    adapter = TorchAdapter(device)
+    with _reading(model.path) as reader:
+        adapter.load_weights(cfg, {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")})
+    target, layers = adapter.model, max(1, cfg.num_hidden_layers // 2)
+    ar = ar_decode(target, [tokens], max_new_tokens, stages=adapter.stages)
+    oracle = OracleDrafter([tokens + ar.tokens[0]], cfg.vocab_size, accuracy, seed=0, device=target.device)
+    layerskip = LayerSkipDrafter(cfg, adapter.weights, layers, target.device, target.dtype)
     runs = {"AR": ar}
-    runs[f"DDTree oracle (acc {accuracy}, upper bound)"] = ddtree_decode(
-        model, OracleDrafter(truth, cfg.vocab_size, accuracy, seed=0, device=model.device), [tokens], ddtree,
-        max_new_tokens, stages=adapter.stages)
-    layers = max(1, cfg.num_hidden_layers // 2)
-    runs[f"DDTree layerskip ({layers} of {cfg.num_hidden_layers} layers)"] = ddtree_decode(
-        model, LayerSkipDrafter(cfg, adapter.weights, layers, model.device, model.dtype), [tokens], ddtree,
-        max_new_tokens, stages=adapter.stages)
-    _print_demo(_console(), preset, tokens, ddtree, runs)
+    for name, drafter in (("DDTree oracle", oracle), ("DDTree layerskip", layerskip)):
+        runs[name] = ddtree_decode(target, drafter, [tokens], ddtree, max_new_tokens, stages=adapter.stages)
+    _print_demo(console(), model, tokens, ddtree, runs,
+                f"oracle: knows the AR continuation, right with probability {accuracy} (an upper bound); "
+                f"layerskip: the target's first {layers} of {cfg.num_hidden_layers} layers")
     if plot_path is not None:
         _plot({k: v for k, v in runs.items() if k != "AR"}, plot_path, ddtree.block_size)
     return 0 if all(r.tokens == ar.tokens for r in runs.values()) else 1
 
 
-def _parse_prompt(text: str) -> list[int]:
+def _demo_model(preset: str | None, fixture: Path | None) -> _DemoModel:
+    """The model fixture named by --fixture, else by --preset (default tiny) in the fixture directory."""
+    from .validate import find_fixtures, model_fixture_config
+
+    if fixture is None:
+        name = preset or "tiny"
+        fixture = find_fixtures(None) / f"{name}.kdtr"
+        if not fixture.is_file():
+            hint = (f"run `refgen generate --preset {name}`" if name in PRESETS else
+                    f"presets are {', '.join(PRESETS)}; or give --fixture PATH")
+            raise CliError(f"--preset {name}: no fixture {fixture} ({hint})")
+    with _reading(fixture) as reader:
+        meta = reader.metadata
+        if meta.get("kind") != "model":
+            raise CliError(f"{fixture}: not a model fixture (kind {meta.get('kind')!r}); the demo needs a model's "
+                           "weights (`refgen list` shows the kinds)")
+        cfg = model_fixture_config(reader, fixture)
+        if preset is not None and meta.get("preset") != preset:
+            raise CliError(f"{fixture} holds {meta.get('preset')!r}, not --preset {preset!r}")
+        prompts = meta.get("prompts") or []
+        longest = max(prompts, key=lambda p: p["length"])["name"] if prompts else None
+        tokens = np.asarray(reader[f"prompts/{longest}/tokens"]).tolist() if longest else None
+    return _DemoModel(fixture, str(meta.get("preset", fixture.stem)), cfg, tokens)
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[kdtr_format.Reader]:
+    """kdtr_format.open(path), a broken file's error naming the file."""
     try:
-        tokens = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise click.ClickException(f"--prompt {text!r}: expected comma-separated token ids") from None
-    if not tokens:
-        raise click.ClickException("--prompt is empty")
-    return tokens
+        with kdtr_format.open(path) as reader:
+            yield reader
+    except KdtrError as exc:
+        raise CliError(f"{path}: {exc}") from None
 
 
-def _longest_prompt(reader) -> list[int]:
-    prompts = reader.metadata["prompts"]
-    longest = max(prompts, key=lambda p: p["length"])["name"]
-    return np.asarray(reader[f"prompts/{longest}/tokens"]).tolist()
+def _check_demo_sizes(cfg: ModelConfig, tokens: list[int], max_new_tokens: int, ddtree: DDTreeConfig,
+                      device: str) -> None:
+    """Refuse, before anything is allocated, a run the model's positions or the device's memory cannot hold."""
+    from .decode import _tree_capacity
+
+    if max(tokens) >= cfg.vocab_size:
+        raise CliError(f"--prompt: token id {max(tokens)} is outside the model's vocabulary of {cfg.vocab_size}")
+    positions = len(tokens) + max_new_tokens + ddtree.depth
+    if positions > cfg.max_position_embeddings:
+        raise CliError(f"the prompt ({len(tokens)} tokens) + --max-new-tokens {max_new_tokens} + --block-size "
+                       f"{ddtree.block_size} - 1 need {positions} positions; the model has "
+                       f"max_position_embeddings {cfg.max_position_embeddings}")
+    tree = min(ddtree.budget, _tree_capacity(ddtree.depth, cfg.vocab_size)) + 1
+    slots = len(tokens) + max_new_tokens + tree
+    need = 3 * 4 * cfg.num_attention_heads * tree * slots + 4 * tree * cfg.vocab_size   # scores x3, logits
+    free = _free_bytes(device)
+    if need > free:
+        raise CliError(f"--budget {ddtree.budget}: a verify forward of {tree} tree tokens needs about "
+                       f"{need / 1e9:.1f} GB for attention scores, more than the {free / 1e9:.1f} GB free on "
+                       f"{device}; give a smaller --budget")
 
 
-def _print_demo(console: Console, preset: str, prompt: list[int], ddtree: DDTreeConfig,
-                runs: dict[str, DecodeResult]) -> None:
+def _free_bytes(device: str) -> int:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _print_demo(out: Console, model: _DemoModel, prompt: list[int], ddtree: DDTreeConfig,
+                runs: dict[str, DecodeResult], legend: str) -> None:
     ar_tokens = runs["AR"].tokens[0]
-    console.print(f"preset {preset}; prompt ({len(prompt)} tokens): {prompt}")
-    console.print(f"block size {ddtree.block_size}, budget {ddtree.budget}; AR tokens: {ar_tokens}")
-    table = Table(title="AR vs DDTree", title_justify="left")
-    for column in ("run", "tokens == AR", "target forwards", "tau", "tokens/s", *STAGES):
-        table.add_column(column, justify="right")
+    out.print(Text(f"model {model.name} ({model.path}); prompt ({len(prompt)} tokens): {prompt}"))
+    out.print(Text(f"block size {ddtree.block_size}, budget {ddtree.budget}; AR tokens: {ar_tokens}"))
+    summary = table("run", "same as AR", "target forwards", "tau", "tokens/s", title="AR vs DDTree",
+                    right=("target forwards", "tau", "tokens/s"))
     for name, result in runs.items():
         m = result.metrics
-        same = "[green]yes[/]" if result.tokens[0] == ar_tokens else "[bold red]NO[/]"
-        table.add_row(name, same, str(m.target_forwards), f"{m.mean_acceptance:.2f}", f"{m.tokens_per_second:.1f}",
-                      *(f"{m.stage_seconds[s] * 1e3:.1f} ms" for s in STAGES))
-    console.print(table)
+        same = Text("yes", style="green") if result.tokens[0] == ar_tokens else Text("NO", style="bold red")
+        summary.add_row(name, same, str(m.target_forwards), f"{m.mean_acceptance:.2f}", f"{m.tokens_per_second:.1f}")
+    out.print(summary)
+    out.print(Text(legend, style="dim"))
+    from .metrics import STAGES
+
+    stages = table("stage", *runs, title="time per stage, ms", right=tuple(runs))
+    for stage in STAGES:
+        stages.add_row(stage, *(f"{r.metrics.stage_seconds[stage] * 1e3:.1f}" for r in runs.values()))
+    out.print(stages)
 
 
 def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise click.ClickException("--plot needs matplotlib (pip install 'kdtree[plot]')") from None
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError("--plot needs matplotlib (pip install 'kdtree[plot]')")
 
 
-def _plot(runs: dict[str, DecodeResult], path: str, block_size: int) -> None:
-    """A PNG histogram of acceptance lengths per run, written atomically."""
+def _plot(runs: dict[str, DecodeResult], path: Path, block_size: int) -> None:
+    """A PNG histogram of acceptance lengths per run, written all or nothing."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -304,30 +521,8 @@ def _plot(runs: dict[str, DecodeResult], path: str, block_size: int) -> None:
     ax.set_ylabel("rounds")
     ax.legend()
     fig.tight_layout()
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.resolve().parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        with atomic_output(path) as file:
+            fig.savefig(file, format="png")
     finally:
         plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point: one-line errors, exit status 1 on failure (2 on usage errors)."""
-    try:
-        code = cli.main(args=argv, prog_name="kdtree", standalone_mode=False)
-    except click.UsageError as exc:
-        click.echo(f"kdtree: error: {exc.format_message()}", err=True)
-        sys.exit(2)
-    except click.ClickException as exc:
-        click.echo(f"kdtree: error: {exc.format_message()}", err=True)
-        sys.exit(1)
-    except (ValidateError, KdtrError, ValueError, OSError) as exc:
-        click.echo(f"kdtree: error: {exc}", err=True)
-        sys.exit(1)
-    sys.exit(code if isinstance(code, int) else 0)

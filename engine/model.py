@@ -196,12 +196,12 @@ class MLA:
         if cfg.q_lora_rank is None:
             q = x @ self.wq.T
         else:
-            q = rms_norm(x @ self.wq_a.T, self.q_a_norm, cfg.rms_norm_eps) @ self.wq_b.T
+            q = rms_norm(x @ self.wq_a.T, self.q_a_norm, cfg.latent_norm_eps) @ self.wq_b.T
         q = q.view(batch, n, cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], cfg.rope_style)   # [B, N, H, dr]
         kv_a = x @ self.wkv_a.T
-        c_kv = rms_norm(kv_a[..., :cfg.kv_lora_rank], self.kv_a_norm, cfg.rms_norm_eps)  # [B, N, R]
+        c_kv = rms_norm(kv_a[..., :cfg.kv_lora_rank], self.kv_a_norm, cfg.latent_norm_eps)  # [B, N, R]
         k_pe = apply_rope(kv_a[..., cfg.kv_lora_rank:], cos, sin, cfg.rope_style)      # [B, N, dr]
         if tap: tap(c_kv=c_kv, k_pe=k_pe)
 

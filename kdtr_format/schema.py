@@ -3,21 +3,29 @@
 Configs are data, so they live with the format and both the oracle (`refgen`)
 and the implementations (`engine`, user adapters) read them from here.
 
-Field names follow HF `DeepseekV3Config` / a Kimi `config.json`, plus
-`rope_style` (``interleave`` = pairs (x[2i], x[2i+1]), the official layout;
-``neox`` = pairs (x[i], x[i + d/2])). The math each field feeds is in
+Field names follow HF `DeepseekV3Config` / a Kimi `config.json`, plus two of
+kdtree's own: `rope_style` (``interleave`` = pairs (x[2i], x[2i+1]), the
+official layout; ``neox`` = pairs (x[i], x[i + d/2])) and `latent_norm_eps`
+(the eps of the q_a / kv_a latent norms). The math each field feeds is in
 ``docs/model.md``.
 
-An impossible config raises `ConfigError` naming the field.
+`ModelConfig.to_dict` / `from_dict` are kdtree's own form (what fixtures
+record); `ModelConfig.from_hf_dict` reads an HF ``config.json``
+(kdtr_format/hf_config.py). An impossible config raises `ConfigError` naming
+the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import KdtrError
+
+if TYPE_CHECKING:
+    from .hf_config import HFConfig
 
 ROPE_STYLES = ("interleave", "neox")
 
@@ -41,9 +49,12 @@ def _non_negative_int(value: Any, field_name: str) -> None:
              field_name, f"must be a non-negative integer, got {value!r}")
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_number(value: Any, field_name: str) -> None:
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-             field_name, f"must be a positive number, got {value!r}")
+    _require(_number(value) and value > 0, field_name, f"must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -66,11 +77,22 @@ class YarnScaling:
         _positive_number(self.beta_slow, "rope_scaling.beta_slow")
         for name in ("mscale", "mscale_all_dim"):
             value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and value >= 0,
-                     f"rope_scaling.{name}", f"must be a number >= 0, got {value!r}")
+            _require(_number(value) and value >= 0, f"rope_scaling.{name}",
+                     f"must be a number >= 0, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "yarn", **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "YarnScaling | None":
+        """The inverse of `to_dict` (None stays None): ``type`` "yarn" and every field."""
+        if data is None:
+            return None
+        _require(isinstance(data, Mapping), "rope_scaling", f"expected an object or null, got {data!r}")
+        _require(data.get("type") == "yarn", "rope_scaling.type",
+                 f"only 'yarn' is supported, got {data.get('type')!r}")
+        return cls(**_exact_fields(cls, {k: v for k, v in data.items() if k != "type"},
+                                    "rope_scaling."))
 
 
 @dataclass(frozen=True)
@@ -102,6 +124,7 @@ class ModelConfig:
     rope_scaling: YarnScaling | None = None
     rope_style: str = "interleave"
     rms_norm_eps: float = 1e-6
+    latent_norm_eps: float = 1e-6      # q_a / kv_a norms: 1e-6 in the reference code, whatever rms_norm_eps
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
 
@@ -133,6 +156,11 @@ class ModelConfig:
         _positive_number(self.routed_scaling_factor, "routed_scaling_factor")
         _positive_number(self.rope_theta, "rope_theta")
         _positive_number(self.rms_norm_eps, "rms_norm_eps")
+        _positive_number(self.latent_norm_eps, "latent_norm_eps")
+        _require(isinstance(self.norm_topk_prob, bool), "norm_topk_prob",
+                 f"must be true or false, got {self.norm_topk_prob!r}")
+        _require(self.rope_scaling is None or isinstance(self.rope_scaling, YarnScaling),
+                 "rope_scaling", f"must be a YarnScaling or None, got {self.rope_scaling!r}")
         _require(self.scoring_func == "sigmoid", "scoring_func",
                  f"only 'sigmoid' is supported, got {self.scoring_func!r}")
         _require(self.topk_method == "noaux_tc", "topk_method",
@@ -157,45 +185,36 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
-        """From `to_dict` output or an HF-style ``config.json`` dict.
+        """The inverse of `to_dict`: every field present and no other key (a fixture's
+        ``config``). An HF ``config.json`` goes through `from_hf_dict`."""
+        _require(isinstance(data, Mapping), "config", f"expected a JSON object, got {type(data).__name__}")
+        kwargs = _exact_fields(cls, data, "")
+        kwargs["rope_scaling"] = YarnScaling.from_dict(kwargs["rope_scaling"])
+        return cls(**kwargs)
 
-        HF extras (architectures, torch_dtype, ...) are ignored. `rope_style`
-        comes from ``rope_style``, else HF's ``rope_interleave`` flag, else the
-        official layout ``interleave``. A missing required field is an error.
-        """
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"config: expected a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in names}
-        if "rope_style" not in data and "rope_interleave" in data:
-            kwargs["rope_style"] = "interleave" if data["rope_interleave"] else "neox"
-        kwargs["rope_scaling"] = _rope_scaling_from_dict(data.get("rope_scaling"))
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.name not in kwargs and f.default is dataclasses.MISSING]
-        if missing:
-            raise ConfigError(f"{missing[0]}: required field is missing")
-        try:
-            return cls(**kwargs)
-        except TypeError as exc:
-            raise ConfigError(f"config: {exc}") from None
+    @classmethod
+    def from_hf_dict(cls, data: Mapping[str, Any]) -> "HFConfig":
+        """An HF ``config.json`` dict (DeepseekV3 / Kimi K2, transformers 4.x or 5.x
+        rope forms) -> ``HFConfig(config, notes)``: the config, and one line for each
+        decision a user may want to know about. A key whose meaning kdtree does not
+        implement raises `ConfigError` naming it. The rules: kdtr_format/hf_config.py."""
+        from .hf_config import read_hf_config
 
-    from_hf_dict = from_dict
+        return read_hf_config(data)
 
 
-def _rope_scaling_from_dict(data: Any) -> YarnScaling | None:
-    if data is None:
-        return None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"rope_scaling: expected an object or null, got {data!r}")
-    kind = data.get("type", data.get("rope_type"))
-    if kind in (None, "default"):
-        return None
-    _require(kind == "yarn", "rope_scaling.type", f"only 'yarn' is supported, got {kind!r}")
-    names = {f.name for f in dataclasses.fields(YarnScaling)}
-    kwargs = {k: v for k, v in data.items() if k in names}
-    for required in ("factor", "original_max_position_embeddings"):
-        _require(required in kwargs, f"rope_scaling.{required}", "required field is missing")
-    return YarnScaling(**kwargs)
+def _exact_fields(cls: type, data: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """data's items when its keys are exactly the dataclass `cls`'s fields, else ConfigError
+    naming the first missing or unknown one."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    missing = [name for name in names if name not in data]
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]}: required field is missing")
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: not a field of {cls.__name__} "
+                          "(an HF config.json goes through ModelConfig.from_hf_dict)")
+    return dict(data)
 
 
 @dataclass(frozen=True)
@@ -242,6 +261,7 @@ def _kimi_k2_attention() -> dict[str, Any]:
 
 PRESETS: dict[str, ModelConfig] = {
     # The seed engine's size: q_lora, interleave rope with yarn, n_group 1, one dense layer first.
+    # mscale != mscale_all_dim, so the YaRN cos/sin gain get_m(4, 1) / get_m(4, 0.707) is 1.037.
     "tiny": ModelConfig(
         vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
         q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
@@ -249,10 +269,10 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=384, first_k_dense_replace=1, n_group=1, topk_group=1,
         routed_scaling_factor=2.5, rope_theta=10000.0, rope_style="interleave",
         rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=128, beta_fast=32.0,
-                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707),
         rms_norm_eps=1e-6, max_position_embeddings=512),
     # Different everywhere: odd vocab, no q_lora, neox without yarn, grouped routing,
-    # two shared experts, no dense layer, eps 1e-5.
+    # two shared experts, no dense layer, eps 1e-5 (the latent norms keep the reference's 1e-6).
     "tiny2": ModelConfig(
         vocab_size=777, hidden_size=192, num_hidden_layers=3, num_attention_heads=3,
         q_lora_rank=None, kv_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16,

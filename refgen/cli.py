@@ -8,7 +8,8 @@
     refgen show FILE                         what a fixture holds
 
 Bad input ends in one line `refgen: error: ...` and exit status 2; drift in
-exit status 1 with one line per drifting tensor. Files are written atomically.
+exit status 1 with one line per drifting tensor; Ctrl-C in 130 (the exit statuses
+of every kdtree command line: kdtr_format/clikit.py). Files are written atomically.
 """
 
 from __future__ import annotations
@@ -33,19 +34,22 @@ from typing import Any, Callable, Iterator  # noqa: E402
 import click  # noqa: E402
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
 
 import kdtr_format  # noqa: E402
 from kdtr_format import PRESETS, KdtrError, ModelConfig  # noqa: E402
+from kdtr_format.clikit import Cli, CliError, OutputDirectory, console, records, table  # noqa: E402
 
 from . import __version__  # noqa: E402
-from .fixtures import (DEFAULT_PLAN, GOLDEN_PRESETS, Fixture, FixtureError, check_plan,  # noqa: E402
-                       compare, model_fixture, stored_hash_problem, write_fixture)
+from .fixtures import (DEFAULT_PLAN, GOLDEN_PRESETS, REGEN_RTOL, Fixture, FixtureError,  # noqa: E402
+                       check_plan, compare, model_fixture, stored_hash_problem, write_fixture)
 from .kernel_cases import KERNEL_KINDS, kernel_cases, kernel_fixture, kernel_path  # noqa: E402
 from .weights import weight_shapes  # noqa: E402
 
 DEFAULT_DIR = "tests/golden"
+COMMITTED_DIR = Path(__file__).resolve().parents[1] / DEFAULT_DIR   # this checkout's golden fixtures
+IDENTICALLY = f"integer tensors byte-identical, floats within {REGEN_RTOL:g} relative"   # as the README says
 MAX_WEIGHT_BYTES = 2 << 30      # refgen holds every weight in float64: refuse configs beyond this
 MAX_REPORTED = 40               # drift lines printed per file
 
@@ -54,42 +58,12 @@ KIND_HELP = {
     "tree_build": "top-k and best-first tree build edge cases (B = 0, 1, beyond possible, ties, L = 0, 1)",
     "verify_attention": "ragged tree-verify MLA attention batches (K2 and tiny dims)",
     "accept_compact": "accept walks (non-prefix paths) and the KV compaction they imply",
+    "corpus": "the bugs other DDTree integrations shipped, one named regression case each",
 }
 
 
-class CliError(click.ClickException):
-    """Bad input: reported as one line, exit status 2."""
-
-    exit_code = 2
-
-
-class _Group(click.Group):
-    """Reports every click error and CliError as one line on stderr."""
-
-    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
-        extra.pop("standalone_mode", None)
-        try:
-            code = super().main(args, prog_name or "refgen", standalone_mode=False, **extra)
-        except click.ClickException as exc:
-            click.echo(f"refgen: error: {exc.format_message()}", err=True)
-            sys.exit(exc.exit_code if isinstance(exc, CliError) else 2)
-        except click.Abort:
-            click.echo("refgen: error: aborted", err=True)
-            sys.exit(130)
-        sys.exit(code or 0)
-
-
-def _stdout() -> Console:
-    """Tables keep their columns when piped (rich assumes 80 columns then)."""
-    return Console(width=None if sys.stdout.isatty() else 132)
-
-
-def _stderr() -> Console:
-    return Console(stderr=True)
-
-
-@click.group(cls=_Group)
-@click.version_option(__version__, prog_name="refgen")
+@click.group(cls=Cli, name="refgen", bad_input=(KdtrError, FixtureError))
+@click.version_option(__version__, "--version", prog_name="refgen")
 def main() -> None:
     """Golden fixtures for DDTree on DeepSeek-V3 / Kimi-K2 models (docs/fixtures.md)."""
 
@@ -99,25 +73,20 @@ def main() -> None:
 @main.command("list")
 def list_command() -> int:
     """Presets and fixture kinds."""
-    console = _stdout()
-    presets = Table(title="presets")
-    for column in ("name", "vocab", "hidden", "layers", "heads", "kv_lora", "experts", "weights MB", "fixture"):
-        presets.add_column(column)
+    out = console()
+    presets = table("name", "vocab", "hidden", "layers", "heads", "kv_lora", "experts", "MB", "fixture",
+                    title="presets (MB: the weights in float32)",
+                    right=("vocab", "hidden", "layers", "heads", "kv_lora", "experts", "MB"))
     for name, cfg in PRESETS.items():
         presets.add_row(name, str(cfg.vocab_size), str(cfg.hidden_size), str(cfg.num_hidden_layers),
                         str(cfg.num_attention_heads), str(cfg.kv_lora_rank), str(cfg.n_routed_experts),
                         f"{_weight_bytes(cfg) / 1e6:.1f}",
-                        "committed" if name in GOLDEN_PRESETS else "on demand (--preset)")
-    console.print(presets)
-    kinds = Table(title="fixture kinds")
-    for column in ("kind", "file", "cases", "holds"):
-        kinds.add_column(column)
-    kinds.add_row("model", "<preset>.kdtr", f"{len(DEFAULT_PLAN.traces)} traces", KIND_HELP["model"])
-    for kind in KERNEL_KINDS:
-        kinds.add_row(kind, kernel_path(kind, False),
-                      f"{len(kernel_cases(kind, False))} (+{len(kernel_cases(kind, True))} large)",
-                      KIND_HELP[kind])
-    console.print(kinds)
+                        "committed" if name in GOLDEN_PRESETS else "--preset")
+    out.print(presets)
+    kinds = [("model", f"<preset>.kdtr, {len(DEFAULT_PLAN.traces)} traces: {KIND_HELP['model']}")]
+    kinds += [(kind, f"{kernel_path(kind, False)}, {len(kernel_cases(kind, False))} cases "
+                     f"(+{len(kernel_cases(kind, True))} large): {KIND_HELP[kind]}") for kind in KERNEL_KINDS]
+    out.print(records("fixture kinds", kinds))
     return 0
 
 
@@ -149,7 +118,7 @@ def _kernel_job(kind: str, seed: int, large: bool) -> _Job:
 
 def _config_from_file(path: Path) -> tuple[ModelConfig, str]:
     """An HF-style config.json -> (config, fixture name: the file's stem, or its
-    directory's name for a file called config.json)."""
+    directory's name for a file called config.json). The loader's notes go to stderr."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -157,9 +126,11 @@ def _config_from_file(path: Path) -> tuple[ModelConfig, str]:
     except json.JSONDecodeError as exc:
         raise CliError(f"config file {path}: not valid JSON ({exc})") from None
     try:
-        cfg = ModelConfig.from_dict(data)
+        cfg, notes = ModelConfig.from_hf_dict(data)
     except KdtrError as exc:
         raise CliError(f"config file {path}: {exc}") from None
+    for note in notes:
+        click.echo(f"refgen: note: config file {path}: {note}", err=True)
     try:
         check_plan(cfg, DEFAULT_PLAN)
     except FixtureError as exc:
@@ -185,12 +156,16 @@ def _prepare_out(out: Path, jobs: list[_Job]) -> None:
             raise CliError(f"output directory {directory} is not writable")
 
 
-def _run_jobs(jobs: list[_Job], out: Path, console: Console) -> list[tuple[_Job, float]]:
+def _progress(on: Console, *columns: Any) -> Progress:
+    """Progress bars on a terminal (80 columns hold them), nothing on a pipe."""
+    return Progress(TextColumn("{task.description:<36}", markup=False), BarColumn(bar_width=20), *columns,
+                    console=on, transient=True, disable=not on.is_terminal)
+
+
+def _run_jobs(jobs: list[_Job], out: Path, progress_console: Console) -> list[tuple[_Job, float]]:
     """Build and write every job with progress bars -> (job, seconds) per job."""
     done = []
-    columns = (TextColumn("{task.description:<34}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    with _progress(progress_console, TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as progress:
         for job in jobs:
             task = progress.add_task(job.path, total=job.steps)
             began = time.perf_counter()
@@ -205,19 +180,19 @@ def _run_jobs(jobs: list[_Job], out: Path, console: Console) -> list[tuple[_Job,
     return done
 
 
-@main.command()
+@main.command(no_args_is_help=True)
 @click.option("--preset", "presets", multiple=True, metavar="NAME",
               help=f"A preset to write ({', '.join(PRESETS)}); repeatable.")
 @click.option("--all", "all_", is_flag=True,
               help=f"Every committed fixture: presets {', '.join(GOLDEN_PRESETS)} and the kernel cases.")
-@click.option("--config-file", type=click.Path(path_type=Path), metavar="PATH",
+@click.option("--config-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="PATH",
               help="An HF-style config.json to write a model fixture for.")
-@click.option("--out", type=click.Path(path_type=Path), default=DEFAULT_DIR, show_default=True,
+@click.option("--out", type=OutputDirectory(), default=DEFAULT_DIR, show_default=True,
               help="Output directory.")
 @click.option("--kernels/--no-kernels", default=None,
               help="Write the small kernel-case fixtures (default: with --all only).")
 @click.option("--kernels-large", is_flag=True, help="Write the large kernel cases (*_large.kdtr).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 def generate(presets: tuple[str, ...], all_: bool, config_file: Path | None, out: Path,
              kernels: bool | None, kernels_large: bool, seed: int) -> int:
     """Write golden fixtures."""
@@ -227,28 +202,25 @@ def generate(presets: tuple[str, ...], all_: bool, config_file: Path | None, out
     jobs = [_model_job(PRESETS[name], name, seed, "preset")
             for name in dict.fromkeys((*GOLDEN_PRESETS, *presets) if all_ else presets)]
     if config_file is not None:
-        if not config_file.is_file():
-            raise CliError(f"config file {config_file}: no such file")
         cfg, name = _config_from_file(config_file)
         jobs.append(_model_job(cfg, name, seed, "config-file"))
     if kernels if kernels is not None else all_:
         jobs += [_kernel_job(kind, seed, large=False) for kind in KERNEL_KINDS]
     if kernels_large:
-        jobs += [_kernel_job(kind, seed, large=True) for kind in KERNEL_KINDS]
+        jobs += [_kernel_job(kind, seed, large=True) for kind in KERNEL_KINDS if kernel_cases(kind, True)]
     if not jobs:
         raise CliError("nothing to generate: give --all, --preset NAME, --config-file PATH or --kernels")
     _prepare_out(out, jobs)
-    done = _run_jobs(jobs, out, _stderr())
+    done = _run_jobs(jobs, out, console(stderr=True))
 
-    table = Table(title=f"fixtures written to {out}")
-    for column in ("file", "tensors", "MB", "min margin", "time s"):
-        table.add_column(column, justify="left" if column == "file" else "right")
+    written = table("file", "tensors", "MB", "min margin", "time s", title=f"fixtures written to {out}",
+                    right=("tensors", "MB", "min margin", "time s"))
     for job, seconds in done:
         with kdtr_format.open(out / job.path) as reader:
             margin = reader.metadata.get("min_margin")
-            table.add_row(job.path, str(len(reader)), f"{(out / job.path).stat().st_size / 1e6:.2f}",
-                          "-" if margin is None else f"{margin:.4g}", f"{seconds:.1f}")
-    _stdout().print(table)
+            written.add_row(job.path, str(len(reader)), f"{(out / job.path).stat().st_size / 1e6:.2f}",
+                            "-" if margin is None else f"{margin:.4g}", f"{seconds:.1f}")
+    console().print(written)
     return 0
 
 
@@ -273,27 +245,27 @@ def _regenerate(metadata: dict[str, Any]) -> _Job:
 
 
 def _fixture_files(path: Path) -> tuple[list[Path], list[str]]:
-    """The fixture files under `path` (a file or a directory) and, for a directory,
-    the committed fixtures it lacks."""
+    """The fixture files under `path` (a file or a directory) and, for this checkout's
+    committed golden directory, the committed fixtures it lacks."""
     if path.is_file():
         return [path], []
-    if not path.is_dir():
-        raise CliError(f"{path}: no such file or directory")
-    files = sorted(path.rglob("*.kdtr"))
+    files = sorted(p for p in path.rglob("*.kdtr") if p.is_file())
+    if path.resolve() != COMMITTED_DIR.resolve():
+        return files, []
     expected = [f"{name}.kdtr" for name in GOLDEN_PRESETS] + [kernel_path(k, False) for k in KERNEL_KINDS]
     return files, [name for name in expected if not (path / name).is_file()]
 
 
-def _verify_file(path: Path, scratch: Path, console: Console) -> list[str]:
-    """Problems of one committed fixture file: its own hash, then a regeneration."""
+def _verify_file(path: Path, scratch: Path, progress_console: Console) -> list[str]:
+    """Problems of one fixture file: its own hash, then a regeneration."""
     try:
         with kdtr_format.open(path) as committed:
+            _require_fixture(committed.metadata)
             problems = [p for p in [stored_hash_problem(committed)] if p]
             job = _regenerate(committed.metadata)
             fresh = scratch / job.path
             fresh.parent.mkdir(parents=True, exist_ok=True)
-            with Progress(TextColumn("{task.description:<34}"), BarColumn(), console=console,
-                          transient=True) as progress:
+            with _progress(progress_console) as progress:
                 task = progress.add_task(f"regenerating {path.name}", total=job.steps)
                 write_fixture(fresh, job.build(lambda steps: progress.advance(task, steps)))
             with kdtr_format.open(fresh) as regenerated:
@@ -304,36 +276,42 @@ def _verify_file(path: Path, scratch: Path, console: Console) -> list[str]:
     return problems
 
 
-@main.command()
-@click.argument("path", type=click.Path(path_type=Path), default=DEFAULT_DIR, required=False)
+def _require_fixture(metadata: dict[str, Any]) -> None:
+    """FixtureError unless the metadata is a refgen fixture's."""
+    if not isinstance(metadata.get("kind"), str) or "kdtree_fixture" not in metadata:
+        raise FixtureError("a KDTR file, but not a refgen fixture (its metadata has no kdtree_fixture and "
+                           "kind); `kdtr inspect` shows any KDTR file")
+
+
+@main.command(help=f"Regenerate the fixtures under PATH (a directory or one file; default {DEFAULT_DIR}) and "
+                   f"compare: {IDENTICALLY}, metadata equal but for provenance. This checkout's "
+                   f"{DEFAULT_DIR} must also hold every committed fixture. Exit 1 on any drift.")
+@click.argument("path", type=click.Path(exists=True, path_type=Path), default=DEFAULT_DIR, required=False)
 def verify(path: Path) -> int:
-    """Regenerate the fixtures under PATH (a directory or one file) and compare:
-    integer tensors byte-identical, floats within 1e-12 relative, metadata equal
-    but for provenance. Exit 1 on any drift."""
     files, missing = _fixture_files(path)
     if not files and not missing:
         raise CliError(f"{path}: no .kdtr fixtures found")
-    console, failed = _stdout(), 0
+    out, failed = console(), 0
     for name in missing:
-        console.print(f"[red]MISSING[/red] {path / name}: run `refgen generate --all`", highlight=False)
+        out.print(f"[red]MISSING[/red] {escape(str(path / name))}: run `refgen generate --all`")
         failed += 1
     with tempfile.TemporaryDirectory(prefix="refgen-verify-") as scratch:
         for file in files:
             began = time.perf_counter()
-            problems = _verify_file(file, Path(scratch), _stderr())
+            problems = _verify_file(file, Path(scratch), console(stderr=True))
             seconds = time.perf_counter() - began
             if not problems:
-                console.print(f"[green]ok[/green]      {file} ({seconds:.1f} s)", highlight=False)
+                out.print(f"[green]ok[/green]      {escape(str(file))} ({seconds:.1f} s)")
                 continue
             failed += 1
-            console.print(f"[red]DRIFT[/red]   {file}: {len(problems)} problem(s)", highlight=False)
+            out.print(f"[red]DRIFT[/red]   {escape(str(file))}: {len(problems)} problem(s)")
             for line in problems[:MAX_REPORTED]:
-                console.print(f"  {line}", highlight=False, markup=False)
+                out.print(f"  {line}", markup=False)
             if len(problems) > MAX_REPORTED:
-                console.print(f"  ... and {len(problems) - MAX_REPORTED} more", highlight=False)
+                out.print(f"  ... and {len(problems) - MAX_REPORTED} more")
+    total = len(files) + len(missing)
     verdict = "[red]FAILED[/red]" if failed else "[green]passed[/green]"
-    console.print(f"{verdict}: {len(files) + len(missing) - failed} of {len(files) + len(missing)} "
-                  "fixtures regenerate identically", highlight=False)
+    out.print(f"{verdict}: {total - failed} of {total} fixtures regenerate identically ({IDENTICALLY})")
     return 1 if failed else 0
 
 
@@ -350,79 +328,76 @@ def _groups(reader: Any) -> Iterator[tuple[str, int, int]]:
         yield group, count, nbytes
 
 
-@main.command()
-@click.argument("file", type=click.Path(path_type=Path))
+@main.command(no_args_is_help=True)
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def show(file: Path) -> int:
-    """What a fixture holds: kind, preset, prompts, traces or cases, sizes."""
-    if not file.is_file():
-        raise CliError(f"{file}: no such file")
+    """What a fixture FILE holds: kind, preset, prompts, traces or cases, sizes."""
     try:
-        reader = kdtr_format.open(file)
-    except KdtrError as exc:
+        with kdtr_format.open(file) as reader:
+            _require_fixture(reader.metadata)
+            parts = _show(file, reader.metadata, stored_hash_problem(reader), list(_groups(reader)))
+    except (FixtureError, KdtrError) as exc:
         raise CliError(f"{file}: {exc}") from None
-    with reader:
-        meta, console = reader.metadata, _stdout()
-        hash_problem = stored_hash_problem(reader)
-        generator = meta.get("generator", {})
-        console.print(f"[bold]{file}[/bold]: kind {meta.get('kind')!s}, "
-                      f"generator {generator.get('name')} {generator.get('version')} "
-                      f"(numpy {generator.get('numpy')}), seed {generator.get('seed')}", highlight=False)
-        console.print(f"content hash {meta.get('content_hash', '-')[:16]}... "
-                      f"{'[green]matches[/green]' if not hash_problem else '[red]' + hash_problem + '[/red]'}",
-                      highlight=False)
-        sizes = Table(title="sizes")
-        for column in ("group", "tensors", "MB"):
-            sizes.add_column(column)
-        for group, count, nbytes in _groups(reader):
-            sizes.add_row(group, str(count), f"{nbytes / 1e6:.2f}")
-        console.print(sizes)
-        if meta.get("kind") == "model":
-            _show_model(meta, console)
-        elif "cases" in meta:
-            _show_cases(meta, console)
+    out = console()
+    for part in parts:
+        out.print(part)
     return 0
 
 
-def _show_model(meta: dict[str, Any], console: Console) -> None:
-    cfg = meta.get("config", {})
-    console.print(f"preset {meta.get('preset')} ({meta.get('source')}): vocab {cfg.get('vocab_size')}, "
-                  f"hidden {cfg.get('hidden_size')}, {cfg.get('num_hidden_layers')} layers, "
-                  f"{cfg.get('num_attention_heads')} heads; margin threshold {meta.get('margin_threshold'):.3g}, "
-                  f"min margin {meta.get('min_margin'):.3g}, min top-k gap {meta.get('min_topk_gap')}",
-                  highlight=False)
-    prompts = Table(title="prompts")
-    for column in ("name", "length", "seed", "draw"):
-        prompts.add_column(column)
-    for p in meta.get("prompts", []):
+def _show(file: Path, meta: dict[str, Any], hash_problem: str | None,
+          groups: list[tuple[str, int, int]]) -> list[Any]:
+    """What `show` prints (renderables); FixtureError when the metadata lacks what a fixture holds."""
+    try:
+        generator = meta["generator"]
+        parts: list[Any] = [
+            f"[bold]{escape(str(file))}[/bold]: kind {escape(meta['kind'])}, generator {generator['name']} "
+            f"{generator['version']} (numpy {generator['numpy']}), seed {generator['seed']}",
+            f"content hash {str(meta.get('content_hash', '-'))[:16]}... "
+            + ("[green]matches[/green]" if not hash_problem else f"[red]{escape(hash_problem)}[/red]")]
+        sizes = table("group", "tensors", "MB", title="sizes", right=("tensors", "MB"))
+        for group, count, nbytes in groups:
+            sizes.add_row(group, str(count), f"{nbytes / 1e6:.2f}")
+        parts.append(sizes)
+        if meta["kind"] == "model":
+            parts += _show_model(meta)
+        elif "cases" in meta:
+            title = f"{meta['kind']} cases{' (large)' if meta.get('large') else ''}"
+            parts.append(records(title, [(case["name"], _fields({k: v for k, v in case.items() if k != "name"}))
+                                         for case in meta["cases"]]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FixtureError(f"malformed {meta['kind']} fixture metadata ({type(exc).__name__}: {exc})") from None
+    return parts
+
+
+def _show_model(meta: dict[str, Any]) -> list[Any]:
+    cfg = meta["config"]
+    summary = (f"preset {escape(str(meta['preset']))} ({escape(str(meta['source']))}): vocab {cfg['vocab_size']}, "
+               f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+               f"{cfg['num_attention_heads']} heads; margin threshold {meta['margin_threshold']:.3g}, "
+               f"min margin {meta['min_margin']:.3g}, min top-k gap {meta['min_topk_gap']:.3g}")
+    prompts = table("name", "length", "seed", "draw", title="prompts", right=("length", "seed", "draw"))
+    for p in meta["prompts"]:
         prompts.add_row(p["name"], str(p["length"]), str(p["seed"]), str(p["draw"]))
-    console.print(prompts)
-    traces = Table(title="traces")
-    for column in ("name", "prompt", "drafter", "block", "budget", "tokens", "rounds",
-                   "forwards dd/ar", "non-prefix", "min margin"):
-        traces.add_column(column)
-    for t in meta.get("traces", []):
+    traces = []
+    for t in meta["traces"]:
         drafter = t["drafter"]
         label = drafter["kind"] + (f" {drafter['accuracy']}" if "accuracy" in drafter else "") + \
             (f" (draw {drafter['draw']})" if drafter.get("draw") else "")
-        traces.add_row(t["name"], t["prompt"], label, str(t["ddtree"]["block_size"]),
-                       str(t["ddtree"]["budget"]), str(t["max_new_tokens"]), str(t["rounds"]),
-                       f"{t['target_forwards']}/{t['ar_target_forwards']}", str(t["non_prefix_rounds"]),
-                       f"{t['min_margin']:.3g}")
-    console.print(traces)
+        traces.append((t["name"], _fields({
+            "prompt": t["prompt"], "drafter": label, "block": t["ddtree"]["block_size"],
+            "budget": t["ddtree"]["budget"], "tokens": t["max_new_tokens"], "rounds": t["rounds"],
+            "forwards": f"{t['target_forwards']} (AR {t['ar_target_forwards']})",
+            "non-prefix rounds": t["non_prefix_rounds"], "min margin": t["min_margin"]})))
+    return [summary, prompts, records("traces", traces)]
 
 
-def _show_cases(meta: dict[str, Any], console: Console) -> None:
-    cases = meta["cases"]
-    table = Table(title=f"{meta.get('kind')} cases{' (large)' if meta.get('large') else ''}")
-    keys = [k for k in cases[0] if k != "name"] if cases else []
-    for column in ("name", *keys):
-        table.add_column(column)
-    for case in cases:
-        table.add_row(case["name"], *(_short(case.get(k)) for k in keys))
-    console.print(table)
+def _fields(fields: dict[str, Any]) -> str:
+    return ", ".join(f"{key} {_short(value)}" for key, value in fields.items())
 
 
 def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_short, value)) + "]"
     return "-" if value is None else str(value)

@@ -21,12 +21,13 @@ import numpy as np
 
 from kdtr_format import PRESETS
 
+from .corpus import CORPUS_CASES, corpus_case
 from .ddtree import Tree, accept, build_tree, compact, compile_tree, topk_logprobs
 from .fixtures import (FIXTURE_FORMAT, Fixture, FixtureError, Progress, generator_info, sub_seed,
                        topk_gaps)
 from .model import absorbed_attention, softmax_scale
 
-KERNEL_KINDS = ("tree_build", "verify_attention", "accept_compact")
+KERNEL_KINDS = ("tree_build", "verify_attention", "accept_compact", "corpus")
 LOGIT_QUANTUM = 2.0 ** -10   # random draft logits are multiples of this
 KV_GAP_ROWS = 3              # junk rows between two requests' keys in a verify batch
 JUNK = 1e4                   # their value: any kernel that reads them is visibly wrong
@@ -46,11 +47,22 @@ def kernel_path(kind: str, large: bool) -> str:
 
 # ---------------------------------------------------------------------------- tree build
 
+# Found by search: top-k rows where one sibling's score, parent + lp[r + 1] in float64,
+# differs from both incremental updates from the previous sibling, s + (lp[r + 1] - lp[r])
+# and (s - lp[r]) + lp[r + 1]. float32 [L, K], int64 [L, K]; every node within budget 39.
+SIBLING_ROUNDING_TOPK = (
+    np.array([[-3.2388949161576974e-11, -2.301265622506321e-09, -6.279906749725342],
+              [-0.0001791048707673326, -0.018219418823719025, -0.15931688249111176],
+              [-0.002343644853681326, -0.6858245134353638, -1.9527453184127808]], dtype=np.float32),
+    np.array([[4, 2, 0], [1, 3, 5], [0, 1, 2]], dtype=np.int64))
+
+
 @dataclass(frozen=True)
 class TreeCase:
     """A tree-build case. logits: "normal" (quantized N(0, 4)), "integer" (values
     0..3: many exact ties) or "hand" (hand-made top-k rows, no draft logits:
-    "equal" every lp -1, "halves" lp -0.5 * (rank + 1), whose path sums tie)."""
+    "equal" every lp -1, "halves" lp -0.5 * (rank + 1), whose path sums tie,
+    "sibling_rounding" SIBLING_ROUNDING_TOPK)."""
 
     name: str
     vocab: int
@@ -73,6 +85,7 @@ TREE_CASES = (
     TreeCase("tied_halves", 50, 5, 40, 5, "hand", "halves"),
     TreeCase("random", 1000, 7, 48, 100, "normal"),
     TreeCase("random_l15", 2048, 15, 100, 321, "normal"),    # 101 nodes: 4 visibility words
+    TreeCase("sibling_rounding", 6, 3, 39, 17, "hand", "sibling_rounding"),
 )
 TREE_CASES_LARGE = tuple(TreeCase(f"k2_b{b}", 163840, 15, b, 4096, "normal")
                          for b in (16, 64, 256, 512))
@@ -89,6 +102,9 @@ def _draft_logits(case: TreeCase, rng: np.random.Generator) -> np.ndarray:
 def _hand_topk(case: TreeCase, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """-> (topk_lp float32 [L, K], topk_id int64 [L, K]), K = 3, valid top-k rows."""
     K = 3
+    if case.hand == "sibling_rounding":
+        lp, ids = SIBLING_ROUNDING_TOPK
+        return lp.copy(), ids.copy()
     if case.hand == "equal":
         lp = np.full((case.depth, K), -1.0, dtype=np.float32)
         ids = np.sort(np.stack([rng.choice(case.vocab, K, replace=False) for _ in range(case.depth)]), axis=1)
@@ -294,6 +310,7 @@ _KINDS = {
     "tree_build": (_tree_case, TREE_CASES, TREE_CASES_LARGE),
     "verify_attention": (_attention_case, ATTENTION_CASES, ATTENTION_CASES_LARGE),
     "accept_compact": (_accept_case, ACCEPT_CASES, ACCEPT_CASES_LARGE),
+    "corpus": (corpus_case, CORPUS_CASES, ()),          # refgen/corpus.py: small cases only
 }
 
 

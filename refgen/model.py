@@ -51,8 +51,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         return (d * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
                 / (2 * math.log(theta)))
 
-    low = min(max(math.floor(correction_dim(yarn.beta_fast)), 0), d - 1)
-    high = min(max(math.ceil(correction_dim(yarn.beta_slow)), 0), d - 1)
+    # Clamped as DeepSeek-V3's inference/model.py and HF do: low from below, high from above, only.
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), d - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
@@ -331,13 +332,13 @@ class Model:
         if cfg.q_lora_rank is None:
             q = x @ w[p + "wq"].T
         else:
-            q = rms_norm(x @ w[p + "wq_a"].T, w[p + "q_a_norm"], cfg.rms_norm_eps) @ w[p + "wq_b"].T
+            q = rms_norm(x @ w[p + "wq_a"].T, w[p + "q_a_norm"], cfg.latent_norm_eps) @ w[p + "wq_b"].T
         q = q.reshape(n, H, cfg.qk_head_dim)
         q_nope = q[..., :dn]                                                   # [n, H, dn]
         q_pe = apply_rope(q[..., dn:].transpose(1, 0, 2), positions, cfg).transpose(1, 0, 2)
         kv_a = x @ w[p + "wkv_a"].T                                            # [n, R + dr]
         cache.c_kv[i][start:start + n] = rms_norm(kv_a[:, :R], w[p + "kv_a_norm"],
-                                                  cfg.rms_norm_eps)
+                                                  cfg.latent_norm_eps)
         cache.k_pe[i][start:start + n] = apply_rope(kv_a[:, R:], positions, cfg)
         c_kv, k_pe = cache.c_kv[i][:start + n], cache.k_pe[i][:start + n]    # [S, R], [S, dr]
         w_uk, w_uv = self.w_uk[i], self.w_uv[i]                                # [H, dn|dv, R]

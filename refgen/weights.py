@@ -15,7 +15,10 @@ fair test at any depth of a preset:
 - `lm_head` is N(0, LOGIT_STD^2 / D): logits spread a few units, so greedy
   top-1/top-2 margins are mostly well above float32 rounding;
 - the router's correction bias is N(0, BIAS_STD^2): comparable to the spread of
-  the sigmoid scores, so it changes which experts are selected.
+  the sigmoid scores, so it changes which experts are selected. With grouped
+  routing (n_group > 1) its mean is GROUPED_BIAS_MEAN: every biased score is
+  then negative, so a router that masks dropped groups with 0.0 instead of
+  -inf picks experts of dropped groups.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from kdtr_format import ModelConfig
 OUT_GAIN = 0.5
 LOGIT_STD = 3.0
 BIAS_STD = 0.1
+GROUPED_BIAS_MEAN = -1.0
 NORM_RANGE = (0.8, 1.2)
 
 # How each weight is drawn: a normal with std = gain / sqrt(fan_in), fan_in the last axis
-# ("linear", "output"); a normal with a fixed std ("embedding", "logits", "bias");
-# or uniform in NORM_RANGE ("norm").
+# ("linear", "output"); a normal with a fixed std ("embedding", "logits", "bias", the last
+# shifted by GROUPED_BIAS_MEAN under grouped routing); or uniform in NORM_RANGE ("norm").
 _LINEAR, _OUTPUT, _NORM, _EMBEDDING, _LOGITS, _BIAS = (
     "linear", "output", "norm", "embedding", "logits", "bias")
 
@@ -109,5 +113,7 @@ def init_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
                    _LOGITS: LOGIT_STD / np.sqrt(shape[-1]),
                    _BIAS: BIAS_STD}[kind]
             w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+            if kind == _BIAS and cfg.n_group > 1:
+                w += np.float32(GROUPED_BIAS_MEAN)
         weights[name] = np.ascontiguousarray(w, dtype=np.float32)
     return weights

@@ -1,6 +1,7 @@
 """Running the CLIs as people do: in a pseudo-terminal of a given width, and piped.
 
     result = in_terminal(["kdtr", "inspect", path], columns=80)
+    result.widest                       # the longest line the terminal shows
     result = piped(["kdtr", "inspect", path])
     assert_clean_error(result)          # non-zero exit, one line, no traceback
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import re
 import select
 import signal
 import struct
@@ -29,6 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = {"kdtr": "kdtr_format", "refgen": "refgen", "kdtree": "engine"}
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m|\x1b\[\?[0-9;]*[hl]|\x1b\][^\x07]*\x07")   # SGR, cursor show/hide, titles
+_LINE_BREAK = re.compile(r"\r\n|\n|\r|\x1b\[[0-9;]*[ABCDEFGHJK]")   # new line, cursor moves, erase
 
 
 @dataclass
@@ -41,6 +45,18 @@ class Result:
     @property
     def lines(self) -> list[str]:
         return [line for line in self.output.replace("\r\n", "\n").splitlines() if line.strip()]
+
+    @property
+    def screen_lines(self) -> list[str]:
+        """The text as a terminal shows it, line by line: colours dropped, and a new line at every
+        carriage return or cursor move (progress bars redraw in place)."""
+        text = _COLOUR.sub("", self.output)
+        return [line for line in _LINE_BREAK.split(text) if line.strip()]
+
+    @property
+    def widest(self) -> int:
+        """The longest screen line, in characters (0 for no output)."""
+        return max(map(len, self.screen_lines), default=0)
 
 
 def command(argv: list[str]) -> list[str]:
@@ -114,4 +130,4 @@ def assert_clean_error(result: Result, mentions: str | None = None) -> None:
     errors = [line for line in result.lines if "error" in line.lower()]
     assert len(errors) == 1, f"expected one error line, got:\n{result.output}"
     if mentions is not None:
-        assert mentions in result.output, f"the error does not name {mentions!r}:\n{result.output}"
+        assert mentions in errors[0], f"the error does not name {mentions!r}:\n{result.output}"

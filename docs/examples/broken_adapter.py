@@ -4,8 +4,9 @@ tree build (equal scores pop the LARGER rank path first).
     kdtree validate --impl docs/examples/broken_adapter.py:BrokenTieAdapter    # exits 1
 
 Random logits almost never tie, so only the fixtures built to tie exactly
-(kernels/tree_build.kdtr: tied_*) catch it: the "tree build" row fails and
-names the case.
+(kernels/tree_build.kdtr: tied_*) and the corpus cases whose path scores tie
+(kernels/corpus.kdtr: token_zero, budget_beyond_possible) catch it: those rows
+fail and name the case.
 """
 
 from __future__ import annotations

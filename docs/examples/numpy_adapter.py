@@ -36,7 +36,10 @@ class NumpyAdapter:
 
     # ---- DDTree stages ----
     def topk_logprobs(self, draft_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """[L, V] -> (topk_lp float32 [L, K], topk_id int64 [L, K]); equal lp: smaller id first."""
+        """[L, V] -> (topk_lp float32 [L, K], topk_id int64 [L, K]); equal lp: smaller id first.
+        -inf is a masked token (lp -inf); NaN is refused (docs/adapter.md, "The corpus")."""
+        if np.isnan(draft_logits).any():
+            raise ValueError("draft_logits: contains NaN")
         x = draft_logits.astype(np.float64)
         peak = x.max(axis=-1, keepdims=True)
         lp = (x - (peak + np.log(np.exp(x - peak).sum(axis=-1, keepdims=True)))).astype(np.float32)
@@ -45,7 +48,7 @@ class NumpyAdapter:
         return np.take_along_axis(lp, order, -1), order.astype(np.int64)
 
     def tie_key(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
-        """Equal scores pop the smaller rank path first (DDTREE_CONTRACT.md section 3)."""
+        """Equal scores pop the smaller rank path first (docs/ddtree-semantics.md, section 3)."""
         return ranks
 
     def build_tree(self, topk_lp: np.ndarray, topk_id: np.ndarray, budget: int,

@@ -34,12 +34,14 @@ routing bugs (regime.py, docs/precision.md). Every row names its regime.
 Modules, one job each: `protocol` (what an adapter implements), `report` (rows,
 the report, JSON), `compare` (one comparison -> one row), `regime` (how a dtype
 judges rows, the routing watch), `fixtures` (finding them), `model_checks`,
-`kernel_checks` and `invariant` (the sections above), and `runner` (all of them
-in order).
+`kernel_checks` and `invariant` (the sections above), `deviations` (what an
+adapter declares about where it differs from the reference, noted on the rows
+it affects) and `runner` (all of them in order).
 """
 
 from .compare import (SKIPPED_DETAIL, classify_divergence, compare_close, compare_exact, compare_tokens,
                       compare_tree, merge, skipped, unpack_bits)
+from .deviations import Deviation, declared_deviations
 from .fixtures import GOLDEN_DIR, REPO_ROOT, find_fixtures, model_fixture_config
 from .invariant import INVARIANT_DDTREE, INVARIANT_TOKENS, MARGIN_REL, invariant_checks, \
     preset_invariant_checks, random_weights
@@ -49,10 +51,10 @@ from .report import Check, Report, Status, ValidateError, write_json
 from .runner import validate
 
 __all__ = [
-    "CAPABILITIES", "Check", "EngineAdapter", "GOLDEN_DIR", "INVARIANT_DDTREE", "INVARIANT_TOKENS",
+    "CAPABILITIES", "Check", "Deviation", "EngineAdapter", "GOLDEN_DIR", "INVARIANT_DDTREE", "INVARIANT_TOKENS",
     "MARGIN_REL", "REPO_ROOT", "Report", "SKIPPED_DETAIL", "Status", "ValidateError", "capabilities",
     "classify_divergence", "compare_close", "compare_exact", "compare_tokens", "compare_tree",
-    "find_fixtures", "invariant_checks", "load_impl", "merge", "model_fixture_config",
+    "declared_deviations", "find_fixtures", "invariant_checks", "load_impl", "merge", "model_fixture_config",
     "preset_invariant_checks", "random_weights", "replayed_round", "skipped", "unpack_bits",
     "validate", "write_json",
 ]

@@ -19,12 +19,17 @@ GOLDEN_DIR = REPO_ROOT / "tests" / "golden"
 
 
 def find_fixtures(fixtures: str | os.PathLike | None, generate: bool = True) -> Path:
-    """The fixture directory: `fixtures` if given (it must hold .kdtr files), else the
-    committed tests/golden, else a cache directory filled by `python -m refgen generate --all`."""
+    """The fixtures to check: `fixtures` if given (one .kdtr file, or a directory holding
+    .kdtr files), else the committed tests/golden, else a cache directory filled by
+    `python -m refgen generate --all`."""
     if fixtures is not None:
         path = Path(fixtures)
+        if path.is_file():
+            if path.suffix != ".kdtr":
+                raise ValidateError(f"fixture file {path} is not a .kdtr file")
+            return path
         if not path.is_dir():
-            raise ValidateError(f"fixture directory {path} does not exist")
+            raise ValidateError(f"fixture directory or file {path} does not exist")
         if not _kdtr_files(path):
             raise ValidateError(f"no .kdtr fixtures in {path}")
         return path
@@ -51,7 +56,11 @@ def find_fixtures(fixtures: str | os.PathLike | None, generate: bool = True) -> 
 
 
 def _kdtr_files(path: Path) -> list[Path]:
-    return sorted(path.glob("*.kdtr")) + sorted(path.glob("kernels/*.kdtr")) if path.is_dir() else []
+    """The fixture files of a directory (its *.kdtr and kernels/*.kdtr), or [path] for a file."""
+    if path.is_file():
+        return [path]
+    files = sorted(path.glob("*.kdtr")) + sorted(path.glob("kernels/*.kdtr")) if path.is_dir() else []
+    return [file for file in files if file.is_file()]
 
 
 def model_fixture_config(reader, path: Path) -> ModelConfig:

@@ -13,6 +13,7 @@ from ..adapter import TorchAdapter
 from ..decode import ar_decode, ddtree_decode
 from ..drafters import LayerSkipDrafter, OracleDrafter, RandomDrafter
 from ..weights import weight_shapes
+from .acceptance import engine_acceptance, with_acceptance
 from .compare import compare_tokens, merge
 from .report import Check
 
@@ -38,7 +39,8 @@ def invariant_checks(adapter: TorchAdapter, prompts: list[np.ndarray], threshold
     }
     checks = []
     for name, drafter in drafters.items():
-        result = ddtree_decode(model, drafter, prompts, INVARIANT_DDTREE, INVARIANT_TOKENS, stages=stages)
+        result = ddtree_decode(model, drafter, prompts, INVARIANT_DDTREE, INVARIANT_TOKENS, stages=stages,
+                               record=True)
         rows = [compare_tokens(section, name, got.tokens, want.tokens, want.margins, threshold, f"prompt {i}",
                                sequence=True)
                 for i, (got, want) in enumerate(zip(result.requests, ar.requests))]
@@ -47,7 +49,8 @@ def invariant_checks(adapter: TorchAdapter, prompts: list[np.ndarray], threshold
         forwards = (f"tau {result.metrics.mean_acceptance:.2f}, target forwards "
                     f"{result.metrics.target_forwards} vs AR {ar.metrics.target_forwards}")
         check.detail = f"{check.detail}; {forwards}" if check.detail else forwards
-        checks.append(check)
+        checks.append(with_acceptance(check, engine_acceptance(result), result.metrics.stage_seconds,
+                                      str(model.device)))
     return checks
 
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .compare import _int, _words, compare_close, compare_exact, compare_tree, merge, skipped, unpack_bits
+from .corpus_checks import corpus_cases
 from .report import Check
 
 DEFAULT_ATTENTION_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
@@ -92,4 +93,5 @@ _KERNEL_CASES: dict[str, Callable[..., list[Check]]] = {
     "tree_build": _tree_build_cases,
     "accept_compact": _accept_compact_cases,
     "verify_attention": _verify_attention_cases,
+    "corpus": corpus_cases,
 }

@@ -14,8 +14,9 @@ import numpy as np
 from kdtr_format import DDTreeConfig, ModelConfig
 
 from ..adapter import TorchAdapter
-from ..decode import ar_decode, ddtree_decode
+from ..decode import DecodeResult, ar_decode, ddtree_decode
 from ..drafters import ReplayDrafter
+from .acceptance import engine_acceptance, with_acceptance
 from .compare import _int, _words, compare_exact, compare_tree, merge, skipped, unpack_bits
 from .fixtures import model_fixture_config
 from .invariant import invariant_checks
@@ -229,15 +230,19 @@ class _Fixture:
                         [self.tokens(section, "engine AR decode", got.tokens, want, self[f"prompts/{p}/ar/margins"],
                                      f"prompt {p}", self.ar_reached(p)[0], sequence=True)
                          for p, got, want in zip(prompts, ar.requests, expected)])]
-        rows = []
+        rows, results = [], []
         greedy = [t for t in self.traces if t["ddtree"].get("temperature", 0.0) == 0.0]
         for block_size in sorted({t["ddtree"]["block_size"] for t in greedy}):
             group = [t for t in greedy if t["ddtree"]["block_size"] == block_size]
-            rows += self._replay(model, stages, section, group)
-        checks.append(merge(section, "engine DDTree replay (batched)", rows))
+            group_rows, result = self._replay(model, stages, section, group)
+            rows += group_rows
+            results.append(result)
+        checks.append(with_acceptance(merge(section, "engine DDTree replay (batched)", rows),
+                                      engine_acceptance(*results)))
         return checks
 
-    def _replay(self, model, stages, section: str, traces: list[Mapping[str, Any]]) -> list[Check]:
+    def _replay(self, model, stages, section: str,
+                traces: list[Mapping[str, Any]]) -> tuple[list[Check], DecodeResult]:
         """Traces of one block size in one batch, each with its own budget and length."""
         recorded = [{_int(self[f"traces/{t['name']}/rounds/{r}/start"]):
                      self[f"traces/{t['name']}/rounds/{r}/draft_logits"] for r in range(t["rounds"])}
@@ -279,7 +284,7 @@ class _Fixture:
                     break                       # the request left the recorded path: later rounds are not comparable
             tied = any(row.status is Status.NEAR_TIE for row in trace_rows)
             rows += trace_rows + follow_near_tie([lengths], tied, ("acceptance lengths",))
-        return rows
+        return rows, result
 
     def _tree_reached(self, rp: str, taints: np.ndarray) -> np.ndarray | None:
         """A round's nodes a possible routing flip reaches (bf16 cases), from the round's own routing and

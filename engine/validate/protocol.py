@@ -47,6 +47,9 @@ then on (weights still arrive as float32 arrays; for the bf16 cases they hold bf
 exactly). `kdtree validate --dtype bfloat16` needs it; an adapter that cannot compute in
 the dtype raises ValueError (reported as one line). Without it an adapter is validated
 in float32.
+- known deviations (optional, any adapter): ``deviations() -> list[Deviation]``, where the
+  engine differs from the reference on purpose; noted on the rows named, never changing a
+  verdict (deviations.py).
 
 `engine.adapter.TorchAdapter` exposes the built-in engine through this protocol,
 so the runner takes one code path for it and for any user's engine.
@@ -56,8 +59,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Mapping, Protocol
 
 import numpy as np
@@ -118,24 +123,46 @@ def capabilities(adapter: Any) -> set[str]:
 
 
 def load_impl(spec: str) -> Any:
-    """An adapter from ``module:factory`` or ``path/to/file.py:factory`` (factory() -> adapter)."""
+    """An adapter from ``module:factory`` or ``path/to/file.py:factory`` (factory() -> adapter).
+    ValueError naming the spec when the module cannot be imported, raises while importing,
+    lacks the factory, or the factory raises."""
     target, sep, factory_name = spec.rpartition(":")
     if not sep or not target or not factory_name:
         raise ValueError(f"--impl {spec!r}: expected 'module:factory' or 'path/to/file.py:factory'")
+    if target.endswith(".py") and not Path(target).is_file():
+        raise ValueError(f"--impl {spec!r}: no file {target}")
+    try:
+        module = _import(target)
+    except ImportError as exc:
+        raise ValueError(f"--impl {spec!r}: cannot import {target!r} ({exc}); name a module on PYTHONPATH "
+                         "or in the current directory, or a file: path/to/file.py:factory") from None
+    except Exception as exc:
+        raise ValueError(f"--impl {spec!r}: importing {target} raised {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ValueError(f"--impl {spec!r}: {target} has no callable {factory_name!r}")
+    try:
+        return factory()
+    except Exception as exc:
+        raise ValueError(f"--impl {spec!r}: {factory_name}() raised {type(exc).__name__}: {exc}") from None
+
+
+def _import(target: str) -> ModuleType:
+    """A module from a file path ending in .py, or by name from sys.path and then the current
+    directory (where `python -m` finds it, and a `kdtree` console script would not)."""
     if target.endswith(".py"):
         path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"--impl {spec!r}: no file {path}")
         module_spec = importlib.util.spec_from_file_location(f"kdtree_impl_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_spec.name] = module
         module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ValueError(f"--impl {spec!r}: cannot import {target!r} ({exc})") from None
-    factory = getattr(module, factory_name, None)
-    if not callable(factory):
-        raise ValueError(f"--impl {spec!r}: {target} has no callable {factory_name!r}")
-    return factory()
+        return module
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(target)
+    finally:
+        if added:
+            sys.path.remove(cwd)

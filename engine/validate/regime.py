@@ -106,6 +106,21 @@ class Regime:
         return dataclasses.replace(check, regime=self.label("tokens"))
 
 
+class CasesView:
+    """A fixture reader seen through a regime: tensor names under its cases' prefix, its cases'
+    metadata (for code that reads a fixture's prompts and traces)."""
+
+    def __init__(self, reader: Any, regime: Regime) -> None:
+        self.reader, self.regime = reader, regime
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self.regime.metadata
+
+    def __getitem__(self, name: str) -> Any:
+        return self.reader[self.regime.prefix + name]
+
+
 def _at(where: str) -> str:
     return f" ({where})" if where else ""
 

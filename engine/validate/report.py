@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
+
+from kdtr_format.clikit import atomic_output
 
 
 class ValidateError(Exception):
@@ -36,7 +36,8 @@ _SEVERITY = {Status.SKIPPED: 0, Status.EXACT: 1, Status.WITHIN: 2, Status.NEAR_T
 class Check:
     """One row of the report. error / tolerance: the worst element's |actual - expected| and
     its tolerance (floats); margin: the reference's top1 - top2 logit gap at a token divergence;
-    regime: the tolerance regime that judged it and its numbers (engine/validate/regime.py)."""
+    regime: the tolerance regime that judged it and its numbers (engine/validate/regime.py);
+    tables: JSON-ready detail too large for the row's text (acceptance.py's tables)."""
 
     section: str
     name: str
@@ -46,6 +47,7 @@ class Check:
     margin: float | None = None
     detail: str = ""
     regime: str = ""
+    tables: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -59,11 +61,20 @@ class Check:
 
 @dataclass
 class Report:
+    """The rows of one run. versions (kdtree, python, numpy, torch, cuda), commit (the checkout's
+    `git describe`, None when unknown), device_name and timings (seconds: total and per step)
+    describe the run; the CLI fills them."""
+
     implementation: str
     device: str
     fixtures: str
     backends: dict[str, str] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
+    versions: dict[str, str | None] = field(default_factory=dict)
+    commit: str | None = None
+    device_name: str = ""
+    timings: dict[str, Any] = field(default_factory=dict)
+    deviations: dict[str, list[Any]] = field(default_factory=dict)   # fixture -> [Deviation] (deviations.py)
 
     @property
     def failed(self) -> bool:
@@ -79,24 +90,15 @@ class Report:
         return f"{verdict}: {len(self.checks)} checks ({parts})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"implementation": self.implementation, "device": self.device, "fixtures": self.fixtures,
-                "backends": self.backends, "passed": not self.failed, "counts": self.counts(),
-                "summary": self.summary(), "checks": [c.to_dict() for c in self.checks]}
+        return {"implementation": self.implementation, "device": self.device, "device_name": self.device_name,
+                "fixtures": self.fixtures, "backends": self.backends, "versions": self.versions,
+                "commit": self.commit, "timings": self.timings, "passed": not self.failed,
+                "counts": self.counts(), "summary": self.summary(), "checks": [c.to_dict() for c in self.checks],
+                "deviations": {f: [d.to_dict() for d in ds] for f, ds in self.deviations.items()}}
 
 
 def write_json(report: Any, path: str | os.PathLike) -> None:
-    """A Report (or anything with to_dict(), e.g. a divergence) as JSON, written atomically
-    (a temporary file, then a rename)."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise ValidateError(f"--json {path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report.to_dict(), f, indent=2, allow_nan=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """A Report (or anything with to_dict(), e.g. a divergence) as JSON, written all or nothing
+    with the user's umask."""
+    with atomic_output(path) as file:
+        file.write(json.dumps(report.to_dict(), indent=2, allow_nan=True).encode())

@@ -9,12 +9,14 @@ import kdtr_format
 from kdtr_format import PRESETS, KdtrError
 
 from ..adapter import TorchAdapter
+from .acceptance import with_trace_acceptance
+from .deviations import with_deviations
 from .fixtures import _kdtr_files, find_fixtures
 from .invariant import preset_invariant_checks
 from .kernel_checks import _KERNEL_CASES
 from .model_checks import _model_fixture
 from .protocol import capabilities
-from .regime import DTYPES
+from .regime import DTYPES, CasesView, Regime
 from .report import Check, Report, Status, ValidateError
 
 
@@ -30,16 +32,20 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
     report = Report(implementation=getattr(adapter, "name", type(adapter).__name__), device=device,
                     fixtures=str(directory), backends=dict(getattr(adapter, "backends", {})))
     caps = capabilities(adapter)
+    root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
     for path in _kdtr_files(directory):
-        log(f"checking {path.relative_to(directory)}")
+        log(f"checking {path.relative_to(root)}")
         try:
             with kdtr_format.open(path) as reader:
                 kind = reader.metadata.get("kind")
                 if kind == "model":
-                    report.checks += _stamped(_model_fixture(adapter, caps, reader, path, builtin, dtype), "exact")
+                    checks = _model_fixture(adapter, caps, reader, path, builtin, dtype)
+                    regime = Regime.of(reader.metadata, dtype)
+                    if regime is not None:
+                        checks = with_trace_acceptance(checks, CasesView(reader, regime))
+                    report.checks += _stamped(with_deviations(report, adapter, checks, path.name), "exact")
                 elif kind in _KERNEL_CASES:
-                    report.checks += _stamped(_KERNEL_CASES[kind](adapter, caps, reader,
-                                                                  str(path.relative_to(directory))),
+                    report.checks += _stamped(_KERNEL_CASES[kind](adapter, caps, reader, str(path.relative_to(root))),
                                               "float32: the kernel case's tolerance (float32 inputs)")
                 else:
                     report.checks.append(Check(path.name, "fixture", Status.FAIL,
@@ -50,7 +56,7 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
             raise
         except Exception as exc:        # an adapter that crashes fails this fixture, not the run
             report.checks.append(Check(path.name, "run", Status.FAIL, detail=f"{type(exc).__name__}: {exc}"))
-    if builtin:
+    if builtin and directory.is_dir():
         for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
             log(f"invariant on preset {preset} (no fixture: random weights)")
             report.checks += preset_invariant_checks(adapter, preset)

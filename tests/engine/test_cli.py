@@ -1,18 +1,27 @@
-"""The `kdtree` CLI: validate passes on the committed fixtures, fails on a broken adapter
-naming the check, writes its JSON report; demo runs; bad input is one line and non-zero."""
+"""The `kdtree` CLI in this process: validate passes on the committed fixtures, fails on a
+broken adapter naming the check, writes its JSON report (what ran, where, how long) with
+the user's umask; demo runs on any model fixture; bad input that needs the engine loaded
+to judge is one line and exit 2 (the rest: tests/test_cli_terminal.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import kdtr_format
 import torch
 
 from engine.cli import main
-from engine.validate import GOLDEN_DIR
+from engine.validate import GOLDEN_DIR, load_impl
+from kdtr_format import PRESETS
+from refgen.fixtures import model_fixture, write_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "docs" / "examples"
@@ -39,6 +48,15 @@ def run_main(args: list[str], capsys) -> tuple[int, str, str]:
 def kdtree(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "engine", *args], cwd=REPO, capture_output=True, text=True,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+
+
+def with_umask(mask: int, run):
+    """run() with the process umask set to `mask`, restored after."""
+    old = os.umask(mask)
+    try:
+        return run()
+    finally:
+        os.umask(old)
 
 
 def test_validate_passes_on_the_committed_fixtures(tmp_path, capsys):
@@ -74,6 +92,39 @@ def test_validate_example_adapter_passes_and_broken_one_fails(tmp_path):
     assert [c["name"] for c in failed] == ["tree build"] and "tied" in failed[0]["detail"]
 
 
+def test_the_json_report_says_what_ran_where_and_how_long(tmp_path, capsys):
+    needs("kernels/tree_build.kdtr")
+    fixture = GOLDEN_DIR / "kernels" / "tree_build.kdtr"
+    report_path = tmp_path / "report.json"
+    code, out, _ = run_main(["validate", "--fixtures", str(fixture), "--json", str(report_path)], capsys)
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    assert report["fixtures"] == str(fixture)
+    assert {c["section"] for c in report["checks"]} == {"tree_build.kdtr"}, "one file: only its checks"
+    assert report["versions"]["torch"] == torch.__version__ and report["versions"]["numpy"] == np.__version__
+    assert report["versions"]["kdtree"] and report["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert head and report["commit"] in (head, f"{head}-dirty")
+    assert report["device"] == "cpu" and "cores" in report["device_name"]
+    steps = report["timings"]["steps"]
+    assert [s["step"] for s in steps] == ["checking tree_build.kdtr"]
+    assert 0 < steps[0]["seconds"] <= report["timings"]["total_seconds"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_json_report_and_plot_follow_the_umask(tmp_path, capsys, mask):
+    needs("tiny.kdtr", "kernels/tree_build.kdtr")
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    report, plot = tmp_path / "r.json", tmp_path / "a.png"
+    with_umask(mask, lambda: run_main(["validate", "--fixtures", str(GOLDEN_DIR / "kernels" / "tree_build.kdtr"),
+                                       "--json", str(report), "--impl",
+                                       str(EXAMPLES / "numpy_adapter.py") + ":NumpyAdapter"], capsys))
+    with_umask(mask, lambda: run_main(["demo", "--max-new-tokens", "3", "--budget", "2", "--block-size", "2",
+                                       "--plot", str(plot)], capsys))
+    assert [oct(p.stat().st_mode & 0o777) for p in (report, plot)] == [oct(0o666 & ~mask)] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "r.json"]      # no temporary files left
+
+
 def test_demo_runs_and_plots(tmp_path, capsys):
     needs("tiny.kdtr")
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
@@ -85,32 +136,56 @@ def test_demo_runs_and_plots(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_demo_runs_on_a_fixture_that_is_no_preset(tmp_path, capsys):
+    """As `refgen generate --config-file` writes it: named after the file, its own config."""
+    cfg = dataclasses.replace(PRESETS["tiny2"], num_hidden_layers=2, first_k_dense_replace=1)
+    write_fixture(tmp_path / "my-model.kdtr", model_fixture(cfg, "my-model", seed=3, source="config-file"))
+    code, out, err = run_main(["demo", "--fixture", str(tmp_path / "my-model.kdtr"), "--max-new-tokens", "6",
+                               "--budget", "6", "--block-size", "3"], capsys)
+    assert code == 0, out + err
+    assert out.startswith(f"model my-model ({tmp_path / 'my-model.kdtr'})") and out.count("yes") == 3
+
+
+def test_impl_module_in_the_current_directory(tmp_path, monkeypatch):
+    """`--impl mod:factory` finds mod.py in the current directory, also from a console script
+    (whose sys.path does not hold the current directory)."""
+    (tmp_path / "kdtree_test_cwd_adapter.py").write_text("class A:\n    name = 'mine'\n\ndef make():\n    return A()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "kdtree_test_cwd_adapter", raising=False)
+    assert load_impl("kdtree_test_cwd_adapter:make").name == "mine"
+    assert str(tmp_path) not in sys.path
+    with pytest.raises(ValueError, match="name a module on PYTHONPATH or in the current directory"):
+        load_impl("kdtree_test_no_such_module:make")
+
+
+def test_a_corrupt_model_fixture_is_named(tmp_path, capsys):
+    needs("tiny2.kdtr")
+    data = bytearray((GOLDEN_DIR / "tiny2.kdtr").read_bytes())
+    with kdtr_format.open(GOLDEN_DIR / "tiny2.kdtr") as reader:
+        embedding = reader.info("weights/embed_tokens")
+    data[embedding.offset + embedding.nbytes // 2] ^= 0xFF      # inside the weights the demo loads
+    (tmp_path / "broken.kdtr").write_bytes(bytes(data))
+    code, _, err = run_main(["demo", "--fixture", str(tmp_path / "broken.kdtr")], capsys)
+    assert code == 2 and err.startswith(f"kdtree: error: {tmp_path / 'broken.kdtr'}: data checksum mismatch"), err
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("args, message", [
-    (["validate", "--fixtures", "/no/such/dir"], "fixture directory /no/such/dir does not exist"),
-    (["validate", "--device", "tpu"], "--device must be cpu or cuda"),
-    (["validate", "--impl", "no_such_module_xyz:make"], "cannot import"),
-    (["validate", "--json", "/no/such/dir/r.json"], "directory /no/such/dir does not exist"),
-    (["demo", "--preset", "huge"], "unknown preset 'huge'"),
-    (["demo", "--budget", "-1"], "budget"),
-    (["demo", "--fixture", "/no/such.kdtr"], "no fixture /no/such.kdtr"),
-    (["demo", "--prompt", "1,x"], "comma-separated token ids"),
-    (["demo", "--prompt", ",".join(["1"] * 600)], "max_position_embeddings"),
-    (["demo", "--preset", "tiny2", "--fixture", str(GOLDEN_DIR / "tiny.kdtr")], "holds preset 'tiny', not 'tiny2'"),
-    (["nonsense"], "No such command"),
-])
+    (["demo", "--prompt", "5000"], "--prompt: token id 5000 is outside the model's vocabulary of 1024"),
+    (["demo", "--preset", "huge"], "--preset huge: no fixture"),
+    (["demo", "--fixture", str(GOLDEN_DIR / "kernels" / "tree_build.kdtr")], "not a model fixture (kind 'tree_build')"),
+    (["demo", "--preset", "tiny2", "--fixture", str(GOLDEN_DIR / "tiny.kdtr")], "holds 'tiny', not --preset 'tiny2'"),
+    (["demo", "--prompt", ",".join(["1"] * 600)], "max_position_embeddings 512"),
+    (["validate", "--impl", "no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'"),
+    (["validate", "--fixtures", str(REPO / "README.md")], "is not a .kdtr file"),
+    (["validate", "--device", "cuda"], "--device cuda: no CUDA device is visible"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
 def test_bad_input_is_one_line(capsys, args, message):
-    if "--fixture" in args and "tiny.kdtr" in args[-1]:
-        needs("tiny.kdtr")
-    if args[0] == "demo" and "--fixture" not in args and "--preset" not in args:
-        needs("tiny.kdtr")
+    needs("tiny.kdtr", "kernels/tree_build.kdtr")
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: --device cuda is good input here")
     code, out, err = run_main(args, capsys)
-    assert code != 0
+    assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kdtree: error: ") and message in lines[0], err
-
-
-def test_bad_input_leaves_no_traceback_and_no_file(tmp_path):
-    result = kdtree("validate", "--fixtures", str(tmp_path / "missing"), "--json", str(tmp_path / "r.json"))
-    assert result.returncode == 1
-    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
-    assert list(tmp_path.iterdir()) == []

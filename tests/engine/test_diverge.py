@@ -237,7 +237,7 @@ def test_cli_reports_and_writes_json(tmp_path, capsys):
     (["diverge"], "exactly one of --fixture PATH and --config NAME"),
     (["diverge", "--config", "nope"], "unknown config 'nope'"),
     (["diverge", "--config", "tiny", "--prompt", "p0"], "--prompt names a fixture's prompt"),
-    (["diverge", "--fixture", "/no/such.kdtr"], "no such file"),
+    (["diverge", "--fixture", "/no/such.kdtr"], "does not exist"),
     (["diverge", "--config", "tiny", "--trace", "t1"], "expected TRACE/ROUND"),
     (["diverge", "--config", "tiny", "--way", "sideways"], "sideways"),
     (["diverge", "--config", "tiny", "--impl", "no_such_module_xyz:make"], "cannot import"),

@@ -18,7 +18,8 @@ import torch
 
 from engine.attention import torch_attention
 from engine.cache import KVCache
-from engine.model import Transformer, apply_rope, rope_cos_sin, rope_inv_freq, route, softmax_scale
+from engine.model import (Transformer, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, route,
+                          softmax_scale)
 from engine.stages import TorchStages
 from engine.weights import load_fixture_weights
 from kdtr_format import PRESETS
@@ -210,6 +211,47 @@ def test_route_matches_reference(model_zoo, preset):
     ref_idx, ref_weight = ref.route(case.cfg, x.astype(np.float64), gate.astype(np.float64), bias.astype(np.float64))
     np.testing.assert_array_equal(idx.numpy(), ref_idx)
     np.testing.assert_allclose(weight.numpy(), ref_weight, rtol=1e-5)
+
+
+@pytest.mark.parametrize("topk_group,k,bias_mean", [(2, 3, 0.0), (2, 3, -1.5), (1, 4, -2.0), (3, 5, -0.5)])
+def test_route_matches_reference_with_negative_biased_scores(topk_group, k, bias_mean):
+    """Grouped routing where the bias drives biased scores negative: dropped groups must be
+    -inf (a 0.0 mask would then select experts of dropped groups)."""
+    cfg = dataclasses.replace(PRESETS["tiny2"], topk_group=topk_group, num_experts_per_tok=k)
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(300, cfg.hidden_size)).astype(np.float32)
+    gate = (rng.normal(size=(cfg.n_routed_experts, cfg.hidden_size)) / np.sqrt(cfg.hidden_size)).astype(np.float32)
+    bias = (bias_mean + 0.2 * rng.normal(size=cfg.n_routed_experts)).astype(np.float32)
+    idx, weight = route(cfg, torch.tensor(x), torch.tensor(gate), torch.tensor(bias))
+    ref_idx, ref_weight = ref.route(cfg, x.astype(np.float64), gate.astype(np.float64), bias.astype(np.float64))
+    np.testing.assert_array_equal(idx.numpy(), ref_idx)
+    np.testing.assert_allclose(weight.numpy(), ref_weight, rtol=1e-5)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])
+def test_rms_norm_matches_reference_near_eps(eps):
+    """Rows whose mean square is 0.1 .. 10 eps: there eps under the square root and eps
+    outside it differ by tens of percent (at RMS 1 only by about eps)."""
+    rng = np.random.default_rng(14)
+    x = rng.normal(size=(40, 64))
+    x *= np.sqrt(eps * np.logspace(-1, 1, 40) / np.mean(x * x, axis=-1))[:, None]
+    w = rng.uniform(0.8, 1.2, 64)
+    actual = rms_norm(torch.tensor(x, dtype=torch.float32), torch.tensor(w, dtype=torch.float32), eps)
+    np.testing.assert_allclose(actual.numpy(), ref.rms_norm(x.astype(np.float32), w.astype(np.float32), eps),
+                               rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny2"])
+def test_latent_norms_use_latent_norm_eps(model_zoo, preset):
+    """latent_norm_eps far from rms_norm_eps: the q_a / kv_a norms (tiny: both, tiny2: kv_a
+    only) must take it, and every other norm rms_norm_eps."""
+    case = model_zoo.get(preset)
+    cfg = dataclasses.replace(case.cfg, latent_norm_eps=0.05)
+    tokens = np.random.default_rng(15).integers(0, cfg.vocab_size, 9)
+    expected = ref.Model(cfg, case.weights).prefill(tokens, ref.KVCache.new(cfg, 9))
+    engine = Transformer(cfg, case.weights)
+    (actual,) = engine_forward(engine, engine.new_cache(1, 9), [causal_request(tokens, 0)])
+    assert_close_to_scale(actual, expected, RTOL_F32)
 
 
 def test_torch_attention_matches_reference(device):

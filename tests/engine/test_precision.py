@@ -113,7 +113,10 @@ def test_bf16_cases_are_the_reference_on_the_rounded_weights():
 def test_the_builtin_engine_passes_in_bf16_with_every_row_named():
     checks = bf16_checks(TorchAdapter(), builtin=True)
     assert not [c for c in checks.values() if c.status is Status.FAIL], checks
-    assert checks["prefill logits"].status is Status.WITHIN and checks["prefill logits"].regime.startswith("bf16:")
+    for name in ("prefill logits", "verify logits"):            # rounding, or rows a routing flip reached
+        row = checks[name]
+        assert row.regime.startswith("bf16:") and row.status in (Status.WITHIN, Status.NEAR_TIE)
+        assert row.status is Status.WITHIN or "reached by a routing flip" in row.detail
     assert checks["routing"].status in (Status.EXACT, Status.NEAR_TIE) and "routing near-tie" in checks["routing"].regime
     assert all(c.regime for c in checks.values() if c.status is not Status.SKIPPED)
 
@@ -298,7 +301,7 @@ def test_cli_bf16_with_an_adapter_that_cannot_be_told_is_one_line(tmp_path, caps
     code, _, err = run_main(["validate", "--dtype", "bfloat16", "--fixtures", str(fixture_dir(tmp_path, "tiny2.kdtr")),
                              "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter"], capsys)
     lines = err.strip().splitlines()
-    assert code == 1 and len(lines) == 1 and "no set_dtype method" in lines[0], err
+    assert code == 2 and len(lines) == 1 and "no set_dtype method" in lines[0], err
 
 
 def test_cli_bad_dtype_is_a_usage_error(capsys):
@@ -317,5 +320,5 @@ def test_cli_report_json_carries_the_regime(tmp_path, capsys):
     report = tmp_path / "r.json"
     code, out, _ = run_main(["validate", "--fixtures", str(directory), "--dtype", "bfloat16", "--json", str(report),
                              "--impl", f"{adapter}:Stages"], capsys)
-    assert code == 0 and "regime" in out
+    assert code == 0 and "[exact]" in out
     assert {c["regime"] for c in json.loads(report.read_text())["checks"] if c["status"] != "skipped"} == {"exact"}

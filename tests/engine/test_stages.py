@@ -18,6 +18,7 @@ from engine.cache import KVCache
 from engine.stages import TorchStages, TreeBatch
 from kdtr_format import PRESETS
 from refgen import ddtree
+from refgen.kernel_cases import SIBLING_ROUNDING_TOPK
 
 STAGES = TorchStages()
 
@@ -114,6 +115,29 @@ def test_build_breaks_exact_ties_like_reference(depth, k, device):
         np.testing.assert_array_equal(unpadded(trees.parents, b, size), tree.parents)
         np.testing.assert_array_equal(unpadded(trees.tokens, b, size), tree.tokens)
         np.testing.assert_array_equal(unpadded(trees.scores, b, size), tree.scores)
+
+
+def test_build_scores_each_sibling_from_its_parent(device):
+    """refgen's hand-found top-k (refgen.kernel_cases.SIBLING_ROUNDING_TOPK): there a sibling's
+    score updated from the previous sibling's, s + (lp[r] - lp[r-1]) or (s - lp[r-1]) + lp[r],
+    rounds differently from parent + lp[r]; the build must match refgen bit for bit."""
+    topk_lp, topk_id = SIBLING_ROUNDING_TOPK
+    expected = ddtree.build_tree(topk_lp, topk_id, 39)
+    lp = topk_lp.astype(np.float64)
+    node = {(p, r): i for i, (p, r) in enumerate(zip(expected.parents.tolist(), expected.ranks.tolist()))}
+    differs = set()
+    for i in range(1, expected.n + 1):
+        p, d, r = expected.parents[i], expected.depths[i], expected.ranks[i]
+        if r > 0:
+            s = expected.scores[node[p, r - 1]]
+            differs |= {form for form, score in (("delta", s + (lp[d - 1, r] - lp[d - 1, r - 1])),
+                                                 ("undo", (s - lp[d - 1, r - 1]) + lp[d - 1, r]))
+                        if score != expected.scores[i]}
+    assert differs == {"delta", "undo"}                  # the example catches both incremental forms
+    trees = build_batch(topk_lp[None], topk_id[None], [39], [0], device)
+    assert int(trees.n[0]) == 39
+    for name in ("parents", "depths", "scores"):
+        np.testing.assert_array_equal(unpadded(getattr(trees, name), 0, 40), getattr(expected, name), err_msg=name)
 
 
 @settings(max_examples=25, deadline=None)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from refgen.ddtree import (ROOT_UNSET, CompiledTree, Tree, accept, build_tree, compact, compile_tree,
                            greedy_choices, max_nodes, sample_choices, topk_logprobs,
                            visibility_over_cache)
+from refgen.kernel_cases import SIBLING_ROUNDING_TOPK
 
 # ------------------------------------------------------------------ top-k log-probabilities
 
@@ -139,11 +140,7 @@ def test_tree_structure(case: tuple[np.ndarray, np.ndarray, int]) -> None:
 
 def test_scores_are_not_incremental_sibling_updates() -> None:
     # Found by search: one sibling score where (p + a) - a + b != p + b in float64.
-    topk_lp = np.array([[-3.2388949161576974e-11, -2.301265622506321e-09, -6.279906749725342],
-                        [-0.0001791048707673326, -0.018219418823719025, -0.15931688249111176],
-                        [-0.002343644853681326, -0.6858245134353638, -1.9527453184127808]],
-                       dtype=np.float32)
-    topk_id = np.array([[4, 2, 0], [1, 3, 5], [0, 1, 2]])
+    topk_lp, topk_id = SIBLING_ROUNDING_TOPK
     tree = build_tree(topk_lp, topk_id, 39)
     assert tree.n == 39
     lp64 = topk_lp.astype(np.float64)

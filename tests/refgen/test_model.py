@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from kdtr_format import PRESETS, ModelConfig, YarnScaling
-from refgen.model import (KVCache, Model, absorbed_attention, apply_rope, causal_visibility,
-                          rope_inv_freq, route, softmax_scale)
-from refgen.weights import init_weights
+from engine.adapters.hf_mapping import deepseek_v3_kwargs, hf_state_dict
+from refgen.model import (KVCache, Model, absorbed_attention, apply_rope, causal_visibility, rms_norm,
+                          rope_inv_freq, route, softmax_scale, yarn_get_m)
+from refgen.weights import GROUPED_BIAS_MEAN, init_weights
 
 PRESET_NAMES = sorted(PRESETS)
 
@@ -131,6 +132,19 @@ def test_correction_bias_changes_selection(name: str) -> None:
     assert 0.05 < changed < 0.95
 
 
+# ---------------------------------------------------------------------------- norms
+
+def test_rms_norm_keeps_eps_inside_the_square_root() -> None:
+    """Rows whose mean square is near eps, where x / sqrt(ms + eps) and x / (sqrt(ms) + eps)
+    part: a constant row c gives c / sqrt(c^2 + eps) * w (w / sqrt(2) at c^2 = eps)."""
+    w = np.random.default_rng(17).uniform(0.8, 1.2, 16)
+    for eps in (1e-6, 1e-5):
+        for ms in (0.25 * eps, eps, 4 * eps):
+            c = math.sqrt(ms)
+            expected = np.tile(c / math.sqrt(ms + eps) * w, (2, 1))
+            np.testing.assert_allclose(rms_norm(np.full((2, 16), c), w, eps), expected, rtol=1e-14)
+
+
 # ---------------------------------------------------------------------------- rope
 
 def rope_cfg(style: str, rope_scaling: YarnScaling | None = None, d_rope: int = 4,
@@ -170,11 +184,12 @@ def test_rope_is_relative_and_broadcasts(style: str) -> None:
 
 
 def yarn_inv_freq_formula(i: int, d: int, theta: float, y: YarnScaling) -> float:
-    """MODEL.md's YaRN inv_freq, one index at a time."""
+    """MODEL.md's YaRN inv_freq, one index at a time (low clamped from below only, high
+    from above only, as DeepSeek-V3's inference/model.py)."""
     def corr(n: float) -> float:
         return d * math.log(y.original_max_position_embeddings / (n * 2 * math.pi)) / (2 * math.log(theta))
-    low = min(max(math.floor(corr(y.beta_fast)), 0), d - 1)
-    high = min(max(math.ceil(corr(y.beta_slow)), 0), d - 1)
+    low = max(math.floor(corr(y.beta_fast)), 0)
+    high = min(math.ceil(corr(y.beta_slow)), d - 1)
     if low == high:
         high += 0.001
     ramp = min(max((i - low) / (high - low), 0.0), 1.0)
@@ -196,6 +211,63 @@ def test_yarn_inv_freq_matches_formula(name: str) -> None:
     assert inv_freq[-1] == pytest.approx(plain[-1] / cfg.rope_scaling.factor)   # low: divided
 
 
+# YaRN correction ranges outside [0, d_rope - 1] (d_rope 8, theta 100, factor 4): the reference
+# code clamps low from below and high from above only, so the ramp decides.
+YARN_CLAMP_CASES = {
+    # floor(c(beta_fast)) = 8 > d - 1: low 8, high 7, every ramp 1: every frequency divided.
+    "low_beyond_d": (YarnScaling(factor=4.0, original_max_position_embeddings=100000, beta_fast=1.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0), "all"),
+    # ceil(c(beta_slow)) = -2 < 0: low 0, high -2, every ramp 0: no frequency divided.
+    "high_below_0": (YarnScaling(factor=4.0, original_max_position_embeddings=4, beta_fast=10.0,
+                                 beta_slow=10.0, mscale=1.0, mscale_all_dim=1.0), "none"),
+    # floor(c(beta_fast)) = -1 is raised to low 0, high 3: pair 0 kept, pair 3 divided, 1 and 2 ramped.
+    "inside": (YarnScaling(factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
+                           beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707), "some"),
+}
+
+
+def yarn_clamp_cfg(case: str) -> ModelConfig:
+    return rope_cfg("interleave", YARN_CLAMP_CASES[case][0], d_rope=8, theta=100.0)
+
+
+@pytest.mark.parametrize("case", sorted(YARN_CLAMP_CASES))
+def test_yarn_correction_range_clamps_like_the_reference_code(case: str) -> None:
+    cfg, divided = yarn_clamp_cfg(case), YARN_CLAMP_CASES[case][1]
+    plain = 100.0 ** (-np.arange(0, 8, 2) / 8)
+    inv_freq = rope_inv_freq(cfg)
+    for i in range(4):
+        assert inv_freq[i] == pytest.approx(yarn_inv_freq_formula(i, 8, 100.0, cfg.rope_scaling), rel=1e-14)
+    expected = {"all": plain / 4, "none": plain}.get(divided)
+    if expected is None:
+        assert inv_freq[0] == plain[0] and inv_freq[-1] == pytest.approx(plain[-1] / 4, rel=1e-14)
+    else:
+        np.testing.assert_allclose(inv_freq, expected, rtol=1e-14)
+
+
+@pytest.mark.parametrize("case", sorted(YARN_CLAMP_CASES))
+def test_yarn_rope_matches_hf_rotary_code(case: str) -> None:
+    """HF transformers' DeepseekV3RotaryEmbedding (float32): the same inverse frequencies
+    and the same cos/sin gain, clamped cases included."""
+    transformers = pytest.importorskip("transformers", minversion="5.0",
+                                       reason="transformers >= 5 is an optional outside reference")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    cfg = yarn_clamp_cfg(case)
+    rotary = DeepseekV3RotaryEmbedding(transformers.DeepseekV3Config(**deepseek_v3_kwargs(cfg)))
+    np.testing.assert_allclose(rotary.inv_freq.double().numpy(), rope_inv_freq(cfg), rtol=1e-6)
+    y = cfg.rope_scaling
+    assert rotary.attention_scaling == pytest.approx(
+        yarn_get_m(y.factor, y.mscale) / yarn_get_m(y.factor, y.mscale_all_dim), rel=1e-12)
+
+
+@pytest.mark.parametrize("case", sorted(YARN_CLAMP_CASES))
+def test_yarn_rope_engine_matches_refgen(case: str) -> None:
+    from engine.model import rope_inv_freq as engine_inv_freq
+
+    cfg = yarn_clamp_cfg(case)
+    np.testing.assert_allclose(engine_inv_freq(cfg).numpy(), rope_inv_freq(cfg), rtol=1e-15, atol=0)
+
+
 def test_yarn_factor_one_is_plain_rope() -> None:
     yarn = YarnScaling(factor=1.0, original_max_position_embeddings=64, beta_fast=32.0,
                        beta_slow=1.0, mscale=0.7, mscale_all_dim=1.0)
@@ -207,7 +279,9 @@ def test_yarn_factor_one_is_plain_rope() -> None:
 
 
 def test_yarn_mscale_effects() -> None:
-    base = PRESETS["tiny"]                       # factor 4, mscale 1, mscale_all_dim 1, dn + dr = 48
+    tiny = PRESETS["tiny"]                       # factor 4, dn + dr = 48
+    base = dataclasses.replace(tiny, rope_scaling=dataclasses.replace(tiny.rope_scaling, mscale=1.0,
+                                                                      mscale_all_dim=1.0))
     m = 0.1 * math.log(4.0) + 1
     assert softmax_scale(base) == pytest.approx(48 ** -0.5 * m * m, rel=1e-14)
     no_all_dim = dataclasses.replace(
@@ -273,6 +347,34 @@ def test_group_routing_matches_brute_force(topk_group: int, k: int, bias_mean: f
         chosen = s[t, idx[t]]
         np.testing.assert_allclose(weight[t], chosen / chosen.sum() * cfg.routed_scaling_factor,
                                    rtol=1e-13)
+
+
+def zero_masked_selection(cfg: ModelConfig, s_sel: np.ndarray) -> np.ndarray:
+    """The old-HF mistake, for measuring the weights: dropped groups' s_sel set to 0.0 rather
+    than -inf. s_sel [n, E] -> the selected experts [n, k], as sets sorted."""
+    n, E = s_sel.shape
+    grouped = s_sel.reshape(n, cfg.n_group, E // cfg.n_group)
+    group_score = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+    dropped = np.argsort(-group_score, axis=-1, kind="stable")[:, cfg.topk_group:]
+    masked = grouped.copy()
+    np.put_along_axis(masked, dropped[..., None], 0.0, axis=1)
+    return np.sort(np.argsort(-masked.reshape(n, E), axis=-1, kind="stable")[:, :cfg.num_experts_per_tok], -1)
+
+
+@pytest.mark.parametrize("name", [n for n in PRESET_NAMES if PRESETS[n].n_group > 1])
+def test_grouped_presets_make_dropped_groups_matter(name: str) -> None:
+    """With grouped routing the seeded bias has mean GROUPED_BIAS_MEAN < 0, so biased scores
+    go negative and masking dropped groups with 0.0 instead of -inf picks other experts: the
+    committed fixture then fails an engine that makes that mistake."""
+    cfg, w = PRESETS[name], preset_weights(name)
+    x = np.random.default_rng(3).standard_normal((256, cfg.hidden_size))
+    for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        gate = w[f"layers.{i}.moe.gate"].astype(np.float64)
+        bias = w[f"layers.{i}.moe.e_score_correction_bias"].astype(np.float64)
+        assert bias.mean() == pytest.approx(GROUPED_BIAS_MEAN, abs=0.1)
+        idx, _ = route(cfg, x, gate, bias)
+        wrong = zero_masked_selection(cfg, sigmoid(x @ gate.T) + bias)
+        assert np.mean(np.any(np.sort(idx, -1) != wrong, axis=-1)) > 0.5, i
 
 
 def test_routing_bias_selects_but_does_not_weigh() -> None:
@@ -416,9 +518,9 @@ def transcribed_forward(cfg: ModelConfig, weights: dict[str, np.ndarray],
     multiplication, routing and experts one token at a time. tokens [m] -> logits [m, V]."""
     W = {k: v.astype(np.float64) for k, v in weights.items()}
     m, H, R = len(tokens), cfg.num_attention_heads, cfg.kv_lora_rank
-    dn, dr, dv, eps = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
 
-    def norm(x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    def norm(x: np.ndarray, g: np.ndarray, eps: float = cfg.rms_norm_eps) -> np.ndarray:
         return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * g
 
     y = cfg.rope_scaling
@@ -448,11 +550,12 @@ def transcribed_forward(cfg: ModelConfig, weights: dict[str, np.ndarray],
         if cfg.q_lora_rank is None:
             q = a @ W[p + "attn.wq"].T
         else:
-            q = norm(a @ W[p + "attn.wq_a"].T, W[p + "attn.q_a_norm"]) @ W[p + "attn.wq_b"].T
+            q = norm(a @ W[p + "attn.wq_a"].T, W[p + "attn.q_a_norm"], cfg.latent_norm_eps) @ W[p + "attn.wq_b"].T
         q = q.reshape(m, H, dn + dr)
         q = np.concatenate([q[..., :dn], rope(q[..., dn:])], -1)
         kv_a = a @ W[p + "attn.wkv_a"].T
-        kv = (norm(kv_a[:, :R], W[p + "attn.kv_a_norm"]) @ W[p + "attn.wkv_b"].T).reshape(m, H, dn + dv)
+        c_kv = norm(kv_a[:, :R], W[p + "attn.kv_a_norm"], cfg.latent_norm_eps)
+        kv = (c_kv @ W[p + "attn.wkv_b"].T).reshape(m, H, dn + dv)
         k = np.concatenate([kv[..., :dn], np.repeat(rope(kv_a[:, R:])[:, None], H, 1)], -1)
         o = np.zeros((m, H, dv))
         for t in range(m):
@@ -491,10 +594,11 @@ def per_expert(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 TRANSCRIPTION_CASES = {
     **{name: (PRESETS[name], name) for name in PRESET_NAMES},
-    # mscale != mscale_all_dim (rope gain != 1), raw router weights.
-    "tiny-mscale-raw": (dataclasses.replace(
-        PRESETS["tiny"], norm_topk_prob=False,
-        rope_scaling=dataclasses.replace(PRESETS["tiny"].rope_scaling, mscale=1.7)), "tiny"),
+    # Raw router weights; latent norms with an eps far from rms_norm_eps (a norm given the
+    # wrong one is visible), on q_a and kv_a (tiny) and on kv_a alone (tiny2, no q_lora).
+    "tiny-raw-latent-eps": (dataclasses.replace(PRESETS["tiny"], norm_topk_prob=False,
+                                                latent_norm_eps=0.05), "tiny"),
+    "tiny2-latent-eps": (dataclasses.replace(PRESETS["tiny2"], latent_norm_eps=0.05), "tiny2"),
 }
 
 
@@ -508,56 +612,32 @@ def test_model_matches_transcription_of_model_md(case: str) -> None:
     assert_close(logits, transcribed_forward(cfg, per_expert(weights), tokens), rtol=1e-11)
 
 
-HF_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-            "attn.wq": "self_attn.q_proj", "attn.wq_a": "self_attn.q_a_proj",
-            "attn.q_a_norm": "self_attn.q_a_layernorm", "attn.wq_b": "self_attn.q_b_proj",
-            "attn.wkv_a": "self_attn.kv_a_proj_with_mqa", "attn.kv_a_norm": "self_attn.kv_a_layernorm",
-            "attn.wkv_b": "self_attn.kv_b_proj", "attn.wo": "self_attn.o_proj",
-            "mlp.w_gate": "mlp.gate_proj", "mlp.w_up": "mlp.up_proj", "mlp.w_down": "mlp.down_proj",
-            "moe.gate": "mlp.gate", "moe.shared.w_gate": "mlp.shared_experts.gate_proj",
-            "moe.shared.w_up": "mlp.shared_experts.up_proj",
-            "moe.shared.w_down": "mlp.shared_experts.down_proj"}
+# HF agrees to about 2e-7 (HF's float32 islands); latent norms given tiny2's rms_norm_eps 1e-5
+# instead of the reference's 1e-6 miss it by 4e-6.
+HF_RTOL = 1e-6
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "kimi-k2" else n
                                   for n in PRESET_NAMES])
 def test_model_matches_hf_transformers(name: str) -> None:
     """The outside reference MODEL.md names: HF transformers' DeepseekV3ForCausalLM (v5 API),
-    run in float64. HF keeps float32 islands (router, rope angles, softmax, RMSNorm) and
-    uses eps 1e-6 in q_a / kv_a norms, hence the 2e-5 tolerance (float64 HF with those
-    lifted agrees to 1e-15; docs/model.md)."""
+    run in float64. HF keeps float32 islands (router, rope angles, softmax, RMSNorm), hence
+    the HF_RTOL tolerance (float64 HF with those lifted agrees to 1e-15; docs/model.md)."""
     transformers = pytest.importorskip("transformers", minversion="5.0",
                                        reason="transformers >= 5 is an optional outside reference")
     torch = pytest.importorskip("torch")
     cfg, w = PRESETS[name], preset_weights(name)
-    y = cfg.rope_scaling
-    rope = ({"rope_type": "default", "rope_theta": cfg.rope_theta} if y is None else
-            {"rope_type": "yarn", "rope_theta": cfg.rope_theta, **dataclasses.asdict(y)})
-    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"rope_scaling", "rope_style",
-                                                                  "scoring_func", "topk_method"}
-    hf_cfg = transformers.DeepseekV3Config(
-        **{f: getattr(cfg, f) for f in fields}, num_key_value_heads=cfg.num_attention_heads,
-        rope_parameters=rope, rope_interleave=cfg.rope_style == "interleave")
+    hf_cfg = transformers.DeepseekV3Config(**deepseek_v3_kwargs(cfg))
     hf_cfg._attn_implementation = hf_cfg._experts_implementation = "eager"
-    state = {"model.embed_tokens.weight": w["embed_tokens"], "model.norm.weight": w["norm"],
-             "lm_head.weight": w["lm_head"]}
-    for i in range(cfg.num_hidden_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        state.update({f"{q}{hf}.weight": w[p + ours] for ours, hf in HF_NAMES.items() if p + ours in w})
-        if not cfg.is_dense_layer(i):
-            state[q + "mlp.gate.e_score_correction_bias"] = w[p + "moe.e_score_correction_bias"]
-            state[q + "mlp.experts.gate_up_proj"] = np.concatenate(
-                [w[p + "moe.experts.w_gate"], w[p + "moe.experts.w_up"]], axis=1)
-            state[q + "mlp.experts.down_proj"] = w[p + "moe.experts.w_down"]
     hf = transformers.DeepseekV3ForCausalLM(hf_cfg).to(torch.float64).eval()
     missing, unexpected = hf.load_state_dict(
-        {k: torch.from_numpy(v.astype(np.float64)) for k, v in state.items()}, strict=False)
+        {k: torch.from_numpy(v.astype(np.float64)) for k, v in hf_state_dict(cfg, w).items()}, strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
     tokens = np.random.default_rng(16).integers(0, cfg.vocab_size, 24)
     with torch.no_grad():
         expected = hf(torch.from_numpy(tokens)[None]).logits[0].numpy()
     logits = preset_model(name).prefill(tokens, KVCache.new(cfg, 24))
-    assert_close(logits, expected, rtol=2e-5)
+    assert_close(logits, expected, rtol=HF_RTOL)
     np.testing.assert_array_equal(logits.argmax(-1), expected.argmax(-1))
 
 

@@ -1,0 +1,240 @@
+"""What the project's command lines (`kdtr`, `refgen`, `kdtree`) do the same way.
+
+    @click.group(cls=clikit.Cli, name="refgen", bad_input=(KdtrError,))
+    @click.version_option(__version__, "--version", prog_name="refgen")
+    def main(): ...
+
+- `Cli`, a click group: `-h` and `--help` on every command; help (exit 0) for
+  the group and for any command declared `no_args_is_help=True` when run bare.
+  Every failure is one line on stderr, `<prog>: error: ...`, never a traceback:
+
+      0    success
+      1    the check failed (validate FAIL, fixture drift, files differ)
+      2    bad input: click usage errors, `CliError`, OSError, the group's `bad_input` types
+      3    internal error: any other exception (set KDTREE_TRACEBACK=1 to see the traceback)
+      130  interrupted (Ctrl-C)
+      141  stdout closed early (`| head`): quiet
+
+- `OutputFile`, the one click type for every file a command writes: checked
+  while the arguments are parsed (not empty, not a directory, its directory
+  exists and is writable), before any work; `atomic_output` then writes it all
+  or nothing, with the user's umask. `OutputDirectory` likewise for an output
+  directory.
+- `console`, `table` and `records`: as wide as the terminal; piped, wide and
+  never hard-wrapped; no cell is ever cut to "..." (cells fold instead).
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import sys
+import tempfile
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator, Sequence, Union
+
+import click
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .writer import _fsync_directory, _umask
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+EXIT_PIPE_CLOSED = 141
+TRACEBACK_VAR = "KDTREE_TRACEBACK"
+PIPED_WIDTH = 200             # the console width when stdout is not a terminal
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())   # click >= 8.2
+BadInput = Union[Sequence[type], Callable[[], Sequence[type]]]
+
+
+class CliError(click.ClickException):
+    """Bad input, found by a command: one line, exit status 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class Cli(click.Group):
+    """A click group that answers every failure with one line and an exit status (module docstring).
+
+    bad_input: the exception types that mean the user's input is bad (exit 2, their message
+    shown), or a function returning them (called only to judge an error, so that a command
+    line can name types of modules it imports late)."""
+
+    def __init__(self, *args: Any, bad_input: BadInput = (), **kwargs: Any) -> None:
+        kwargs.setdefault("context_settings", {}).setdefault("help_option_names", ["-h", "--help"])
+        kwargs.setdefault("no_args_is_help", True)
+        super().__init__(*args, **kwargs)
+        self.bad_input = bad_input
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             **extra: Any) -> None:
+        extra.pop("standalone_mode", None)
+        prog = prog_name or self.name or "command"
+        try:
+            status = super().main(args, prog, standalone_mode=False, **extra)
+        except _NO_ARGS_IS_HELP as exc:
+            click.echo(exc.ctx.get_help())
+            status = 0
+        except (click.Abort, KeyboardInterrupt):
+            status = _fail(prog, "interrupted", EXIT_INTERRUPTED)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            status = EXIT_PIPE_CLOSED
+        except click.ClickException as exc:
+            status = _fail(prog, exc.format_message(), EXIT_BAD_INPUT)
+        except Exception as exc:
+            bad_input = self.bad_input() if callable(self.bad_input) else self.bad_input
+            if isinstance(exc, (OSError, *bad_input)):
+                status = _fail(prog, _describe(exc), EXIT_BAD_INPUT)
+            elif os.environ.get(TRACEBACK_VAR):
+                raise
+            else:
+                status = _fail(prog, f"internal error: {type(exc).__name__}: {exc} (a bug; set "
+                                     f"{TRACEBACK_VAR}=1 to see where)", EXIT_INTERNAL)
+        sys.exit(status if isinstance(status, int) else 0)
+
+
+def _fail(prog: str, message: str, status: int) -> int:
+    click.echo(f"{prog}: error: {' '.join(str(message).split())}", err=True)
+    return status
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return str(exc) or type(exc).__name__
+
+
+# ---------------------------------------------------------------------------- output files
+
+class _OutputPath(click.ParamType):
+    """A path the command will write -> Path; refused while parsing when empty or when
+    `problem` names a reason."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        if isinstance(value, Path):
+            return value
+        text = str(value)
+        problem = "an empty path" if not text.strip() else self.problem(text, Path(text))
+        if problem:
+            self.fail(problem, param, ctx)
+        return Path(text)
+
+    def problem(self, text: str, path: Path) -> str | None:
+        raise NotImplementedError
+
+
+class OutputFile(_OutputPath):
+    """A file to write: not a directory, in a directory that exists and is writable."""
+
+    name = "file"
+
+    def problem(self, text: str, path: Path) -> str | None:
+        directory = path.parent
+        if text.endswith(os.sep) or path.is_dir():
+            return f"{text!r} is a directory; give a file name"
+        if path.exists() and not path.is_file():
+            return f"{text!r} exists and is not a regular file"
+        if not directory.is_dir():
+            return f"{text!r}: directory {str(directory)!r} does not exist"
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return f"{text!r}: directory {str(directory)!r} is not writable"
+        if len(os.fsencode(path.name)) > _name_max(directory):
+            return f"{text!r}: the file name is too long"
+        return None
+
+
+class OutputDirectory(_OutputPath):
+    """A directory to write into (created when missing): not something else."""
+
+    name = "directory"
+
+    def problem(self, text: str, path: Path) -> str | None:
+        return f"{text!r} exists and is not a directory" if path.exists() and not path.is_dir() else None
+
+
+def _name_max(directory: Path) -> int:
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Write `path` all or nothing: yields a binary file beside it (mode 0666 less the umask);
+    on success it is fsynced and renamed onto `path`, on any exception removed. An OSError
+    names `path`, never the temporary file."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kdtree-", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    try:
+        with os.fdopen(fd, "wb") as file:
+            os.fchmod(file.fileno(), 0o666 & ~_umask())
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno or errno.EIO, exc.strerror or str(exc), str(path)) from None
+        raise
+    _fsync_directory(str(path.parent))
+
+
+# ---------------------------------------------------------------------------- numbers
+
+class FiniteFloat(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+# ---------------------------------------------------------------------------- output
+
+def console(stderr: bool = False) -> Console:
+    """A console as wide as its terminal; on a pipe or file PIPED_WIDTH wide and soft-wrapped,
+    so that no line is broken. No highlighting: numbers and paths are shown as they are."""
+    probe = Console(stderr=stderr)
+    if probe.is_terminal:
+        return Console(stderr=stderr, highlight=False)
+    return Console(stderr=stderr, highlight=False, width=PIPED_WIDTH, soft_wrap=True)
+
+
+def table(*columns: str, title: str | None = None, right: Sequence[str] = ()) -> Table:
+    """A compact table whose cells fold rather than end in "..."; `right`: right-justified
+    columns. The title is shown verbatim (no markup: it may hold a user's path)."""
+    result = Table(title=None if title is None else Text(title), title_justify="left", highlight=False,
+                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for column in columns:
+        result.add_column(column, overflow="fold", justify="right" if column in right else "left")
+    return result
+
+
+def records(title: str, rows: Sequence[tuple[str, str]]) -> Table:
+    """Named records, one a row: the name, then its text wrapped beside it at any width
+    (for rows too long for table columns). Both shown verbatim."""
+    grid = Table.grid(padding=(0, 2))
+    grid.title, grid.title_justify = Text(title, style="italic"), "left"
+    grid.add_column(no_wrap=True, style="bold")
+    grid.add_column(overflow="fold")
+    for name, text in rows:
+        grid.add_row(Text(name), Text(text))
+    return grid

@@ -1,0 +1,251 @@
+"""Every `refgen` and `kdtree` command as people run it (tests/terminal.py): in a terminal
+80 columns wide and piped, with hostile arguments, and asking for help.
+
+Three tables drive it; a new command or a new bad invocation is one line in one of them:
+
+- RUNS: each command with small inputs. In the terminal: exit 0, no traceback, no line
+  wider than 80 columns, nothing cut to "...", and a short text whole on one line (not
+  broken across table cells); piped: the same, and a long text whole on one line
+  (nothing wrapped or truncated).
+- HOSTILE: a bad invocation and the text its one error line must name. Also: no
+  traceback, a non-zero exit, and nothing written into the row's own {out} directory.
+- COMMANDS: every command answers -h (and, where it needs arguments, no arguments)
+  with its help, and every program answers --version.
+
+Words in braces are filled in: {golden} the committed fixtures, {files} the bad files
+made below, {out} a fresh empty directory per run. The runs go two at a time (they are
+mostly interpreter and torch start-up).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+import kdtr_format
+from refgen.cli import IDENTICALLY
+from terminal import REPO, Result, assert_clean_error, in_terminal, piped
+
+GOLDEN = REPO / "tests" / "golden"
+
+RUNS = [
+    # argv; text whole on a line at 80 columns; text whole on a line when piped
+    ("refgen list", "kernels/verify_attention.kdtr, 4 cases",
+     "kernels/verify_attention.kdtr, 4 cases (+1 large): ragged tree-verify MLA attention batches"),
+    ("refgen generate --kernels --out {out}", "kernels/verify_attention.kdtr", "fixtures written to {out}"),
+    ("refgen verify {golden}/kernels/tree_build.kdtr", "1 of 1 fixtures regenerate identically",
+     f"1 of 1 fixtures regenerate identically ({IDENTICALLY})"),
+    ("refgen show {golden}/tiny.kdtr", "drafter oracle 0.6 (draw 1)",
+     "t1  prompt p1, drafter oracle 0.6 (draw 1), block 6, budget 20, tokens 12, rounds 3, forwards 4 (AR 12)"),
+    ("refgen show {golden}/kernels/verify_attention.kdtr", "tiny_ragged  preset tiny",
+     "tiny_ragged  preset tiny, heads 4, kv_lora_rank 64, qk_rope_head_dim 16, scale 0.1871, batch 4"),
+    ("kdtree validate --fixtures {golden}/tiny2.kdtr", "invariant DDTree == AR (layerskip)",
+     "kdtree validate: torch engine (cpu, stages: torch, attention: torch)"),
+    ("kdtree demo --max-new-tokens 4 --budget 4 --block-size 3", "DDTree layerskip",
+     "oracle: knows the AR continuation, right with probability 0.8 (an upper bound); layerskip"),
+]
+
+HOSTILE = [
+    # argv                                                        the error line names
+    ("refgen show {files}/corrupt.kdtr",                          "{files}/corrupt.kdtr: data checksum mismatch"),
+    ("refgen show {files}/plain.kdtr",                            "not a refgen fixture"),
+    ("refgen show {files}/malformed.kdtr",                        "malformed model fixture metadata"),
+    ("refgen show {files}/absent.kdtr",                           "does not exist"),
+    ("refgen verify {files}/dir_named_kdtr",                      "no .kdtr fixtures found"),
+    ("refgen verify {files}/absent",                              "does not exist"),
+    ("refgen generate --preset huge --out {out}",                 "unknown preset 'huge'"),
+    ("refgen generate --out {out}",                               "nothing to generate"),
+    ("refgen generate --kernels --out {files}/plain.kdtr",        "exists and is not a directory"),
+    ("refgen generate --kernels --out ''",                        "'--out': an empty path"),
+    ("refgen generate --config-file {files}/broken.json --out {out}", "not valid JSON"),
+    ("refgen generate --seed -1 --kernels --out {out}",           "'--seed'"),
+    ("refgen generate --bogus",                                   "--bogus"),
+    ("refgen nonsense",                                           "No such command 'nonsense'"),
+    ("kdtree demo --device foo",                                  "'foo': expected cpu, cuda or cuda:N"),
+    ("kdtree demo --budget 100000",                               "--budget 100000: a verify forward of 100001 tree tokens"),
+    ("kdtree demo --block-size 600",                              "max_position_embeddings 512"),
+    ("kdtree demo --prompt '1 2 3'",                              "'1 2 3' is not a token id"),
+    ("kdtree demo --prompt 1,,2",                                 "an empty item"),
+    ("kdtree demo --prompt ''",                                   "'--prompt': empty"),
+    ("kdtree demo --max-new-tokens 0",                            "'--max-new-tokens'"),
+    ("kdtree demo --budget -1",                                   "'--budget'"),
+    ("kdtree demo --block-size 0",                                "'--block-size'"),
+    ("kdtree demo --accuracy nan",                                "'nan' is not a finite number"),
+    ("kdtree demo --accuracy 1.5",                                "'--accuracy'"),
+    ("kdtree demo --plot {out}",                                  "is a directory"),
+    ("kdtree demo --plot ''",                                     "'--plot': an empty path"),
+    ("kdtree demo --plot {out}/missing/a.png",                    "directory '{out}/missing' does not exist"),
+    ("kdtree validate --json {out}",                              "is a directory"),
+    ("kdtree validate --json ''",                                 "'--json': an empty path"),
+    ("kdtree validate --json {out}/missing/r.json",               "directory '{out}/missing' does not exist"),
+    ("kdtree validate --fixtures {files}/absent",                 "does not exist"),
+    ("kdtree validate --device tpu",                              "'tpu': expected cpu, cuda or cuda:N"),
+    ("kdtree validate --fixtures {golden}/kernels/tree_build.kdtr --impl {files}/raises_at_import.py:make",
+                                                                  "importing {files}/raises_at_import.py raised RuntimeError"),
+    ("kdtree validate --fixtures {golden}/kernels/tree_build.kdtr --impl {files}/factory_raises.py:make --json {out}/r.json",
+                                                                  "make() raised ZeroDivisionError"),
+    ("kdtree nonsense",                                           "No such command 'nonsense'"),
+]
+
+COMMANDS = [
+    # command            prints its help when run with no arguments (the others run with defaults)
+    ("refgen",           True),
+    ("refgen list",      False),
+    ("refgen generate",  True),
+    ("refgen verify",    False),
+    ("refgen show",      True),
+    ("kdtree",           True),
+    ("kdtree validate",  False),
+    ("kdtree demo",      False),
+]
+PROGRAMS = sorted({command.split()[0] for command, _ in COMMANDS})
+
+
+def make_files(files: Path) -> None:
+    """The bad inputs HOSTILE names under {files}."""
+    corrupt = bytearray((GOLDEN / "kernels" / "tree_build.kdtr").read_bytes())
+    corrupt[len(corrupt) // 2] ^= 0xFF                      # inside a tensor's data
+    (files / "corrupt.kdtr").write_bytes(bytes(corrupt))
+    kdtr_format.write(files / "plain.kdtr", {"x": np.zeros(3)}, {"made by": "someone else"})
+    kdtr_format.write(files / "malformed.kdtr", {"x": np.zeros(3)}, {"kdtree_fixture": 1, "kind": "model"})
+    (files / "dir_named_kdtr" / "x.kdtr").mkdir(parents=True)
+    (files / "broken.json").write_text("{")
+    (files / "raises_at_import.py").write_text("raise RuntimeError('planted at import')\n")
+    (files / "factory_raises.py").write_text("def make():\n    return 1 / 0\n")
+
+
+class Runs:
+    """Every run of this file, in the order the tests ask for them. `result(key)` starts that
+    run and the next one not yet started, so that two run at a time, and waits for its own."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.outs = root, {}
+        self.files = root / "files"
+        self.files.mkdir()
+        make_files(self.files)
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.jobs: dict[str, Callable[[], Result]] = {}
+        self.futures: dict[str, Future] = {}
+
+    def fill(self, text: str, key: str) -> str:
+        return text.format(golden=GOLDEN, files=self.files, out=self.out(key))
+
+    def out(self, key: str) -> Path:
+        if key not in self.outs:
+            self.outs[key] = self.root / f"out{len(self.outs)}"
+            self.outs[key].mkdir()
+        return self.outs[key]
+
+    def add(self, key: str, argv: str, terminal: bool, columns: int = 80, **options) -> None:
+        words = shlex.split(self.fill(argv, key))
+        self.jobs[key] = (lambda: in_terminal(words, columns=columns, **options)) if terminal else \
+            (lambda: piped(words))
+
+    def result(self, key: str) -> Result:
+        self._start(key)
+        self._start(next((k for k in self.jobs if k not in self.futures), key))
+        return self.futures[key].result()
+
+    def _start(self, key: str) -> None:
+        if key not in self.futures:
+            self.futures[key] = self.pool.submit(self.jobs[key])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    runs = Runs(tmp_path_factory.mktemp("cli"))
+    for argv, *_ in RUNS:
+        runs.add(f"terminal {argv}", argv, terminal=True)
+    for argv, *_ in RUNS:
+        runs.add(f"piped {argv}", argv, terminal=False)
+    runs.add("wide", "refgen show {golden}/tiny.kdtr", terminal=True, columns=160)
+    runs.add("interrupted", "kdtree validate --fixtures {golden}/tiny2.kdtr --json {out}/r.json",
+             terminal=True, interrupt_on="checking")
+    for argv, _ in HOSTILE:
+        runs.add(f"hostile {argv}", argv, terminal=False)
+    for command, no_args_help in COMMANDS:
+        runs.add(f"help {command}", f"{command} -h", terminal=False)
+        if no_args_help:
+            runs.add(f"bare {command}", command, terminal=False)
+    for program in PROGRAMS:
+        runs.add(f"version {program}", f"{program} --version", terminal=False)
+    yield runs
+    runs.pool.shutdown(cancel_futures=True)
+
+
+def ids(table: list[tuple]) -> list[str]:
+    return [row[0] for row in table]
+
+
+# ---------------------------------------------------------------------------- (a) commands
+
+@pytest.mark.parametrize("argv, short, long", RUNS, ids=ids(RUNS))
+def test_in_a_terminal_80_columns(runs, argv, short, long):
+    key = f"terminal {argv}"
+    result = runs.result(key)
+    assert result.returncode == 0 and "Traceback" not in result.output, result.output
+    too_wide = [line for line in result.screen_lines if len(line) > 80]
+    assert not too_wide, "lines wider than the 80-column terminal:\n" + "\n".join(too_wide)
+    assert "…" not in result.output, f"a cell cut short:\n{result.output}"
+    text = runs.fill(short, key)
+    assert any(text in line for line in result.screen_lines), f"{text!r} is not whole:\n{result.output}"
+
+
+@pytest.mark.parametrize("argv, short, long", RUNS, ids=ids(RUNS))
+def test_piped(runs, argv, short, long):
+    key = f"piped {argv}"
+    result = runs.result(key)
+    assert result.returncode == 0 and "Traceback" not in result.output, result.output
+    assert "…" not in result.output and "\x1b[" not in result.output, result.output
+    text = runs.fill(long, key)
+    assert any(text in line for line in result.stdout.splitlines()), f"{text!r} is not whole:\n{result.stdout}"
+
+
+def test_a_wider_terminal_is_used_in_full(runs):
+    result = runs.result("wide")
+    assert result.returncode == 0
+    assert 80 < result.widest <= 160, "\n".join(result.screen_lines)
+
+
+def test_ctrl_c_during_validate_is_one_line_and_130(runs):
+    result = runs.result("interrupted")
+    assert result.returncode == 130
+    assert_clean_error(result, mentions="interrupted")
+    assert list(runs.out("interrupted").iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- (b) hostile arguments
+
+@pytest.mark.parametrize("argv, names", HOSTILE, ids=ids(HOSTILE))
+def test_hostile_argument(runs, argv, names):
+    key = f"hostile {argv}"
+    result = runs.result(key)
+    assert_clean_error(result, mentions=runs.fill(names, key))
+    assert result.stdout == "", f"output beside the error:\n{result.stdout}"
+    assert result.returncode == 2
+    assert list(runs.out(key).iterdir()) == [], "a bad invocation wrote files"
+
+
+# ---------------------------------------------------------------------------- (c) help and version
+
+@pytest.mark.parametrize("command, no_args_help", COMMANDS, ids=ids(COMMANDS))
+def test_help(runs, command, no_args_help):
+    keys = [f"help {command}"] + ([f"bare {command}"] if no_args_help else [])
+    for key in keys:
+        result = runs.result(key)
+        assert result.returncode == 0 and result.stderr == "", result.output
+        assert result.stdout.startswith(f"Usage: {command} "), result.output
+        assert max(map(len, result.stdout.splitlines())) <= 80, result.stdout
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_version(runs, program):
+    result = runs.result(f"version {program}")
+    assert result.returncode == 0, result.output
+    assert re.fullmatch(rf"{program}, version \d+\.\d+\.\d+\S*", result.stdout.strip()), result.output
