@@ -47,6 +47,8 @@ class TorchAdapter:
     (`backends` says which ran), the torch paths otherwise.
     """
 
+    capabilities = ("model", "topk", "tree", "compile", "accept", "sample_accept", "compact", "attention")
+
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
@@ -152,6 +154,15 @@ class TorchAdapter:
         choices_t = torch.tensor(np.asarray(choices), dtype=torch.int64, device=self.device)[None]
         accepted, accept_len, next_root = self.stages.accept(self._tree(parents, tokens, depths), choices_t)
         return accepted[0, :int(accept_len[0])].cpu().numpy(), int(next_root[0])
+
+    def sample_accept(self, parents: np.ndarray, tokens: np.ndarray, logits: np.ndarray, temperature: float,
+                      uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """parents, tokens [n+1], logits [n+1, V], uniforms [n+1] -> (choices [n+1], accepted [a], next_root)."""
+        choices = self.stages.sample_choices(torch.tensor(np.asarray(logits), device=self.device)[None],
+                                             float(temperature),
+                                             torch.tensor(np.asarray(uniforms), dtype=torch.float64,
+                                                          device=self.device)[None])[0].cpu().numpy()
+        return (choices, *self.accept(parents, tokens, choices))
 
     def _tree(self, parents: np.ndarray, tokens: np.ndarray, depths: np.ndarray) -> TreeBatch:
         """One request's tree as a TreeBatch (scores unused by compile and accept: zeros)."""

@@ -1,7 +1,7 @@
 """The `kdtree` command line: `validate` (the main job), `diverge` and `demo`.
 
     kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH]
-                    [--impl module:factory]
+                    [--impl module:factory] [--require CAPS]
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
 
@@ -133,7 +133,13 @@ def _check_device(device: str) -> None:
 @click.option("--impl", type=str, default=None,
               help="Adapter factory to validate: module:factory (a module on PYTHONPATH or in the "
                    "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
-def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None, impl: str | None) -> int:
+@click.option("--require", type=str, default="declared", show_default=True,
+              help="Capabilities whose checks must run, comma-separated (model, topk, tree, compile, accept, "
+                   "sample_accept, compact, attention); `declared`: the adapter's `capabilities`, else what it "
+                   "implements; `none`: nothing required. A required capability that is skipped or that no "
+                   "fixture exercises is a FAIL.")
+def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None, impl: str | None,
+                     require: str) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
     _check_device(device)
     from .validate import load_impl, validate, write_json
@@ -144,7 +150,7 @@ def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: 
         raise CliError(str(exc)) from None
     out = console()
     steps = _Steps(lambda line: out.print(Text(line, style="dim")))
-    report = validate(adapter, fixtures, device, log=steps, dtype=dtype)
+    report = validate(adapter, fixtures, device, log=steps, require=require, dtype=dtype)
     report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
     report.timings = steps.timings()
     render(report, out)

@@ -114,8 +114,10 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
 
     budgets: a per-request node budget (default ddtree.budget for all).
     drafter: may be None only when ddtree.depth == 0 (the tree is the root alone).
-    Sampling uniforms: `uniforms[r]` [B, >= Nmax] float64 for round r when given,
-    else drawn from `generator` (torch.rand on the CPU, float64).
+    Sampling uniforms, one per decision: when given, `uniforms[0]` [B, >= 1] float64 for
+    the prefill's first token and `uniforms[r + 1]` [B, >= Nmax] for round r (a fixture's
+    recorded uniforms replay its sampled trace exactly); else drawn from `generator`
+    (torch.rand on the CPU, float64), independently for every node.
     record: keep every round's tree, choices and acceptance (RequestResult.rounds).
     """
     stages = stages or TorchStages()
@@ -135,7 +137,7 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
                    extra_slots=min(max(request_budgets), _tree_capacity(depth, model.cfg.vocab_size)) + 1)
     vocab = model.cfg.vocab_size
     k = min(max(request_budgets), vocab)            # K = min(B, V); the widest budget serves all
-    roots = batch.prefill(stages, ddtree.temperature, generator)
+    roots = batch.prefill(stages, ddtree.temperature, generator, None if uniforms is None else uniforms[0])
     while batch.any_active:
         active = batch.active_mask()
         round_budgets = torch.tensor([request_budgets[b] if active[b] else 0 for b in range(batch.size)],
@@ -161,7 +163,7 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
         with batch.timer("accept"):
             round_uniforms = None
             if sampled:
-                round_uniforms = (uniforms[batch.rounds] if uniforms is not None
+                round_uniforms = (uniforms[batch.rounds + 1] if uniforms is not None
                                   else _uniforms(generator, batch.size, logits.shape[1]))
                 round_uniforms = round_uniforms[:, :logits.shape[1]]
             choices, margins = _choose(stages, logits, ddtree.temperature, round_uniforms)
@@ -243,9 +245,10 @@ class _Batch:
         return [torch.cat([p, torch.tensor(r.tokens[:-1], dtype=torch.int64)])
                 for p, r in zip(self.prompts, self.requests)]
 
-    def prefill(self, stages: Stages, temperature: float,
-                generator: torch.Generator | None) -> torch.Tensor:
-        """Causal forward of every prompt; commits and returns the first tokens [B]."""
+    def prefill(self, stages: Stages, temperature: float, generator: torch.Generator | None,
+                uniforms: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal forward of every prompt; commits and returns the first tokens [B]
+        (sampled with uniforms[:, 0] when given, else with uniforms from `generator`)."""
         lengths = self.starts
         width = int(lengths.max())
         tokens = torch.zeros(self.size, width, dtype=torch.int64)
@@ -259,7 +262,8 @@ class _Batch:
                                         torch.zeros(self.size, dtype=torch.int64, device=self.device),
                                         self.cache)
             last = logits[torch.arange(self.size, device=self.device), (lengths - 1).to(self.device)]
-            uniforms = _uniforms(generator, self.size, 1) if temperature > 0 else None
+            if temperature > 0:
+                uniforms = uniforms[:, :1] if uniforms is not None else _uniforms(generator, self.size, 1)
             choices, margins = _choose(stages, last[:, None], temperature, uniforms)
         self.sync_cache_lengths()
         for b in range(self.size):

@@ -265,13 +265,9 @@ def greedy_choices(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return choices, top2[:, 0] - top2[:, 1]
 
 
-def sample_choices(logits: np.ndarray, temperature: float, uniforms: np.ndarray) -> np.ndarray:
-    """logits [n, V], uniforms [n] in [0, 1) -> choices int64 [n]. Inverse CDF in float64.
-
-    p = softmax(logits / temperature); cdf = cumsum(p) over ids ascending;
-    c = the smallest id with cdf[c] > u. If rounding leaves u >= cdf[V-1], c is
-    the largest id with p > 0. A token with p = 0 is never chosen.
-    """
+def _sampling_cdf(logits: np.ndarray, temperature: float, uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                                          np.ndarray]:
+    """Checked inputs -> (p float64 [n, V], cdf float64 [n, V], uniforms float64 [n])."""
     logits = _check_logits(logits, "logits")
     if not isinstance(temperature, (int, float, np.floating)) or not temperature > 0:
         raise ValueError(f"temperature: sampling needs temperature > 0, got {temperature!r}")
@@ -281,10 +277,37 @@ def sample_choices(logits: np.ndarray, temperature: float, uniforms: np.ndarray)
     if ((uniforms < 0) | (uniforms >= 1)).any() or np.isnan(uniforms).any():
         raise ValueError("uniforms: every value must lie in [0, 1)")
     p = np.exp(log_softmax(np.asarray(logits, dtype=np.float64) / temperature))   # [n, V]
-    cdf = np.cumsum(p, axis=1)
+    return p, np.cumsum(p, axis=1), uniforms
+
+
+def sample_choices(logits: np.ndarray, temperature: float, uniforms: np.ndarray) -> np.ndarray:
+    """logits [n, V], uniforms [n] in [0, 1) -> choices int64 [n]. Inverse CDF in float64.
+
+    p = softmax(logits / temperature); cdf = cumsum(p) over ids ascending;
+    c = the smallest id with cdf[c] > u. If rounding leaves u >= cdf[V-1], c is
+    the largest id with p > 0. A token with p = 0 is never chosen.
+    """
+    p, cdf, uniforms = _sampling_cdf(logits, temperature, uniforms)
     choices = (cdf <= uniforms[:, None]).sum(axis=1)                # cdf is non-decreasing
     last_positive = p.shape[1] - 1 - np.argmax(p[:, ::-1] > 0, axis=1)
     return np.minimum(choices, last_positive).astype(np.int64)
+
+
+def sample_margins(logits: np.ndarray, temperature: float, uniforms: np.ndarray) -> np.ndarray:
+    """logits [n, V], uniforms [n] -> margins float64 [n] of the sampled decisions, in logit units.
+
+    With d the distance from u to the nearer end of the chosen token's CDF interval
+    [cdf[c-1], cdf[c]), margin = 4 T d. A perturbation of at most delta in every
+    logit moves every cdf value by at most delta / (2 T) (to first order), so, as
+    for a greedy top-1 minus top-2 margin, no perturbation below margin / 2 can
+    change the decision. 0 where rounding left u at or above cdf[V-1].
+    """
+    p, cdf, uniforms = _sampling_cdf(logits, temperature, uniforms)
+    c = sample_choices(logits, temperature, uniforms)
+    rows = np.arange(len(c))
+    low = np.where(c > 0, cdf[rows, np.maximum(c - 1, 0)], 0.0)
+    distance = np.minimum(uniforms - low, cdf[rows, c] - uniforms)
+    return 4.0 * temperature * np.maximum(distance, 0.0)
 
 
 def accept(tree: Tree, choices: np.ndarray) -> tuple[np.ndarray, int]:

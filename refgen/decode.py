@@ -19,7 +19,8 @@ import numpy as np
 from kdtr_format import DDTreeConfig, ModelConfig
 
 from .ddtree import (CompiledTree, Tree, accept, build_tree, check_int, compact, compile_tree,
-                     greedy_choices, max_nodes, sample_choices, topk_logprobs, visibility_over_cache)
+                     greedy_choices, max_nodes, sample_choices, sample_margins, topk_logprobs,
+                     visibility_over_cache)
 from .drafters import Drafter
 from .model import KVCache
 
@@ -78,11 +79,14 @@ class Round:
 
 @dataclass
 class DDTreeResult:
-    """tokens int64 [N]; target_forwards = 1 (prefill) + len(rounds);
+    """tokens int64 [N]; margins float64 [N]: the margin of the decision behind each
+    token (the prefill's for the first, then each accepted node's choice; as
+    Round.margins); target_forwards = 1 (prefill) + len(rounds);
     acceptance_lengths int64 [R] (a per round, before truncation); rounds;
     prefill_uniform: the uniform that sampled the first token (None when greedy)."""
 
     tokens: np.ndarray
+    margins: np.ndarray
     target_forwards: int
     acceptance_lengths: np.ndarray
     rounds: list[Round] = field(default_factory=list)
@@ -140,16 +144,24 @@ def ar_greedy(target: Target, prompt: np.ndarray, max_new_tokens: int,
     return ARResult(np.array(tokens, dtype=np.int64), np.array(margins), prefill_logits, forwards)
 
 
+MARGIN_FLOOR_DRAWS = 64     # redraws of one uniform whose decision is too near a CDF boundary
+
+
 def ddtree_decode(target: Target, drafter: Drafter, prompt: np.ndarray, ddtree: DDTreeConfig,
                   max_new_tokens: int, stop_tokens: Sequence[int] = (),
-                  uniforms_seed: int | None = None) -> DDTreeResult:
+                  uniforms_seed: int | None = None, margin_floor: float = 0.0) -> DDTreeResult:
     """Prefill, then DDTree rounds (draft, top-k, build, compile, verify, accept, compact)
     until max_new_tokens are committed (the last round truncated) or a stop token.
 
     temperature 0: greedy choices (the output equals `ar_greedy`'s). temperature > 0:
     every choice, the first token's included, is sampled by inverse CDF from uniforms
     drawn by np.random.default_rng(uniforms_seed): one for the first token (recorded in
-    DDTreeResult.prefill_uniform), then n+1 per round (recorded in Round.uniforms).
+    DDTreeResult.prefill_uniform), then one per tree node, drawn independently, per
+    round (recorded in Round.uniforms). margin_floor > 0 (fixtures only): a uniform
+    whose decision's margin (ddtree.sample_margins) is below it is drawn again, up to
+    MARGIN_FLOOR_DRAWS times, so that every recorded decision lies away from a CDF
+    boundary; the recorded uniforms are then not uniform, and the run is no sample
+    of the target distribution, but it is reproduced exactly from its uniforms.
     """
     if not isinstance(ddtree, DDTreeConfig):
         raise ValueError(f"ddtree: expected a kdtr_format.DDTreeConfig, got {type(ddtree).__name__}")
@@ -163,19 +175,25 @@ def ddtree_decode(target: Target, drafter: Drafter, prompt: np.ndarray, ddtree: 
 
     def choose(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """logits [n, V] -> (choices [n], margins [n], uniforms [n] or None)."""
-        choices, margins = greedy_choices(logits)
         if temperature == 0:
-            return choices, margins, None
+            return (*greedy_choices(logits), None)
         uniforms = rng.random(len(logits))
+        margins = sample_margins(logits, temperature, uniforms)
+        for _ in range(MARGIN_FLOOR_DRAWS):
+            near = margins < margin_floor
+            if not near.any():
+                break
+            uniforms[near] = rng.random(int(near.sum()))
+            margins[near] = sample_margins(logits[near], temperature, uniforms[near])
         return sample_choices(logits, temperature, uniforms), margins, uniforms
 
     m = len(prompt)
     n_max = min(budget, max_nodes(L, min(budget, vocab_size)))
     cache, prefill_logits = _prefill(target, prompt, m + max_new_tokens + n_max)
     if max_new_tokens == 0:
-        return DDTreeResult(np.zeros(0, dtype=np.int64), 1, np.zeros(0, dtype=np.int64))
-    first, _, prefill_uniform = choose(prefill_logits[-1:])
-    output = [int(first[0])]
+        return DDTreeResult(np.zeros(0, dtype=np.int64), np.zeros(0), 1, np.zeros(0, dtype=np.int64))
+    first, first_margin, prefill_uniform = choose(prefill_logits[-1:])
+    output, output_margins = [int(first[0])], [float(first_margin[0])]
     start, rounds = m, []
     stopped = output[-1] in stop_tokens
     while len(output) < max_new_tokens and not stopped:
@@ -199,8 +217,10 @@ def ddtree_decode(target: Target, drafter: Drafter, prompt: np.ndarray, ddtree: 
                             start + accepted, uniforms))
         committed = [*tree.tokens[accepted[1:]].tolist(), next_root]
         output.extend(committed)
+        output_margins.extend(margins[accepted].tolist())
         stopped = any(token in stop_tokens for token in committed)
         start += len(accepted)
-    return DDTreeResult(_until_stop(output, max_new_tokens, stop_tokens), 1 + len(rounds),
+    tokens = _until_stop(output, max_new_tokens, stop_tokens)
+    return DDTreeResult(tokens, np.array(output_margins[:len(tokens)]), 1 + len(rounds),
                         np.array([len(r.accepted) for r in rounds], dtype=np.int64), rounds,
                         None if prefill_uniform is None else float(prefill_uniform[0]))

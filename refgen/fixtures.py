@@ -1,11 +1,12 @@
 """Golden fixture files: model fixtures, and what every fixture file shares.
 
 A model fixture (docs/fixtures.md, "Model fixtures") holds one config's
-weights, three prompts with their prefill logits and AR greedy output, and
-DDTree traces for a few (drafter, budget, block size) settings with every
-round's tensors. `FixturePlan` says which; `DEFAULT_PLAN` is what refgen
-commits. A fixture whose DDTree tokens differ from its AR tokens is never
-written (`FixtureError`).
+weights, three prompts with their prefill logits and AR greedy output, DDTree
+traces for a few (drafter, budget, block size, temperature) settings with every
+round's tensors (sampled traces with the uniform of every decision), and the
+adversarial sampling cases (refgen.sample_cases). `FixturePlan` says which;
+`DEFAULT_PLAN` is what refgen commits. A fixture whose greedy DDTree tokens
+differ from its AR tokens is never written (`FixtureError`).
 
 Near ties. Exact token comparison is fair only away from ties, so:
 
@@ -14,6 +15,12 @@ Near ties. Exact token comparison is fair only away from ties, so:
   `margin_threshold` = MARGIN_REL x `logit_scale` (the standard deviation of a
   probe prompt's prefill logits); a prompt whose AR run breaks this is redrawn
   from its next sub-seed, a drafter seed whose trees do, likewise;
+- every sampled decision (the first token and every node of a sampled trace)
+  has a margin (refgen.ddtree.sample_margins: 4 T times the distance from its
+  uniform to the nearer end of the chosen token's CDF interval, in logit units
+  like a greedy margin) >= `margin_threshold`: a uniform nearer a boundary is
+  drawn again (refgen.decode.ddtree_decode's margin_floor), and a (drafter,
+  uniforms) seed pair that still breaks it is redrawn;
 - within every draft's top K + 1 log-probs, two adjacent values are either
   exactly equal (the tie rule orders them; every implementation agrees) or at
   least TOPK_GAP_MIN apart; a drafter seed that breaks this is redrawn.
@@ -44,8 +51,9 @@ from kdtr_format.precision import bf16_bounds
 from . import __version__
 from .bf16 import bf16_weights, routing_tensors
 from .decode import ARResult, Round, ar_greedy, ddtree_decode
-from .drafters import OracleDrafter, RandomDrafter
+from .drafters import OracleDrafter, RandomDrafter, TargetDrafter
 from .model import KVCache, Model
+from .sample_cases import sample_cases
 from .weights import init_weights
 
 FIXTURE_FORMAT = 1
@@ -58,7 +66,7 @@ REGEN_RTOL = 1e-12                   # regenerated floats agree to this (BLAS or
 PROVENANCE = ("version", "numpy")    # generator keys that may differ between regenerations
 
 # Sub-seed streams (see `sub_seed`).
-_PROBE, _PROMPT, _DRAFTER = 0, 1, 2
+_PROBE, _PROMPT, _DRAFTER, _UNIFORMS = 0, 1, 2, 3
 
 Progress = Callable[[int], None]     # called with the number of steps just finished
 
@@ -86,7 +94,8 @@ def _scalar(value: int) -> np.ndarray:
 @dataclass(frozen=True)
 class TraceSpec:
     """One DDTree trace: a prompt (index into the plan's prompts), a drafter
-    ("oracle" with an accuracy, or "random"), a DDTree setting, a length."""
+    ("oracle" with an accuracy, "random", or "target": the target's own greedy
+    chain), a DDTree setting (temperature > 0: sampled), a length."""
 
     name: str
     prompt: int
@@ -128,6 +137,11 @@ DEFAULT_PLAN = FixturePlan(
         TraceSpec("t5", 2, "oracle", 0.9, DDTreeConfig(block_size=1, budget=64), 6),
         # The paper's block size, with the drafter always right at top-1.
         TraceSpec("t6", 0, "oracle", 1.0, DDTreeConfig(block_size=16, budget=24), 12),
+        # Sampled, drafted by the target itself (so that rounds accept several tokens and siblings);
+        # one block size and temperature, so that the engine replays the three in one batch.
+        TraceSpec("t7", 0, "target", None, DDTreeConfig(block_size=4, budget=10, temperature=0.6), 12),
+        TraceSpec("t8", 1, "target", None, DDTreeConfig(block_size=4, budget=16, temperature=0.6), 10),
+        TraceSpec("t9", 2, "target", None, DDTreeConfig(block_size=4, budget=6, temperature=0.6), 8),
     ),
 )
 
@@ -232,6 +246,8 @@ def model_fixture(cfg: ModelConfig, preset: str, seed: int = 0, plan: FixturePla
         check_plan(cfg, bf16_plan)
     weights = init_weights(cfg, seed)
     tensors, metadata = _cases(cfg, weights, seed, plan, step)
+    cases, metadata["sample_cases"] = sample_cases(cfg.vocab_size)
+    tensors.update(cases)
     if bf16_plan is not None:
         bf16_tensors, bf16_metadata = _cases(cfg, bf16_weights(weights), seed, bf16_plan, lambda steps: None,
                                              bf16=True)
@@ -341,45 +357,56 @@ def _prompt_block_once(model: Model, plan: FixturePlan, seed: int, index: int, p
     return _Block(tensors, {"name": name, "length": len(prompt)}, traces, min(margins))
 
 
-def _drafter(spec: TraceSpec, prompt: np.ndarray, ar: ARResult, vocab_size: int,
-             drafter_seed: int) -> OracleDrafter | RandomDrafter:
+def _drafter(spec: TraceSpec, model: Model, prompt: np.ndarray, ar: ARResult,
+             drafter_seed: int) -> OracleDrafter | RandomDrafter | TargetDrafter:
+    vocab_size = model.cfg.vocab_size
     if spec.drafter == "oracle":
         return OracleDrafter(np.concatenate([prompt, ar.tokens]), vocab_size, spec.accuracy,
                              drafter_seed)
     if spec.drafter == "random":
         return RandomDrafter(vocab_size, drafter_seed)
-    raise FixtureError(f"trace {spec.name}: unknown drafter {spec.drafter!r} (oracle, random)")
+    if spec.drafter == "target":
+        return TargetDrafter(model)
+    raise FixtureError(f"trace {spec.name}: unknown drafter {spec.drafter!r} (oracle, random, target)")
 
 
 def _trace(model: Model, prompt: np.ndarray, ar: ARResult, spec: TraceSpec, seed: int,
            trace_index: int, threshold: float) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """One DDTree trace; the drafter seed is redrawn while a tree node's margin or
-    a top-k gap is too small."""
+    """One DDTree trace; the drafter seed (and for a sampled trace the uniforms seed) is
+    redrawn while a decision's margin or a top-k gap is too small."""
     if spec.max_new_tokens > len(ar.tokens):
         raise FixtureError(f"trace {spec.name}: max_new_tokens {spec.max_new_tokens} exceeds the "
                            f"{len(ar.tokens)} AR tokens it is checked against")
+    sampled = spec.ddtree.temperature > 0
     for draw in range(MAX_DRAWS):
         drafter_seed = sub_seed(seed, _DRAFTER, trace_index, draw)
-        drafter = _drafter(spec, prompt, ar, model.cfg.vocab_size, drafter_seed)
-        result = ddtree_decode(model, drafter, prompt, spec.ddtree, spec.max_new_tokens)
+        uniforms_seed = sub_seed(seed, _UNIFORMS, trace_index, draw) if sampled else None
+        drafter = _drafter(spec, model, prompt, ar, drafter_seed)
+        result = ddtree_decode(model, drafter, prompt, spec.ddtree, spec.max_new_tokens,
+                               uniforms_seed=uniforms_seed, margin_floor=threshold if sampled else 0.0)
         expected = ar.tokens[:spec.max_new_tokens]
-        if not np.array_equal(result.tokens, expected):
+        if not sampled and not np.array_equal(result.tokens, expected):
             raise FixtureError(f"trace {spec.name}: DDTree tokens {result.tokens.tolist()} differ "
                                f"from AR tokens {expected.tolist()}; refusing to write a fixture "
                                "that breaks the invariant")
         node_margin = min((float(r.margins.min()) for r in result.rounds), default=np.inf)
+        token_margin = float(result.margins.min(initial=np.inf) if sampled else
+                             ar.margins[:spec.max_new_tokens].min())
         gaps = [topk_gaps(r.draft_logits, spec.ddtree.budget) for r in result.rounds]
-        if node_margin >= threshold and all(_gap_ok(a) and _gap_ok(b) for a, b in gaps):
+        if min(node_margin, token_margin) >= threshold and all(_gap_ok(a) and _gap_ok(b) for a, b in gaps):
             break
     else:
         raise FixtureError(f"trace {spec.name}: no drafter seed out of {MAX_DRAWS} keeps every "
-                           f"tree node's margin above {threshold:.3g} and every top-k gap above "
+                           f"decision's margin above {threshold:.3g} and every top-k gap above "
                            f"{TOPK_GAP_MIN}")
 
     prefix = f"traces/{spec.name}"
     tensors = {f"{prefix}/tokens": result.tokens,
                f"{prefix}/target_forwards": _scalar(result.target_forwards),
                f"{prefix}/acceptance_lengths": result.acceptance_lengths}
+    if sampled:
+        tensors.update({f"{prefix}/margins": result.margins,
+                        f"{prefix}/prefill_uniform": np.array(result.prefill_uniform, dtype=np.float64)})
     for r, round_ in enumerate(result.rounds):
         tensors.update(_round_tensors(f"{prefix}/rounds/{r}", round_))
     drafter_meta = {"kind": spec.drafter, "seed": drafter_seed, "draw": draw}
@@ -396,10 +423,12 @@ def _trace(model: Model, prompt: np.ndarray, ar: ARResult, spec: TraceSpec, seed
         "ar_target_forwards": spec.max_new_tokens,       # prefill + one per token after the first
         "non_prefix_rounds": sum(int(not np.array_equal(r.accepted, np.arange(len(r.accepted))))
                                  for r in result.rounds),
-        "min_margin": min(node_margin, float(ar.margins[:spec.max_new_tokens].min())),
+        "min_margin": min(node_margin, token_margin),
         "min_topk_gap": _smallest(*(adjacent for adjacent, _ in gaps)),
         "min_topk_boundary_gap": _smallest(*(boundary for _, boundary in gaps)),
     }
+    if sampled:
+        meta["uniforms_seed"] = uniforms_seed
     return tensors, meta
 
 
@@ -413,6 +442,8 @@ def _round_tensors(prefix: str, r: Round) -> dict[str, np.ndarray]:
                "visibility_bits": compiled.visibility_bits, "verify_logits": r.verify_logits,
                "choices": r.choices, "margins": r.margins, "accepted": r.accepted,
                "next_root": _scalar(r.next_root), "compaction_src": r.compaction_src}
+    if r.uniforms is not None:
+        tensors["uniforms"] = r.uniforms
     return {f"{prefix}/{name}": array for name, array in tensors.items()}
 
 

@@ -5,15 +5,18 @@ Sections of the report, each a list of `Check` rows:
 1. Model fixtures (`<preset>.kdtr`), through the adapter protocol
    (protocol.py): prefill logits and verify logits within the fixture's
    tolerance (the worst error and its tolerance reported); AR tokens, tree
-   build, target choices, accept and committed tokens exact. A token that
-   differs is reported with the fixture's margin at that decision: below the
-   fixture's margin_threshold it is a near-tie (reported, not a failure),
-   above it a FAIL. Traces are replayed teacher-forced: each round takes the
-   fixture's start, root, draft and tree, so one wrong round cannot hide the
-   rest.
+   build, target choices, accept and committed tokens exact; for sampled
+   traces the adapter's sample_accept with the fixture's uniforms, and the
+   fixture's adversarial sampling cases, exact. A token that differs is
+   reported with the fixture's margin at that decision: below the fixture's
+   margin_threshold it is a near-tie (reported, not a failure), above it a
+   FAIL. Traces are replayed teacher-forced: each round takes the fixture's
+   start, root, draft and tree, so one wrong round cannot hide the rest.
 2. Engine decode (the built-in engine only): `engine.decode` batched over the
-   fixture's prompts (AR) and traces (DDTree with the replay drafter: every
-   round's tree, choices and acceptance exact).
+   fixture's prompts (AR) and traces (DDTree with the replay drafter and, for
+   sampled traces, the recorded uniforms: every round's tree, choices and
+   acceptance exact, whole token sequences equal), each batch holding
+   requests of different prompts, budgets and lengths.
 3. Kernel cases (`kernels/*.kdtr`): top-k from draft logits, tree build
    (float64 scores too) and compile (positions, visibility bits, EAGLE links)
    bit-exact from the given top-k, accept and compaction exact, verify
@@ -23,35 +26,46 @@ Sections of the report, each a list of `Check` rows:
    fixture's weights and prompts, and on seeded random weights and prompts for
    a preset without a fixture.
 
-A missing adapter method turns its checks into "skipped (not implemented by
-adapter)". The report fails when any check is FAIL.
+Every adapter call goes through `checked.CheckedAdapter`: an exception or an
+output of the wrong arity, dtype, shape or finiteness is a FAIL row naming the
+method and the output. A capability the adapter does not implement turns its
+checks into "skipped (not implemented by adapter)"; a required capability
+(protocol.resolve_capabilities: by default what the adapter declares, else what
+it implements) that is skipped or that no fixture exercised is a FAIL. The
+report fails when any row is FAIL or when no row ran.
 
 `validate(..., dtype="bfloat16")` tells the adapter its dtype (`set_dtype`) and
 checks the model fixtures' bf16 cases in the bf16 regime: tolerances and near-tie
 thresholds from the measured bf16 error model, and routing flips told apart from
 routing bugs (regime.py, docs/precision.md). Every row names its regime.
 
-Modules, one job each: `protocol` (what an adapter implements), `report` (rows,
-the report, JSON), `compare` (one comparison -> one row), `regime` (how a dtype
-judges rows, the routing watch), `fixtures` (finding them), `model_checks`,
-`kernel_checks` and `invariant` (the sections above), `deviations` (what an
-adapter declares about where it differs from the reference, noted on the rows
-it affects) and `runner` (all of them in order).
+Modules, one job each: `protocol` (what an adapter implements, each method's
+outputs, capability declarations), `checked` (the checking proxy), `report`
+(rows, the report, JSON), `compare` (one comparison -> one row), `regime` (how a
+dtype judges rows, the routing watch), `fixtures`
+(finding them), `model_checks`, `kernel_checks` and `invariant` (the sections
+above), `deviations` (what an adapter declares about where it differs from the
+reference, noted on the rows it affects), and `runner` (all of them in order, then
+the requirements).
+`distribution` (the statistical test of a sampler's law, for implementations
+that draw their own uniforms; it needs scipy) is imported on its own.
 """
 
+from .checked import AdapterFault, CheckedAdapter
 from .compare import (SKIPPED_DETAIL, classify_divergence, compare_close, compare_exact, compare_tokens,
-                      compare_tree, merge, skipped, unpack_bits)
+                      compare_tree, merge, row, skipped, unpack_bits)
 from .deviations import Deviation, declared_deviations
 from .fixtures import GOLDEN_DIR, REPO_ROOT, find_fixtures, model_fixture_config
 from .invariant import INVARIANT_DDTREE, INVARIANT_TOKENS, MARGIN_REL, invariant_checks, \
     preset_invariant_checks, random_weights
 from .model_checks import replayed_round
-from .protocol import CAPABILITIES, EngineAdapter, capabilities, load_impl
+from .protocol import CAPABILITIES, METHODS, EngineAdapter, capabilities, load_impl, resolve_capabilities
 from .report import Check, Report, Status, ValidateError, write_json
 from .runner import validate
 
 __all__ = [
-    "CAPABILITIES", "Check", "Deviation", "EngineAdapter", "GOLDEN_DIR", "INVARIANT_DDTREE", "INVARIANT_TOKENS",
+    "AdapterFault", "CAPABILITIES", "Check", "CheckedAdapter", "Deviation", "EngineAdapter", "GOLDEN_DIR",
+    "INVARIANT_DDTREE", "INVARIANT_TOKENS", "METHODS", "resolve_capabilities", "row",
     "MARGIN_REL", "REPO_ROOT", "Report", "SKIPPED_DETAIL", "Status", "ValidateError", "capabilities",
     "classify_divergence", "compare_close", "compare_exact", "compare_tokens", "compare_tree",
     "declared_deviations", "find_fixtures", "invariant_checks", "load_impl", "merge", "model_fixture_config",

@@ -3,7 +3,7 @@ output into one `Check` row (exact, within tolerance, near-tie or FAIL)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -35,9 +35,13 @@ def compare_exact(section: str, name: str, actual: Any, expected: Any, where: st
     return Check(section, name, Status.EXACT)
 
 
+Locate = Callable[[int], str]    # a row index (a tree node, a token) -> where it is, in words
+
+
 def compare_close(section: str, name: str, actual: Any, expected: Any, rtol: float,
-                  atol: float | np.ndarray, where: str = "") -> Check:
-    """|actual - expected| <= atol + rtol |expected| everywhere; reports the worst element."""
+                  atol: float | np.ndarray, where: str = "", locate: Locate | None = None) -> Check:
+    """|actual - expected| <= atol + rtol |expected| everywhere; reports the worst element,
+    and on a failure `locate(first row beyond tolerance)` when given."""
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
     at = f" ({where})" if where else ""
@@ -54,17 +58,21 @@ def compare_close(section: str, name: str, actual: Any, expected: Any, rtol: flo
     err, tol = float(error.reshape(-1)[worst]), float(tolerance.reshape(-1)[worst])
     if err > tol:
         index = list(map(int, np.unravel_index(worst, expected.shape)))
-        return Check(section, name, Status.FAIL, err, tol, detail=f"worst at {index}{at}")
+        first = f"{locate(int(np.argmax((error > tolerance).reshape(len(error), -1).any(axis=1))))}; " \
+            if locate else ""
+        return Check(section, name, Status.FAIL, err, tol, detail=f"{first}worst at {index}{at}")
     status = Status.EXACT if not error.any() else Status.WITHIN
     return Check(section, name, status, float(error.max()) if status is Status.EXACT else err, tol)
 
 
 def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins: Any,
-                   threshold: float, where: str = "", tied: Any = None, sequence: bool = False) -> Check:
-    """Token decisions: equal, or the divergences classified by the reference's margin there (the
-    worst reported). tied [decisions] bool: near-ties whatever their margin (rows a routing flip
-    reaches, in bf16). sequence: the tokens follow each other, so only the first divergence is
-    judged (the later ones follow another prefix)."""
+                   threshold: float, where: str = "", locate: Locate | None = None, tied: Any = None,
+                   sequence: bool = False) -> Check:
+    """Token decisions, whole sequences: equal, or the divergence that decides the status
+    (the worst by the reference's margin there), its margin in the margin column; the first
+    divergence described by `locate` when given. tied [decisions] bool: near-ties whatever
+    their margin (rows a routing flip reaches, in bf16). sequence: the tokens follow each
+    other, so only the first divergence is judged (the later ones follow another prefix)."""
     actual, expected = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
     at = f" ({where})" if where else ""
     n = min(len(actual), len(expected))
@@ -80,30 +88,36 @@ def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins:
     statuses = [Status.NEAR_TIE if tied[i] else classify_divergence(float(margins[i]), threshold) for i in judged]
     worst = max(range(len(judged)), key=lambda k: _SEVERITY[statuses[k]])
     i = int(judged[worst])
+    first = locate(int(differ[0])) if locate else f"at {int(differ[0])}"
     routing = ", reached by a routing flip" if tied[i] else ""
     return Check(section, name, statuses[worst], margin=float(margins[i]), tolerance=threshold,
-                 detail=f"first divergence at {int(differ[0])}; at {i}: got {actual[i]}, expected "
-                        f"{expected[i]}, margin {margins[i]:.3g} vs threshold {threshold:.3g}{routing}{at}")
+                 detail=f"first divergence {first}; at {i}: got {actual[i]}, expected {expected[i]}{routing}{at}")
 
 
-def merge(section: str, name: str, checks: Iterable[Check]) -> Check:
-    """One row for many comparisons of a kind: the worst status, the worst error ratio,
-    and the detail of the first failure (else of the worst)."""
-    checks = list(checks)
+def merge(section: str, name: str, checks: Iterable[Check], needs: Iterable[str] = ()) -> Check:
+    """One row for many comparisons of a kind, its numbers and detail all from one of them:
+    the first with the worst status (a failure or near-tie), else the largest error ratio."""
+    checks, needs = list(checks), tuple(sorted(needs))
     if not checks:
-        return Check(section, name, Status.SKIPPED, detail="nothing to compare")
+        return Check(section, name, Status.SKIPPED, detail="nothing to compare", needs=needs)
     status = max((c.status for c in checks), key=_SEVERITY.get)
-    worst = max(checks, key=lambda c: c.ratio)
-    telling = next((c for c in checks if c.status is status), worst)
-    margin = min((c.margin for c in checks if c.margin is not None), default=None)
-    tolerance = worst.tolerance if worst.error is not None else telling.tolerance
+    if status in (Status.FAIL, Status.NEAR_TIE):
+        telling = next(c for c in checks if c.status is status)
+    else:
+        telling = max(checks, key=lambda c: c.ratio)
     regime = " | ".join(dict.fromkeys(c.regime for c in checks if c.regime))
-    return Check(section, name, status, worst.error, tolerance, margin,
-                 telling.detail if telling.status is not Status.EXACT else "", regime)
+    return Check(section, name, status, telling.error, telling.tolerance, telling.margin,
+                 telling.detail if status is not Status.EXACT else "", needs, regime=regime)
 
 
-def skipped(section: str, name: str) -> Check:
-    return Check(section, name, Status.SKIPPED, detail=SKIPPED_DETAIL)
+def skipped(section: str, name: str, needs: Iterable[str] = ()) -> Check:
+    return Check(section, name, Status.SKIPPED, detail=SKIPPED_DETAIL, needs=tuple(sorted(needs)))
+
+
+def row(section: str, name: str, needs: set[str], caps: set[str], checks: Iterable[Check]) -> Check:
+    """The report row `name`: the merged checks when the adapter has every capability it
+    needs, else skipped (not implemented by adapter)."""
+    return merge(section, name, checks, needs) if needs <= caps else skipped(section, name, needs)
 
 
 def compare_tree(section: str, built: tuple, expected: tuple, where: str) -> list[Check]:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from .checked import AdapterFault
 from .compare import _int, _words, compare_close, compare_exact, compare_tree, merge
 from .report import Check, Status
 
@@ -98,8 +99,11 @@ def _topk(adapter, case: _Case) -> list[Check]:
 def _topk_error(adapter, case: _Case) -> list[Check]:
     try:
         adapter.topk_logprobs(case["draft_logits"], int(case.meta["k"]))
-    except Exception as exc:    # any explicit error meets the contract
-        return [Check(case.section, case.row, Status.EXACT, detail=f"raised {type(exc).__name__}: {exc}")]
+    except AdapterFault as fault:
+        if fault.raised:        # any explicit error of the adapter's own meets the contract
+            return [Check(case.section, case.row, Status.EXACT, detail=str(fault))]
+        return [case.fail(f"returned a top-k the protocol forbids for draft logits holding NaN: {fault}; "
+                          "the contract requires an explicit error")]
     return [case.fail("returned a top-k for draft logits holding NaN; the contract requires an explicit error")]
 
 
@@ -154,6 +158,7 @@ def corpus_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
     rows = []
     for meta in reader.metadata.get("cases", []):
         case = _Case(reader, meta, section)
+        needs = set().union(*(STAGE_CAPABILITIES[stage] for stage in meta["stages"]))
         checks, missing = [], []
         for stage in meta["stages"]:
             if not STAGE_CAPABILITIES[stage] <= caps:
@@ -161,13 +166,13 @@ def corpus_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
                 continue
             try:
                 checks += _STAGES[stage](adapter, case)
-            except Exception as exc:    # a crash fails this case, not the fixture
-                checks.append(case.fail(f"{stage}: {type(exc).__name__}: {exc}"))
+            except AdapterFault as fault:    # a crash or a forbidden output fails this case, not the fixture
+                checks.append(case.fail(f"{stage}: {fault}"))
         skipped = f"{', '.join(missing)} skipped (not implemented by adapter)" if missing else ""
         if not checks:
-            rows.append(Check(section, case.row, Status.SKIPPED, detail=skipped))
+            rows.append(Check(section, case.row, Status.SKIPPED, detail=skipped, needs=tuple(sorted(needs))))
             continue
-        row = merge(section, case.row, checks)
+        row = merge(section, case.row, checks, needs)
         failures = [c.detail if c.name == case.row else f"{c.name}: {c.detail}"
                     for c in checks if c.status is Status.FAIL]
         row.detail = "; ".join(filter(None, ["; ".join(failures) or row.detail, skipped]))

@@ -1,6 +1,7 @@
 """Kernel cases (`kernels/*.kdtr`): top-k from draft logits, tree build (float64
 scores too) and compile (positions, visibility bits, EAGLE links) bit-exact from the
-given top-k, accept and compaction exact, verify attention within tolerance."""
+given top-k, accept and compaction exact, verify attention within tolerance. Every
+adapter call goes through the checked adapter; a fault is the FAIL row of its check."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .compare import _int, _words, compare_close, compare_exact, compare_tree, merge, skipped, unpack_bits
+from .checked import fault_into
+from .compare import _int, _words, compare_close, compare_exact, compare_tree, row, unpack_bits
 from .corpus_checks import corpus_cases
 from .report import Check
 
@@ -26,25 +28,27 @@ def _tree_build_cases(adapter, caps: set[str], reader, section: str) -> list[Che
         where = f"case {case['name']}"
         topk_lp, topk_id = np.asarray(reader[p + "topk_lp"]), np.asarray(reader[p + "topk_id"])
         if "topk" in caps and p + "draft_logits" in reader and topk_lp.shape[0] > 0:
-            lp, ids = adapter.topk_logprobs(np.asarray(reader[p + "draft_logits"]), topk_id.shape[1])
-            topk_rows += [compare_exact(section, "top-k ids", ids, topk_id, where),
-                          compare_close(section, "top-k lp", lp, topk_lp, 0.0,
-                                        np.spacing(np.abs(topk_lp).astype(np.float32)), where)]
+            with fault_into(topk_rows, section, "top-k log-probs", where):
+                lp, ids = adapter.topk_logprobs(np.asarray(reader[p + "draft_logits"]), topk_id.shape[1])
+                topk_rows += [compare_exact(section, "top-k ids", ids, topk_id, where),
+                              compare_close(section, "top-k lp", lp, topk_lp, 0.0,
+                                            np.spacing(np.abs(topk_lp).astype(np.float32)), where)]
         parents, depths = np.asarray(reader[p + "parents"]), np.asarray(reader[p + "depths"])
         if "tree" in caps:
-            expected = (parents, np.asarray(reader[p + "tokens"]), depths, np.asarray(reader[p + "scores"]))
-            tree_rows += compare_tree(section, adapter.build_tree(topk_lp, topk_id, int(case["budget"]), -1),
-                                      expected, where)
+            with fault_into(tree_rows, section, "tree build", where):
+                expected = (parents, np.asarray(reader[p + "tokens"]), depths, np.asarray(reader[p + "scores"]))
+                tree_rows += compare_tree(section, adapter.build_tree(topk_lp, topk_id, int(case["budget"]), -1),
+                                          expected, where)
         if "compile" in caps:
-            compiled = adapter.compile_tree(parents, depths, int(case["start"]))
-            compile_rows += [compare_exact(section, what, _words(got) if what == "visibility_bits" else got,
-                                           _words(reader[p + what]) if what == "visibility_bits" else reader[p + what],
-                                           where)
-                             for what, got in zip(("positions", "visibility_bits", "first_child", "next_sibling"),
-                                                  compiled)]
-    return [merge(section, "top-k log-probs", topk_rows) if "topk" in caps else skipped(section, "top-k log-probs"),
-            merge(section, "tree build", tree_rows) if "tree" in caps else skipped(section, "tree build"),
-            merge(section, "tree compile", compile_rows) if "compile" in caps else skipped(section, "tree compile")]
+            with fault_into(compile_rows, section, "tree compile", where):
+                compiled = adapter.compile_tree(parents, depths, int(case["start"]))
+                compile_rows += [
+                    compare_exact(section, what, _words(got) if what == "visibility_bits" else got,
+                                  _words(reader[p + what]) if what == "visibility_bits" else reader[p + what], where)
+                    for what, got in zip(("positions", "visibility_bits", "first_child", "next_sibling"), compiled)]
+    return [row(section, "top-k log-probs", {"topk"}, caps, topk_rows),
+            row(section, "tree build", {"tree"}, caps, tree_rows),
+            row(section, "tree compile", {"compile"}, caps, compile_rows)]
 
 
 def _accept_compact_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
@@ -55,38 +59,42 @@ def _accept_compact_cases(adapter, caps: set[str], reader, section: str) -> list
         start = int(case["start"]) if "start" in case else _int(reader[p + "start"])
         accepted_expected = np.asarray(reader[p + "accepted"])
         if "accept" in caps:
-            accepted, next_root = adapter.accept(*(np.asarray(reader[p + k]) for k in ("parents", "tokens", "choices")))
-            accept_rows += [compare_exact(section, "accepted", accepted, accepted_expected, where),
-                            compare_exact(section, "next root", next_root, _int(reader[p + "next_root"]), where)]
+            with fault_into(accept_rows, section, "accept", where):
+                accepted, next_root = adapter.accept(*(np.asarray(reader[p + k])
+                                                       for k in ("parents", "tokens", "choices")))
+                accept_rows += [compare_exact(section, "accepted", accepted, accepted_expected, where),
+                                compare_exact(section, "next root", next_root, _int(reader[p + "next_root"]), where)]
         if "compact" in caps:
-            c_kv, k_pe = adapter.compact(np.array(reader[p + "c_kv"]), np.array(reader[p + "k_pe"]), start,
-                                         accepted_expected)
-            compact_rows += [compare_exact(section, "c_kv after", c_kv, np.asarray(reader[p + "c_kv_after"]), where),
-                             compare_exact(section, "k_pe after", k_pe, np.asarray(reader[p + "k_pe_after"]), where)]
-    return [merge(section, "accept", accept_rows) if "accept" in caps else skipped(section, "accept"),
-            merge(section, "KV compaction", compact_rows) if "compact" in caps else skipped(section, "KV compaction")]
+            with fault_into(compact_rows, section, "KV compaction", where):
+                c_kv, k_pe = adapter.compact(np.array(reader[p + "c_kv"]), np.array(reader[p + "k_pe"]), start,
+                                             accepted_expected)
+                compact_rows += [
+                    compare_exact(section, "c_kv after", c_kv, np.asarray(reader[p + "c_kv_after"]), where),
+                    compare_exact(section, "k_pe after", k_pe, np.asarray(reader[p + "k_pe_after"]), where)]
+    return [row(section, "accept", {"accept"}, caps, accept_rows),
+            row(section, "KV compaction", {"compact"}, caps, compact_rows)]
 
 
 def _verify_attention_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
-    if "attention" not in caps:
-        return [skipped(section, "verify attention")]
     rule = reader.metadata.get("tolerances", {}).get("o_lat", DEFAULT_ATTENTION_TOLERANCE)
-    rows = []
-    for case in _cases(reader):
+    rows: list[Check] = []
+    for case in _cases(reader) if "attention" in caps else []:
         p = f"cases/{case['name']}/"
         q_lat, q_pe, c_kv, k_pe, context, trees, q_off, kv_off, bits, expected = (
             np.asarray(reader[p + k]) for k in ("q_lat", "q_pe", "c_kv", "k_pe", "context", "tree_sizes",
                                                 "q_offsets", "kv_offsets", "visibility_bits", "o_lat"))
         scale = float(case["scale"]) if "scale" in case else float(reader.metadata["scale"])
         for b in range(len(context)):
+            where = f"case {case['name']} request {b}"
             q = slice(int(q_off[b]), int(q_off[b + 1]))
             n, ctx = int(trees[b]), int(context[b])
             kv = slice(int(kv_off[b]), int(kv_off[b]) + ctx + n)
             visibility = np.concatenate([np.ones((n, ctx), dtype=bool), unpack_bits(bits[q], n)], axis=1)
-            o_lat = adapter.attention(q_lat[q], q_pe[q], c_kv[kv], k_pe[kv], visibility, scale)
-            rows.append(compare_close(section, "verify attention", o_lat, expected[q], rule["rtol"], rule["atol"],
-                                      f"case {case['name']} request {b}"))
-    return [merge(section, "verify attention (o_lat)", rows)]
+            with fault_into(rows, section, "verify attention (o_lat)", where):
+                o_lat = adapter.attention(q_lat[q], q_pe[q], c_kv[kv], k_pe[kv], visibility, scale)
+                rows.append(compare_close(section, "verify attention", o_lat, expected[q], rule["rtol"],
+                                          rule["atol"], where))
+    return [row(section, "verify attention (o_lat)", {"attention"}, caps, rows)]
 
 
 _KERNEL_CASES: dict[str, Callable[..., list[Check]]] = {

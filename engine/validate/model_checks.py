@@ -1,15 +1,21 @@
-"""Model fixtures (`<preset>.kdtr`) through the adapter: prefill and verify logits
-within tolerance, AR tokens, tree build, target choices, accept and committed tokens
-exact, every trace replayed teacher-forced; for the built-in engine also its own
-batched decode loops and the invariant on the fixture's weights."""
+"""Model fixtures (`<preset>.kdtr`) through the checked adapter: prefill and verify
+logits within tolerance; AR tokens, tree build, target choices, accept, sampled choices
+and committed tokens exact, every trace (greedy and sampled) replayed teacher-forced; the
+fixture's adversarial sampling cases exact. For the built-in engine also its own batched
+decode loops and the invariant on the fixture's weights.
+
+A FAIL in verify logits, target choices or sampled choices names the first wrong node
+(trace, round, node index, its depth and position) and points to `kdtree diverge`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
+import torch
 
 from kdtr_format import DDTreeConfig, ModelConfig
 
@@ -17,43 +23,67 @@ from ..adapter import TorchAdapter
 from ..decode import DecodeResult, ar_decode, ddtree_decode
 from ..drafters import ReplayDrafter
 from .acceptance import engine_acceptance, with_acceptance
-from .compare import _int, _words, compare_exact, compare_tree, merge, skipped, unpack_bits
+from .checked import fault_into
+from .compare import _int, _words, compare_exact, compare_tree, merge, row, unpack_bits
 from .fixtures import model_fixture_config
 from .invariant import invariant_checks
 from .regime import Regime, RoutingWatch, reached_rows, sequence_reached
 from .report import Check, Status
 
+# The report's rows for a model fixture, and the adapter capabilities each needs.
+ROWS: dict[str, set[str]] = {
+    "prefill logits": {"model"},
+    "AR tokens": {"model"},
+    "top-k log-probs": {"topk"},
+    "tree build": {"tree"},
+    "tree compile": {"compile"},
+    "verify logits": {"model"},
+    "target choices": {"model"},
+    "sampled choices": {"model", "sample_accept"},
+    "accept": {"accept"},
+    "sample accept": {"sample_accept"},
+    "DDTree tokens": {"model", "accept"},
+    "sampled DDTree tokens": {"model", "sample_accept"},
+}
+DIVERGE_HINT = "`kdtree diverge` finds the first op where verify and decode differ"
 
-def _model_fixture(adapter: Any, caps: set[str], reader, path: Path, builtin: bool,
+
+def _model_fixture(adapter: Any, caps: set[str], reader, section: str, builtin: bool,
                    dtype: str = "float32") -> list[Check]:
-    cfg = model_fixture_config(reader, path)
-    section = path.name
+    cfg = model_fixture_config(reader, Path(section))
     regime = Regime.of(reader.metadata, dtype)
     if regime is None:
         return [Check(section, f"{dtype} cases", Status.SKIPPED,
                       detail=f"the fixture holds no {dtype} cases (regenerate it with `refgen generate`)")]
-    fixture = _Fixture(reader, cfg, regime, exact="intermediates" in caps)
     metadata = regime.metadata
-    checks: list[Check] = []
-    if "model" in caps:
+    fixture = _Fixture(reader, cfg, regime, exact=callable(getattr(adapter, "intermediates", None)))
+    found: dict[str, list[Check]] = {name: [] for name in ROWS}
+    model = "model" in caps
+    if model:
+        loading: list[Check] = []
         prefix = regime.prefix + "weights/"
-        adapter.load_weights(cfg, {name[len(prefix):]: np.array(reader[name], dtype=np.float32)
-                                   for name in reader.names(prefix)})
-        prefill, ar = [], []
+        with fault_into(loading, section, "model") as load:
+            adapter.load_weights(cfg, {name[len(prefix):]: np.array(reader[name], dtype=np.float32)
+                                       for name in reader.names(prefix)})
+        if load.fault:                 # no weights: every row that needs the model carries the fault
+            for name, needs in ROWS.items():
+                if "model" in needs:
+                    found[name].append(dataclasses.replace(loading[0], name=name))
+            model = False
+    if model:
         for prompt in metadata["prompts"]:
-            p, a = fixture.prompt_checks(adapter, section, prompt["name"])
-            prefill.append(p)
-            ar.append(a)
-        checks += [merge(section, "prefill logits", prefill), merge(section, "AR tokens", ar)]
-    else:
-        checks += [skipped(section, "prefill logits"), skipped(section, "AR tokens")]
-    checks += fixture.trace_checks(adapter, caps, section)
-    if regime.routing_threshold is not None and "model" in caps:
+            fixture.prompt_checks(adapter, section, prompt["name"], found)
+    for trace in fixture.traces:
+        fixture.trace_checks(adapter, caps, model, section, trace, found)
+    if "sample_accept" in caps:
+        fixture.sample_case_checks(adapter, section, found["sample accept"])
+    checks = [row(section, name, needs, caps, found[name]) for name, needs in ROWS.items()]
+    if regime.routing_threshold is not None and model:
         checks.append(fixture.routing.check(section))
     if builtin:
         checks += fixture.engine_decode_checks(adapter, section)
         checks += invariant_checks(adapter, [fixture[f"prompts/{p['name']}/tokens"] for p in metadata["prompts"]],
-                                   regime.margin_threshold, section, regime.label("tokens"))
+                                   fixture.threshold, section, regime.label("tokens"))
     return checks
 
 
@@ -62,19 +92,20 @@ class _Fixture:
 
     def __init__(self, reader, cfg: ModelConfig, regime: Regime, exact: bool) -> None:
         self.reader, self.cfg, self.regime = reader, cfg, regime
+        self.threshold = regime.margin_threshold
         self.prompts, self.traces = regime.metadata["prompts"], regime.metadata["traces"]
         self.routing = RoutingWatch(regime, cfg, exact)
 
     def __getitem__(self, name: str) -> np.ndarray:
         return np.asarray(self.reader[self.regime.prefix + name])
 
-    def close(self, section: str, name: str, actual, expected, kind: str, where: str,
+    def close(self, section: str, name: str, actual, expected, kind: str, where: str, locate=None,
               reached: np.ndarray | None = None) -> Check:
-        return self.regime.close(section, name, actual, expected, kind, where, reached)
+        return self.regime.close(section, name, actual, expected, kind, where, locate, reached)
 
-    def tokens(self, section: str, name: str, actual, expected, margins, where: str,
+    def tokens(self, section: str, name: str, actual, expected, margins, where: str, locate=None,
                reached: np.ndarray | None = None, sequence: bool = False) -> Check:
-        return self.regime.tokens(section, name, actual, expected, margins, where, reached, sequence)
+        return self.regime.tokens(section, name, actual, expected, margins, where, locate, reached, sequence)
 
     def route(self, where: str) -> tuple[np.ndarray, np.ndarray] | None:
         """The reference's routing of the rows at `where` (bf16 cases), else None."""
@@ -82,17 +113,25 @@ class _Fixture:
             return None
         return self[f"{where}/router_experts"], self[f"{where}/router_margins"]
 
-    def ar_reached(self, prompt: str) -> tuple[np.ndarray, np.ndarray]:
+    def ar_reached(self, prompt: str) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The prompt's AR decisions a possible routing flip reaches [N], and the cached keys it
-        moved [m + N - 1] (every near-tie a suspect: the engine's own loops report no experts)."""
+        moved [m + N - 1] (every near-tie a suspect: the engine's own loops report no experts);
+        (None, None) outside bf16."""
         if self.regime.routing_threshold is None:
-            n = len(self[f"prompts/{prompt}/ar/tokens"])
-            return np.zeros(n, dtype=bool), np.zeros(n + len(self[f"prompts/{prompt}/tokens"]), dtype=bool)
+            return None, None
         margins = np.concatenate([self[f"prompts/{prompt}/router_margins"][:-1],
                                   self[f"prompts/{prompt}/ar/router_margins"]])
         reached, taints = sequence_reached(margins, self.regime.routing_threshold, self.routing.reach)
-        m = len(self[f"prompts/{prompt}/tokens"])
-        return reached[m - 1:], taints
+        return reached[len(self[f"prompts/{prompt}/tokens"]) - 1:], taints
+
+    def tree_reached(self, rp: str, taints: np.ndarray | None) -> np.ndarray | None:
+        """A round's nodes a possible routing flip reaches (bf16 cases), from the round's own routing and
+        the prompt's AR keys cached before it (`taints` of ar_reached)."""
+        if taints is None:
+            return None
+        visibility = unpack_bits(self[f"{rp}/visibility_bits"], len(self[f"{rp}/parents"]))
+        suspects = self[f"{rp}/router_margins"] < self.regime.routing_threshold
+        return reached_rows(suspects, self.routing.reach, visibility, bool(taints[:_int(self[f"{rp}/start"])].any()))[0]
 
     def max_len(self) -> int:
         longest = max(p["length"] for p in self.prompts)
@@ -101,165 +140,282 @@ class _Fixture:
         budget = max((t["ddtree"]["budget"] for t in self.traces), default=0)
         return longest + max(most, ar_tokens) + budget + 2
 
-    def prompt_checks(self, adapter, section: str, name: str) -> tuple[Check, Check]:
+    def prompt_checks(self, adapter, section: str, name: str, found: dict[str, list[Check]]) -> None:
         """Prefill logits and the adapter's own AR greedy loop (stops at the first divergence)."""
         prompt = self[f"prompts/{name}/tokens"]
         expected = self[f"prompts/{name}/ar/tokens"]
-        margins = self[f"prompts/{name}/ar/margins"]
         m = len(prompt)
-        adapter.reset(self.max_len())
-        self.routing.reset()
-        route = self.route(f"prompts/{name}")
-        logits, reached = self.routing.forward(adapter, prompt, np.arange(m), np.tri(m, dtype=bool), 0, route,
-                                               f"prompt {name} prefill")
-        prefill = self.close(section, "prefill logits", logits, self[f"prompts/{name}/prefill_logits"],
-                             "logits", f"prompt {name}", reached)
-        tokens = [int(np.argmax(logits[-1]))]
-        decisions = [reached is not None and bool(reached[-1])]
-        ar_route = self.route(f"prompts/{name}/ar")
-        while len(tokens) < len(expected) and tokens[-1] == expected[len(tokens) - 1]:
-            start = m + len(tokens) - 1
-            row = None if ar_route is None else tuple(a[len(tokens):len(tokens) + 1] for a in ar_route)
-            step, reached = self.routing.forward(adapter, np.array([tokens[-1]]), np.array([start]),
-                                                 np.ones((1, start + 1), dtype=bool), start, row,
-                                                 f"prompt {name} AR token {len(tokens)}")
-            tokens.append(int(np.argmax(step[-1])))
-            decisions.append(reached is not None and bool(reached[0]))
-        ar = self.tokens(section, "AR tokens", tokens, expected[:len(tokens)], margins, f"prompt {name}",
-                         np.array(decisions), sequence=True)
-        if ar.status is Status.EXACT and len(tokens) != len(expected):
-            ar = Check(section, "AR tokens", Status.FAIL, detail=f"prompt {name}: stopped early")
-        return prefill, ar
-
-    def trace_checks(self, adapter, caps: set[str], section: str) -> list[Check]:
-        """Every trace replayed teacher-forced through the adapter (module docstring)."""
-        found: dict[str, list[Check]] = {k: [] for k in
-                                         ("top-k log-probs", "tree build", "tree compile", "verify logits",
-                                          "target choices", "accept", "DDTree tokens")}
-        for trace in self.traces:
-            if trace["ddtree"].get("temperature", 0.0) == 0.0:
-                self._trace(adapter, caps, section, trace, found)
-        needs = {"top-k log-probs": {"topk"}, "tree build": {"tree"}, "tree compile": {"compile"},
-                 "verify logits": {"model"},
-                 "target choices": {"model"}, "accept": {"accept"}, "DDTree tokens": {"model", "accept"}}
-        return [merge(section, name, rows) if needs[name] <= caps else skipped(section, name)
-                for name, rows in found.items()]
-
-    def _trace(self, adapter, caps: set[str], section: str, trace: Mapping[str, Any],
-               found: dict[str, list[Check]]) -> None:
-        name = trace["name"]
-        prefix = f"traces/{name}"
-        prompt = self[f"prompts/{trace['prompt']}/tokens"]
-        budget = int(trace["ddtree"]["budget"])
-        committed: list[int] = []          # the adapter's own: its prefill's argmax, then its rounds
-        reached_decisions: list[bool] = []
-        if "model" in caps:
+        with fault_into(found["prefill logits"], section, "prefill logits", f"prompt {name}") as prefill:
             adapter.reset(self.max_len())
             self.routing.reset()
-            m = len(prompt)
             logits, reached = self.routing.forward(adapter, prompt, np.arange(m), np.tri(m, dtype=bool), 0,
-                                                   self.route(f"prompts/{trace['prompt']}"), f"trace {name} prefill")
-            committed.append(int(np.argmax(logits[-1])))
-            reached_decisions.append(reached is not None and bool(reached[-1]))
+                                                   self.route(f"prompts/{name}"), f"prompt {name} prefill")
+            found["prefill logits"].append(self.close(section, "prefill logits", logits,
+                                                      self[f"prompts/{name}/prefill_logits"], "logits",
+                                                      f"prompt {name}", reached=reached))
+        if prefill.fault:
+            return
+        tokens = [int(np.argmax(logits[-1]))]
+        decisions = [reached is not None and bool(reached[-1])]        # reached by a routing flip
+        ar_route = self.route(f"prompts/{name}/ar")
+        with fault_into(found["AR tokens"], section, "AR tokens", f"prompt {name}") as loop:
+            while len(tokens) < len(expected) and tokens[-1] == expected[len(tokens) - 1]:
+                start = m + len(tokens) - 1
+                rows = None if ar_route is None else tuple(a[len(tokens):len(tokens) + 1] for a in ar_route)
+                step, reached = self.routing.forward(adapter, np.array([tokens[-1]]), np.array([start]),
+                                                     np.ones((1, start + 1), dtype=bool), start, rows,
+                                                     f"prompt {name} AR token {len(tokens)}")
+                tokens.append(int(np.argmax(step[-1])))
+                decisions.append(reached is not None and bool(reached[0]))
+        if loop.fault:
+            return
+        ar = self.tokens(section, "AR tokens", tokens, expected[:len(tokens)], self[f"prompts/{name}/ar/margins"],
+                         f"prompt {name}", reached=np.array(decisions), sequence=True)
+        if ar.status is Status.EXACT and len(tokens) != len(expected):
+            ar = Check(section, "AR tokens", Status.FAIL, detail=f"prompt {name}: stopped early")
+        found["AR tokens"].append(ar)
+
+    def trace_checks(self, adapter, caps: set[str], model: bool, section: str, trace: Mapping[str, Any],
+                     found: dict[str, list[Check]]) -> None:
+        """One trace replayed teacher-forced: every round takes the fixture's start, root, draft and
+        tree; the adapter's own choices are accumulated into its committed tokens."""
+        name, prefix = trace["name"], f"traces/{trace['name']}"
+        temperature = float(trace["ddtree"].get("temperature", 0.0))
+        sampled = temperature > 0
+        commits = "sample_accept" if sampled else "accept"
+        committed: list[int] | None = None            # the adapter's own: its first token, then its rounds
+        reached: list[bool] = []                       # per committed token: reached by a routing flip (bf16)
+        if model:
+            model, first, first_reached = self._first_token(adapter, caps, section, trace, found)
+            committed = [first] if first is not None and commits in caps else None
+            reached.append(first_reached)
         for r in range(int(trace["rounds"])):
-            rp = f"{prefix}/rounds/{r}"
-            where = f"trace {name} round {r}"
-            start, root = _int(self[f"{rp}/start"]), _int(self[f"{rp}/root"])
-            parents, tokens, depths = self[f"{rp}/parents"], self[f"{rp}/tokens"], self[f"{rp}/depths"]
-            topk_lp, topk_id = self[f"{rp}/topk_lp"], self[f"{rp}/topk_id"]
-            choices_expected, margins = self[f"{rp}/choices"], self[f"{rp}/margins"]
-            accepted_expected = self[f"{rp}/accepted"]
-            if "topk" in caps and topk_lp.shape[0] > 0:
+            rp, where = f"{prefix}/rounds/{r}", f"trace {name} round {r}"
+            self._stage_checks(adapter, caps, section, rp, where, int(trace["ddtree"]["budget"]), temperature,
+                               found)
+            if not model:
+                continue
+            logits, nodes_reached = self._verify(adapter, section, rp, where, found)
+            if logits is None:
+                model, committed = False, None
+                continue
+            commit = self._own_choices(adapter, caps, section, rp, where, logits, nodes_reached, temperature, found)
+            if commit is None or committed is None:
+                committed = None
+            else:
+                committed += commit[0]
+                reached += commit[1]
+        if committed is not None:
+            expected = self[f"{prefix}/tokens"]
+            margins = self[f"{prefix}/margins"] if sampled else self[f"prompts/{trace['prompt']}/ar/margins"]
+            rowname = "sampled DDTree tokens" if sampled else "DDTree tokens"
+            found[rowname].append(self.tokens(section, rowname, committed[:len(expected)], expected, margins,
+                                              f"trace {name}", reached=np.array(reached[:len(expected)]),
+                                              sequence=True))
+
+    def _first_token(self, adapter, caps: set[str], section: str, trace: Mapping[str, Any],
+                     found: dict[str, list[Check]]) -> tuple[bool, int | None, bool]:
+        """The adapter's prefill of the trace's prompt -> (it ran, the first token, whether a routing
+        flip reached its row): greedy, the argmax; sampled, its sample_accept of the root-only tree with
+        the trace's prefill uniform (None without sample_accept, or when that faulted)."""
+        prompt = self[f"prompts/{trace['prompt']}/tokens"]
+        m, where = len(prompt), f"trace {trace['name']} prefill"
+        with fault_into(found["verify logits"], section, "verify logits", where) as prefill:
+            adapter.reset(self.max_len())
+            self.routing.reset()
+            logits, reached = self.routing.forward(adapter, prompt, np.arange(m), np.tri(m, dtype=bool), 0,
+                                                   self.route(f"prompts/{trace['prompt']}"), where)
+            last = logits[-1:]
+        if prefill.fault:
+            return False, None, False
+        last_reached = reached is not None and bool(reached[-1])
+        temperature = float(trace["ddtree"].get("temperature", 0.0))
+        if temperature == 0:
+            return True, int(np.argmax(last[0])), last_reached
+        if "sample_accept" not in caps:
+            return True, None, last_reached
+        with fault_into(found["sampled choices"], section, "sampled choices", where) as first:
+            _, _, token = adapter.sample_accept(np.array([-1]), np.array([-1]), last.astype(np.float64), temperature,
+                                                self[f"traces/{trace['name']}/prefill_uniform"].reshape(1))
+        return True, None if first.fault else token, last_reached
+
+    def _stage_checks(self, adapter, caps: set[str], section: str, rp: str, where: str, budget: int,
+                      temperature: float, found: dict[str, list[Check]]) -> None:
+        """One round's stages from the fixture's own inputs: top-k, tree build, compile, accept
+        (and sample accept for a sampled round), each exact."""
+        parents, tokens, depths = self[f"{rp}/parents"], self[f"{rp}/tokens"], self[f"{rp}/depths"]
+        topk_lp, topk_id = self[f"{rp}/topk_lp"], self[f"{rp}/topk_id"]
+        if "topk" in caps and topk_lp.shape[0] > 0:
+            with fault_into(found["top-k log-probs"], section, "top-k log-probs", where):
                 lp, ids = adapter.topk_logprobs(self[f"{rp}/draft_logits"], topk_id.shape[1])
                 found["top-k log-probs"] += [compare_exact(section, "top-k ids", ids, topk_id, where),
                                              self.close(section, "top-k lp", lp, topk_lp, "logprobs", where)]
-            if "tree" in caps:
-                found["tree build"] += compare_tree(section, adapter.build_tree(topk_lp, topk_id, budget, root),
-                                                    (parents, tokens, depths, self[f"{rp}/scores"]), where)
-            if "compile" in caps:
-                positions, bits, _, _ = adapter.compile_tree(parents, depths, start)
+        if "tree" in caps:
+            with fault_into(found["tree build"], section, "tree build", where):
+                built = adapter.build_tree(topk_lp, topk_id, budget, _int(self[f"{rp}/root"]))
+                found["tree build"] += compare_tree(section, built, (parents, tokens, depths, self[f"{rp}/scores"]),
+                                                    where)
+        if "compile" in caps:
+            with fault_into(found["tree compile"], section, "tree compile", where):
+                positions, bits, _, _ = adapter.compile_tree(parents, depths, _int(self[f"{rp}/start"]))
                 found["tree compile"] += [
                     compare_exact(section, "positions", positions, self[f"{rp}/positions"], where),
                     compare_exact(section, "visibility bits", _words(bits), _words(self[f"{rp}/visibility_bits"]),
                                   where)]
-            choices = choices_expected
-            if "model" in caps:
-                n = len(tokens)
-                visibility = np.concatenate([np.ones((n, start), dtype=bool),
-                                             unpack_bits(self[f"{rp}/visibility_bits"], n)], axis=1)
-                route = self.route(rp)
-                logits, reached = self.routing.forward(adapter, tokens, self[f"{rp}/positions"], visibility, start,
-                                                       route, where, commit=False)
-                found["verify logits"].append(self.close(section, "verify logits", logits,
-                                                         self[f"{rp}/verify_logits"], "logits", where, reached))
-                choices = np.argmax(logits, axis=-1)
-                found["target choices"].append(self.tokens(section, "target choices", choices,
-                                                           choices_expected, margins, where, reached))
-                a = len(accepted_expected)
-                path_route = None if route is None else tuple(x[accepted_expected] for x in route)
-                restated, restated_reached = self.routing.forward(
-                    adapter, tokens[accepted_expected], start + np.arange(a),
-                    np.concatenate([np.ones((a, start), dtype=bool), np.tri(a, dtype=bool)], axis=1), start,
-                    path_route, f"{where}, accepted path restated")
-                found["verify logits"].append(self.close(
-                    section, "verify logits", restated, self[f"{rp}/verify_logits"][accepted_expected],
-                    "logits", f"{where}, accepted path restated causally", restated_reached))
-            if "accept" in caps:
-                accepted, next_root = adapter.accept(parents, tokens, choices_expected)
-                found["accept"] += [compare_exact(section, "accepted", accepted, accepted_expected, where),
-                                    compare_exact(section, "next root", next_root,
-                                                  _int(self[f"{rp}/next_root"]), where)]
-                if "model" in caps:
-                    path, bonus = adapter.accept(parents, tokens, choices)
-                    committed += [int(t) for t in tokens[np.asarray(path)[1:]]] + [int(bonus)]
-                    reached_decisions += [reached is not None and bool(reached[i]) for i in path]
-        if {"model", "accept"} <= caps:
-            expected = self[f"{prefix}/tokens"]
-            found["DDTree tokens"].append(self.tokens(section, "DDTree tokens", committed[:len(expected)], expected,
-                                                      self[f"prompts/{trace['prompt']}/ar/margins"], f"trace {name}",
-                                                      np.array(reached_decisions[:len(expected)]), sequence=True))
+        if "accept" in caps:
+            with fault_into(found["accept"], section, "accept", where):
+                accepted, next_root = adapter.accept(parents, tokens, self[f"{rp}/choices"])
+                found["accept"] += self._accepted(section, rp, where, accepted, next_root)
+        if temperature > 0 and "sample_accept" in caps:
+            with fault_into(found["sample accept"], section, "sample accept", where):
+                choices, accepted, next_root = adapter.sample_accept(parents, tokens, self[f"{rp}/verify_logits"],
+                                                                     temperature, self[f"{rp}/uniforms"])
+                found["sample accept"] += [compare_exact(section, "choices", choices, self[f"{rp}/choices"], where),
+                                           *self._accepted(section, rp, where, accepted, next_root)]
+
+    def _accepted(self, section: str, rp: str, where: str, accepted, next_root: int) -> list[Check]:
+        return [compare_exact(section, "accepted", accepted, self[f"{rp}/accepted"], where),
+                compare_exact(section, "next root", next_root, _int(self[f"{rp}/next_root"]), where)]
+
+    def _node(self, rp: str):
+        """node index -> 'node i (depth d, position p)' in the round `rp`."""
+        depths, positions = self[f"{rp}/depths"], self[f"{rp}/positions"]
+        return lambda i: f"node {i} (depth {depths[i]}, position {positions[i]})"
+
+    def _verify(self, adapter, section: str, rp: str, where: str,
+                found: dict[str, list[Check]]) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The round's tree verify through the adapter's forward, then the accepted path restated
+        causally at slots start .. start + a - 1; both against the fixture's verify logits.
+        -> (the verify logits [n+1, V], None when the forward faulted; the nodes a routing flip
+        reached [n+1], bf16 only)."""
+        start, tokens, accepted = _int(self[f"{rp}/start"]), self[f"{rp}/tokens"], self[f"{rp}/accepted"]
+        expected = self[f"{rp}/verify_logits"]
+        node = self._node(rp)
+        n, a = len(tokens), len(accepted)
+        with fault_into(found["verify logits"], section, "verify logits", where) as verify:
+            visibility = np.concatenate([np.ones((n, start), dtype=bool),
+                                         unpack_bits(self[f"{rp}/visibility_bits"], n)], axis=1)
+            route = self.route(rp)
+            logits, reached = self.routing.forward(adapter, tokens, self[f"{rp}/positions"], visibility, start,
+                                                   route, where, commit=False)
+            found["verify logits"].append(_hinted(self.close(section, "verify logits", logits, expected, "logits",
+                                                             where, lambda i: f"first wrong {node(i)}", reached)))
+            path_route = None if route is None else tuple(x[accepted] for x in route)
+            restated, restated_reached = self.routing.forward(
+                adapter, tokens[accepted], start + np.arange(a),
+                np.concatenate([np.ones((a, start), dtype=bool), np.tri(a, dtype=bool)], axis=1), start,
+                path_route, f"{where}, accepted path restated")
+            found["verify logits"].append(_hinted(self.close(
+                section, "verify logits", restated, expected[accepted], "logits",
+                f"{where}, accepted path restated causally", lambda k: f"first wrong {node(int(accepted[k]))}",
+                restated_reached)))
+        return (None, None) if verify.fault else (logits, reached)
+
+    def _own_choices(self, adapter, caps: set[str], section: str, rp: str, where: str, logits: np.ndarray,
+                     reached: np.ndarray | None, temperature: float,
+                     found: dict[str, list[Check]]) -> tuple[list[int], list[bool]] | None:
+        """The adapter's choices from its own verify logits (greedy: the argmax; sampled: its
+        sample_accept with the fixture's uniforms) against the fixture's, and the tokens the
+        adapter commits with them, with whether a routing flip reached the node behind each
+        (`reached`, bf16). None when it cannot commit them itself."""
+        parents, tokens = self[f"{rp}/parents"], self[f"{rp}/tokens"]
+        expected, margins = self[f"{rp}/choices"], self[f"{rp}/margins"]
+        node = self._node(rp)
+        if temperature == 0:
+            choices = np.argmax(logits, axis=-1)
+            found["target choices"].append(_hinted(self.tokens(section, "target choices", choices, expected,
+                                                               margins, where, lambda i: f"at {node(i)}", reached)))
+            if "accept" not in caps:
+                return None
+            with fault_into(found["DDTree tokens"], section, "DDTree tokens", where) as walk:
+                path, bonus = adapter.accept(parents, tokens, choices)
+        else:
+            if "sample_accept" not in caps:
+                return None
+            with fault_into(found["sampled choices"], section, "sampled choices", where) as walk:
+                choices, path, bonus = adapter.sample_accept(parents, tokens, logits.astype(np.float64), temperature,
+                                                             self[f"{rp}/uniforms"])
+                found["sampled choices"].append(_hinted(self.tokens(section, "sampled choices", choices,
+                                                                    expected, margins, where,
+                                                                    lambda i: f"at {node(i)}", reached)))
+        if walk.fault or len(path) == 0 or path.max(initial=0) >= len(tokens) or path.min(initial=0) < 0:
+            return None
+        flags = [reached is not None and bool(reached[i]) for i in path]     # the nodes behind the commits
+        return [int(t) for t in tokens[path[1:]]] + [bonus], flags
+
+    def sample_case_checks(self, adapter, section: str, rows: list[Check]) -> None:
+        """The fixture's adversarial sampling cases (uniform exactly 0, exactly on a CDF boundary,
+        1 - 2^-53; tokens of probability 0 beside them): choices, accepted, next root exact."""
+        def case(name: str) -> np.ndarray:             # the cases are the fixture's, whatever the regime
+            return np.asarray(self.reader[name])
+
+        for spec in self.reader.metadata.get("sample_cases", []):
+            p, where = f"sample_cases/{spec['name']}/", f"case {spec['name']}"
+            with fault_into(rows, section, "sample accept", where):
+                choices, accepted, next_root = adapter.sample_accept(
+                    case(p + "parents"), case(p + "tokens"), case(p + "logits"), float(spec["temperature"]),
+                    case(p + "uniforms"))
+                rows += [compare_exact(section, "choices", choices, case(p + "choices"), where),
+                         compare_exact(section, "accepted", accepted, case(p + "accepted"), where),
+                         compare_exact(section, "next root", next_root, _int(case(p + "next_root")), where)]
 
     def engine_decode_checks(self, adapter: TorchAdapter, section: str) -> list[Check]:
-        """The built-in engine's own batched decode loops against the fixture."""
+        """The built-in engine's own batched decode loops against the fixture; an exception
+        in one is that row's FAIL."""
         model, stages = adapter.model, adapter.stages
         prompts = [p["name"] for p in self.prompts]
-        expected = [self[f"prompts/{p}/ar/tokens"] for p in prompts]
-        ar = ar_decode(model, [self[f"prompts/{p}/tokens"] for p in prompts], [len(e) for e in expected],
-                       stages=stages)
-        checks = [merge(section, "engine AR decode (batched)",
-                        [self.tokens(section, "engine AR decode", got.tokens, want, self[f"prompts/{p}/ar/margins"],
-                                     f"prompt {p}", self.ar_reached(p)[0], sequence=True)
-                         for p, got, want in zip(prompts, ar.requests, expected)])]
-        rows, results = [], []
-        greedy = [t for t in self.traces if t["ddtree"].get("temperature", 0.0) == 0.0]
-        for block_size in sorted({t["ddtree"]["block_size"] for t in greedy}):
-            group = [t for t in greedy if t["ddtree"]["block_size"] == block_size]
-            group_rows, result = self._replay(model, stages, section, group)
-            rows += group_rows
-            results.append(result)
-        checks.append(with_acceptance(merge(section, "engine DDTree replay (batched)", rows),
-                                      engine_acceptance(*results)))
-        return checks
 
-    def _replay(self, model, stages, section: str,
-                traces: list[Mapping[str, Any]]) -> tuple[list[Check], DecodeResult]:
-        """Traces of one block size in one batch, each with its own budget and length."""
+        def ar_rows() -> list[Check]:
+            expected = [self[f"prompts/{p}/ar/tokens"] for p in prompts]
+            ar = ar_decode(model, [self[f"prompts/{p}/tokens"] for p in prompts], [len(e) for e in expected],
+                           stages=stages)
+            return [self.tokens(section, "engine AR decode", got.tokens, want, self[f"prompts/{p}/ar/margins"],
+                                f"prompt {p}", reached=self.ar_reached(p)[0], sequence=True)
+                    for p, got, want in zip(prompts, ar.requests, expected)]
+
+        greedy: list[DecodeResult] = []           # the greedy traces' own requests, for the acceptance table
+
+        def replay_rows() -> list[Check]:
+            rows = []
+            for key in sorted({_batch_key(t) for t in self.traces}):
+                group = [t for t in self.traces if _batch_key(t) == key]
+                group_rows, result = self._replay(model, stages, section, group, prompts if key[1] == 0 else [])
+                rows += group_rows
+                if key[1] == 0:
+                    greedy.append(dataclasses.replace(result, requests=result.requests[:len(group)]))
+            return rows
+
+        replay = _engine_row(section, "engine DDTree replay (batched)", replay_rows)
+        return [_engine_row(section, "engine AR decode (batched)", ar_rows),
+                with_acceptance(replay, engine_acceptance(*greedy))]
+
+    def _replay(self, model, stages, section: str, traces: list[Mapping[str, Any]],
+                companions: list[str]) -> tuple[list[Check], DecodeResult]:
+        """Traces of one block size and temperature in one batch, each with its own prompt, budget,
+        length and (sampled) uniforms, beside companion requests: the fixture's prompts with flat
+        drafts, whose tokens must be their AR tokens (DDTree greedy == AR greedy), so that a leak
+        between requests has other requests to leak into. Whole sequences are compared."""
+        ddtree = DDTreeConfig.from_dict(traces[0]["ddtree"])
         recorded = [{_int(self[f"traces/{t['name']}/rounds/{r}/start"]):
                      self[f"traces/{t['name']}/rounds/{r}/draft_logits"] for r in range(t["rounds"])}
-                    for t in traces]
-        ddtree = DDTreeConfig.from_dict(traces[0]["ddtree"])
-        result = ddtree_decode(model, ReplayDrafter(recorded, self.cfg.vocab_size, model.device),
-                               [self[f"prompts/{t['prompt']}/tokens"] for t in traces], ddtree,
-                               [int(t["max_new_tokens"]) for t in traces],
-                               budgets=[int(t["ddtree"]["budget"]) for t in traces], stages=stages, record=True)
+                    for t in traces] + [{} for _ in companions]
+        prompts = [self[f"prompts/{t['prompt']}/tokens"] for t in traces] + \
+                  [self[f"prompts/{p}/tokens"] for p in companions]
+        budgets = [int(t["ddtree"]["budget"]) for t in traces]
+        budgets += [max(budgets)] * len(companions)
+        lengths = [int(t["max_new_tokens"]) for t in traces] + \
+                  [len(self[f"prompts/{p}/ar/tokens"]) for p in companions]
+        result = ddtree_decode(model, ReplayDrafter(recorded, self.cfg.vocab_size, model.device), prompts, ddtree,
+                               lengths, budgets=budgets, stages=stages, record=True,
+                               uniforms=self._uniforms(traces, max(budgets) + 1) if ddtree.temperature > 0 else None)
         rows = []
         for t, request in zip(traces, result.requests):
             name = t["name"]
-            expected = self[f"traces/{name}/tokens"]
+            margins = self[f"traces/{name}/margins"] if ddtree.temperature > 0 else \
+                self[f"prompts/{t['prompt']}/ar/margins"]
             ar_reached, taints = self.ar_reached(t["prompt"])
-            trace_rows = [self.tokens(section, "tokens", request.tokens[:len(expected)], expected,
-                                      self[f"prompts/{t['prompt']}/ar/margins"], f"trace {name}", ar_reached,
-                                      sequence=True)]
+            trace_rows = [self.tokens(section, "tokens", request.tokens, self[f"traces/{name}/tokens"], margins,
+                                      f"trace {name}", reached=ar_reached, sequence=True)]
             lengths = compare_exact(section, "acceptance lengths", request.acceptance_lengths,
                                     self[f"traces/{name}/acceptance_lengths"], f"trace {name}")
             for r, got in enumerate(request.rounds[:t["rounds"]]):
@@ -274,7 +430,7 @@ class _Fixture:
                 round_rows += [
                     self.close(section, "scores", got.scores.numpy(), self[f"{rp}/scores"], "logprobs", where),
                     self.tokens(section, "choices", got.choices.numpy(), self[f"{rp}/choices"],
-                                self[f"{rp}/margins"], where, self._tree_reached(rp, taints)),
+                                self[f"{rp}/margins"], where, reached=self.tree_reached(rp, taints)),
                     compare_exact(section, "next root", got.next_root, _int(self[f"{rp}/next_root"]), where)]
                 round_rows = replayed_round(round_rows, tree_rows=3,
                                             same_topk=np.array_equal(got.topk_lp.numpy(), self[f"{rp}/topk_lp"]))
@@ -284,18 +440,47 @@ class _Fixture:
                     break                       # the request left the recorded path: later rounds are not comparable
             tied = any(row.status is Status.NEAR_TIE for row in trace_rows)
             rows += trace_rows + follow_near_tie([lengths], tied, ("acceptance lengths",))
+        beside = ", ".join(t["name"] for t in traces)
+        for p, request in zip(companions, result.requests[len(traces):]):
+            rows.append(self.tokens(section, "tokens", request.tokens, self[f"prompts/{p}/ar/tokens"],
+                                    self[f"prompts/{p}/ar/margins"],
+                                    f"prompt {p} with flat drafts, batched with trace {beside}",
+                                    reached=self.ar_reached(p)[0], sequence=True))
         return rows, result
 
-    def _tree_reached(self, rp: str, taints: np.ndarray) -> np.ndarray | None:
-        """A round's nodes a possible routing flip reaches (bf16 cases), from the round's own routing and
-        the prompt's AR keys cached before it (taints of its causal sequence)."""
-        if self.regime.routing_threshold is None:
-            return None
-        start = _int(self[f"{rp}/start"])
-        parents = self[f"{rp}/parents"]
-        visibility = unpack_bits(self[f"{rp}/visibility_bits"], len(parents))
-        suspects = self[f"{rp}/router_margins"] < self.regime.routing_threshold
-        return reached_rows(suspects, self.routing.reach, visibility, bool(taints[:start].any()))[0]
+    def _uniforms(self, traces: list[Mapping[str, Any]], width: int) -> list[torch.Tensor]:
+        """The traces' recorded uniforms as ddtree_decode takes them: [B, 1] for the prefill, then
+        [B, width] per round, as many rounds as an engine that commits one token a round needs
+        (0.5 where a request has no recorded round or node)."""
+        rounds = max(int(t["max_new_tokens"]) for t in traces)
+        table = [torch.full((len(traces), 1 if r == 0 else width), 0.5, dtype=torch.float64)
+                 for r in range(rounds + 1)]
+        for b, t in enumerate(traces):
+            table[0][b, 0] = float(self[f"traces/{t['name']}/prefill_uniform"])
+            for r in range(int(t["rounds"])):
+                u = self[f"traces/{t['name']}/rounds/{r}/uniforms"]
+                table[r + 1][b, :len(u)] = torch.tensor(u)
+        return table
+
+
+def _batch_key(trace: Mapping[str, Any]) -> tuple[int, float]:
+    """What one engine decode call shares: the block size and the temperature."""
+    return int(trace["ddtree"]["block_size"]), float(trace["ddtree"].get("temperature", 0.0))
+
+
+def _engine_row(section: str, name: str, rows: Callable[[], list[Check]]) -> Check:
+    """The built-in engine's row: its comparisons merged, or a FAIL naming what it raised."""
+    try:
+        return merge(section, name, rows())
+    except Exception as exc:
+        return Check(section, name, Status.FAIL, detail=f"the engine raised {type(exc).__name__}: {exc}")
+
+
+def _hinted(check: Check) -> Check:
+    """A FAIL row of the model's own numbers, pointed at the tool that localizes it."""
+    if check.status is not Status.FAIL:
+        return check
+    return dataclasses.replace(check, detail=f"{check.detail}; {DIVERGE_HINT}")
 
 
 def follow_near_tie(rows: list[Check], tied: bool, names: tuple[str, ...]) -> list[Check]:

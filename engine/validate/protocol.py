@@ -2,13 +2,12 @@
 
 An adapter wraps one engine (the built-in torch engine, a C++ or vendor engine
 behind Python bindings, ...) in a few plain methods on numpy arrays, one
-request at a time. Every method is optional: `kdtree validate` runs the checks
-whose methods exist and reports the others as "skipped (not implemented by
-adapter)". docs/adapter.md is the user's guide; docs/examples/numpy_adapter.py
-a worked example.
+request at a time, grouped in capabilities. docs/adapter.md is the user's
+guide; docs/examples/numpy_adapter.py a worked example.
 
-Capabilities and their methods (shapes: n tree or new tokens, V vocab, L depths,
-K top-k width, S cache rows, H heads, R kv_lora, dr d_rope):
+Capabilities and their methods (shapes: n tree or new tokens, N = n + 1 tree
+tokens, V vocab, L depths, K = min(k, V) top-k width, S cache rows, H heads,
+R kv_lora, dr d_rope, a accepted nodes):
 
 - model: ``load_weights(config: ModelConfig, weights: dict[str, np.ndarray])``
   (names as docs/fixtures.md, float32, torch layout [out, in]);
@@ -18,38 +17,62 @@ K top-k width, S cache rows, H heads, R kv_lora, dr d_rope):
   start + i and sees slot s iff visibility[i, s]. The harness always makes every
   cached slot (s < start) visible and restates the committed path with a causal
   forward after each verify, so an adapter needs no compaction of its own cache.
-- topk: ``topk_logprobs(draft_logits [L, V] float32, k: int) -> (topk_lp float32 [L, K], topk_id int64 [L, K])``.
+- topk: ``topk_logprobs(draft_logits [L, V] float32, k: int) -> (topk_lp float32 [L, K], topk_id int [L, K])``.
 - tree: ``build_tree(topk_lp [L, K] float32, topk_id [L, K] int64, budget: int, root: int)
-  -> (parents [n+1], tokens [n+1], depths [n+1])`` int64, pop order, parents[0] = -1,
-  tokens[0] = root; optionally a fourth item, scores float64 [n+1], compared bit for bit.
-- compile: ``compile_tree(parents [n+1], depths [n+1], start: int) -> (positions [n+1],
-  visibility_bits uint32 [n+1, ceil((n+1)/32)], first_child [n+1], next_sibling [n+1])``.
-- accept: ``accept(parents [n+1], tokens [n+1], choices [n+1]) -> (accepted [a] int64, next_root: int)``.
+  -> (parents [N], tokens [N], depths [N])`` int, pop order, parents[0] = -1,
+  tokens[0] = root; optionally a fourth item, scores float64 [N], compared bit for bit.
+- compile: ``compile_tree(parents [N], depths [N], start: int) -> (positions [N],
+  visibility_bits uint32 [N, ceil(N/32)], first_child [N], next_sibling [N])``.
+- accept: ``accept(parents [N], tokens [N], choices [N]) -> (accepted [a] int, next_root: int)``.
+- sample_accept: ``sample_accept(parents [N], tokens [N], logits [N, V] float64, temperature: float,
+  uniforms [N] float64) -> (choices [N] int, accepted [a] int, next_root: int)``: node i's choice
+  is the smallest token id whose cumulative probability under softmax(logits[i] / temperature),
+  summed over ids in increasing order in float64, exceeds uniforms[i] (capped at the largest id of
+  nonzero probability), then the accept walk over those choices. A token of probability 0 is never
+  chosen. Checked token for token against the fixtures' sampled traces and adversarial cases.
 - compact: ``compact(c_kv [S, R], k_pe [S, dr], start: int, accepted [a]) -> (c_kv, k_pe)``:
   row start + k <- row start + accepted[k]; other rows unchanged.
 - attention: ``attention(q_lat [n, H, R], q_pe [n, H, dr], c_kv [S, R], k_pe [S, dr],
   visibility [n, S] bool, scale: float) -> o_lat [n, H, R]`` (the tree-verify kernel;
   the last n rows of c_kv / k_pe are the tree tokens, every earlier row is visible).
-- intermediates: ``intermediates(tokens, positions, visibility, start) -> dict[str, array]``:
-  everything `forward` does (the same cache writes), returning per new token the values at
-  the capture points (engine/model.py CAPTURE_POINTS), keyed ``"layers.{i}.{point}"``
-  ([n, ...], one row per token: attn_in, q_lat, q_pe, c_kv, k_pe, o_lat, attn_out,
-  residual, ffn_in, router_scores, experts (int, [n, k]), ffn_out, layer_out) and
-  ``"logits"`` [n, V], in the compute dtype (bfloat16 as ml_dtypes.bfloat16); optionally
-  ``"layers.{i}.expert_counts"`` [E] (rows each expert computed in this call). Any subset of
-  points may be given; ``logits`` is required. `kdtree diverge` compares them point by
-  point; `kdtree validate --dtype bfloat16` reads ``layers.{i}.experts`` to tell routing
-  flips at a near-tie from routing bugs (docs/precision.md).
-
-Precision: ``set_dtype(dtype: str)`` with "float32" or "bfloat16", called once before
-`load_weights` whenever the adapter defines it: the adapter computes in that dtype from
-then on (weights still arrive as float32 arrays; for the bf16 cases they hold bf16 values
-exactly). `kdtree validate --dtype bfloat16` needs it; an adapter that cannot compute in
-the dtype raises ValueError (reported as one line). Without it an adapter is validated
-in float32.
 - known deviations (optional, any adapter): ``deviations() -> list[Deviation]``, where the
   engine differs from the reference on purpose; noted on the rows named, never changing a
   verdict (deviations.py).
+- intermediates (optional, any adapter with a model): ``intermediates(tokens, positions,
+  visibility, start) -> dict[str, array]``: everything `forward` does (the same cache
+  writes), returning per new token the values at the capture points (engine/model.py
+  CAPTURE_POINTS), keyed ``"layers.{i}.{point}"`` ([n, ...], one row per token: attn_in,
+  q_lat, q_pe, c_kv, k_pe, o_lat, attn_out, residual, ffn_in, router_scores, experts (int,
+  [n, k]), ffn_out, layer_out) and ``"logits"`` [n, V], in the compute dtype (bfloat16 as
+  ml_dtypes.bfloat16); optionally ``"layers.{i}.expert_counts"`` [E] (rows each expert
+  computed in this call). Any subset of points may be given; ``logits`` is required.
+  `kdtree diverge` compares them point by point; `kdtree validate --dtype bfloat16` reads
+  ``logits`` and ``layers.{i}.experts`` to tell routing flips at a near-tie from routing
+  bugs (docs/precision.md).
+- precision (optional): ``set_dtype(dtype: str)`` with "float32" or "bfloat16", called once
+  before `load_weights` whenever the adapter defines it: the adapter computes in that dtype
+  from then on (weights still arrive as float32 arrays; for the bf16 cases they hold bf16
+  values exactly). `kdtree validate --dtype bfloat16` needs it; an adapter that cannot
+  compute in the dtype raises ValueError (reported as one line). Without it an adapter is
+  validated in float32.
+
+Declaring capabilities. An adapter may say what it implements with a
+``capabilities`` attribute (a collection of the names above); validate then
+requires each of them: a declared capability with a missing method is an error,
+and one that no fixture exercised is a FAIL. Without a declaration, what the
+adapter implements (every method of a capability defined) is what is required.
+A capability with some of its methods but not all is an error unless the
+adapter declares capabilities and leaves it out; an adapter that implements no
+capability is an error. ``kdtree validate --require CAPS`` replaces the
+requirement (`resolve_capabilities`).
+
+Outputs. `METHODS` declares every method's outputs: how many, each one's dtype
+class, shape (dims named from the call's inputs, or bound by the first output
+that uses them) and whether it must be finite. `checked.CheckedAdapter` holds
+every call to that declaration before any comparison sees the result, so the
+model, stage and kernel checks, and any check added later, compare only
+well-formed outputs; a call that raises or returns something else is one FAIL
+row naming the method and the output.
 
 `engine.adapter.TorchAdapter` exposes the built-in engine through this protocol,
 so the runner takes one code path for it and for any user's engine.
@@ -59,15 +82,19 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Collection, Mapping, Protocol
 
 import numpy as np
 
 from kdtr_format import ModelConfig
+
+from .report import ValidateError
 
 CAPABILITIES: dict[str, tuple[str, ...]] = {
     "model": ("load_weights", "reset", "forward"),
@@ -75,9 +102,68 @@ CAPABILITIES: dict[str, tuple[str, ...]] = {
     "tree": ("build_tree",),
     "compile": ("compile_tree",),
     "accept": ("accept",),
+    "sample_accept": ("sample_accept",),
     "compact": ("compact",),
     "attention": ("attention",),
-    "intermediates": ("intermediates",),
+}
+
+
+@dataclass(frozen=True)
+class Output:
+    """One declared output. kind: "int" (any integer dtype, not bool), "float" (any floating
+    dtype, bfloat16 included), "float32", "float64", "words" (uint32 or int32 bit words);
+    shape: dims, each an int or a name (from the call's inputs, else bound by the first
+    output that uses it; () for a scalar); finite: NaN is always refused, +-inf too when set."""
+
+    name: str
+    kind: str
+    shape: tuple[int | str, ...]
+    finite: bool = True
+
+
+@dataclass(frozen=True)
+class Method:
+    """A protocol method: its capability, its outputs (a bare value when there is one, a tuple
+    otherwise; the last `optional` may be left out), and the dims its inputs fix."""
+
+    capability: str
+    outputs: tuple[Output, ...]
+    dims: Callable[..., dict[str, int]]
+    optional: int = 0
+
+
+def _tree_tokens(parents, *rest) -> dict[str, int]:
+    return {"N": len(parents)}
+
+
+METHODS: dict[str, Method] = {
+    "load_weights": Method("model", (), lambda *args: {}),
+    "reset": Method("model", (), lambda *args: {}),
+    "forward": Method("model", (Output("logits", "float", ("n", "V")),),
+                      lambda tokens, positions, visibility, start: {"n": len(tokens)}),
+    "topk_logprobs": Method("topk", (Output("topk_lp", "float32", ("L", "K"), finite=False),
+                                     Output("topk_id", "int", ("L", "K"))),
+                            lambda draft_logits, k: {"L": draft_logits.shape[0],
+                                                     "K": min(int(k), draft_logits.shape[1])}),
+    "build_tree": Method("tree", (Output("parents", "int", ("N",)), Output("tokens", "int", ("N",)),
+                                  Output("depths", "int", ("N",)),
+                                  Output("scores", "float64", ("N",), finite=False)),
+                         lambda *args: {}, optional=1),
+    "compile_tree": Method("compile", (Output("positions", "int", ("N",)),
+                                       Output("visibility_bits", "words", ("N", "W")),
+                                       Output("first_child", "int", ("N",)),
+                                       Output("next_sibling", "int", ("N",))),
+                           lambda parents, depths, start: {"N": len(parents), "W": math.ceil(len(parents) / 32)}),
+    "accept": Method("accept", (Output("accepted", "int", ("a",)), Output("next_root", "int", ())),
+                     _tree_tokens),
+    "sample_accept": Method("sample_accept", (Output("choices", "int", ("N",)), Output("accepted", "int", ("a",)),
+                                              Output("next_root", "int", ())),
+                            _tree_tokens),
+    "compact": Method("compact", (Output("c_kv", "float", ("S", "R")), Output("k_pe", "float", ("S", "dr"))),
+                      lambda c_kv, k_pe, start, accepted: {"S": c_kv.shape[0], "R": c_kv.shape[1],
+                                                           "dr": k_pe.shape[1]}),
+    "attention": Method("attention", (Output("o_lat", "float", ("n", "H", "R")),),
+                        lambda q_lat, *rest: dict(zip(("n", "H", "R"), q_lat.shape))),
 }
 
 
@@ -85,6 +171,7 @@ class EngineAdapter(Protocol):
     """The full protocol (module docstring); an adapter may implement any subset of capabilities."""
 
     name: str
+    capabilities: Collection[str]
 
     def load_weights(self, config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None: ...
 
@@ -104,6 +191,9 @@ class EngineAdapter(Protocol):
     def accept(self, parents: np.ndarray, tokens: np.ndarray,
                choices: np.ndarray) -> tuple[np.ndarray, int]: ...
 
+    def sample_accept(self, parents: np.ndarray, tokens: np.ndarray, logits: np.ndarray, temperature: float,
+                      uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]: ...
+
     def compact(self, c_kv: np.ndarray, k_pe: np.ndarray, start: int,
                 accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
@@ -118,8 +208,71 @@ class EngineAdapter(Protocol):
 
 def capabilities(adapter: Any) -> set[str]:
     """The capabilities whose every method the adapter defines."""
-    return {cap for cap, methods in CAPABILITIES.items()
-            if all(callable(getattr(adapter, m, None)) for m in methods)}
+    return {cap for cap, methods in CAPABILITIES.items() if not _missing(adapter, cap)}
+
+
+def _missing(adapter: Any, capability: str) -> list[str]:
+    return [m for m in CAPABILITIES[capability] if not callable(getattr(adapter, m, None))]
+
+
+def declared_capabilities(adapter: Any) -> set[str] | None:
+    """The adapter's `capabilities` attribute as a set of names, None when it has none."""
+    declared = getattr(adapter, "capabilities", None)
+    if declared is None:
+        return None
+    if isinstance(declared, str) or not isinstance(declared, Collection) or \
+            not all(isinstance(c, str) for c in declared):
+        raise ValidateError(f"adapter {adapter_name(adapter)}: `capabilities` must be a collection of "
+                            f"names ({', '.join(CAPABILITIES)}), got {declared!r}")
+    return _known(set(declared), f"adapter {adapter_name(adapter)} declares")
+
+
+def _known(names: set[str], who: str) -> set[str]:
+    unknown = sorted(names - set(CAPABILITIES))
+    if unknown:
+        raise ValidateError(f"{who} unknown capabilit{'ies' if len(unknown) > 1 else 'y'} "
+                            f"{', '.join(unknown)} (known: {', '.join(CAPABILITIES)})")
+    return names
+
+
+def resolve_capabilities(adapter: Any, require: str | Collection[str] | None = None) -> tuple[set[str], set[str]]:
+    """-> (run, required): the capabilities validate checks, and those whose checks must run.
+
+    require: None or "declared" (the adapter's declaration, else what it implements), "none",
+    or capability names (a collection, or one comma-separated string). ValidateError for an
+    adapter that implements nothing, a partly implemented or a declared but missing
+    capability, and unknown names."""
+    declared = declared_capabilities(adapter)
+    name = adapter_name(adapter)
+    for cap in CAPABILITIES:
+        missing = _missing(adapter, cap)
+        if declared is not None and cap in declared and missing:
+            raise ValidateError(f"adapter {name} declares capability {cap!r} but has no "
+                                f"{', '.join(m + '()' for m in missing)}")
+        if declared is None and 0 < len(missing) < len(CAPABILITIES[cap]):
+            present = [m + "()" for m in CAPABILITIES[cap] if m not in missing]
+            raise ValidateError(f"adapter {name} implements {', '.join(present)} of capability {cap!r} "
+                                f"but not {', '.join(m + '()' for m in missing)}")
+    run = capabilities(adapter)
+    if not run:
+        options = "; ".join(f"{cap}: {', '.join(methods)}" for cap, methods in CAPABILITIES.items())
+        raise ValidateError(f"adapter {name} implements no capability (each needs all of its methods: "
+                            f"{options})")
+    if require is None or require == "declared":
+        required = declared if declared is not None else run
+    elif require == "none":
+        required = set()
+    else:
+        names = require.split(",") if isinstance(require, str) else list(require)
+        required = _known({n.strip() for n in names if n.strip()}, "--require names")
+        if not required:
+            raise ValidateError("--require: expected capability names, `declared` or `none`")
+    return run, set(required)
+
+
+def adapter_name(adapter: Any) -> str:
+    name = getattr(adapter, "name", None)
+    return repr(name) if isinstance(name, str) else type(adapter).__name__
 
 
 def load_impl(spec: str) -> Any:
@@ -134,8 +287,11 @@ def load_impl(spec: str) -> Any:
     try:
         module = _import(target)
     except ImportError as exc:
-        raise ValueError(f"--impl {spec!r}: cannot import {target!r} ({exc}); name a module on PYTHONPATH "
-                         "or in the current directory, or a file: path/to/file.py:factory") from None
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and \
+            (target == exc.name or target.startswith(exc.name + "."))
+        how = ("; name a module on PYTHONPATH or in the current directory, or a file: path/to/file.py:factory"
+               if missing else "")           # the module itself is not there, not one it imports
+        raise ValueError(f"--impl {spec!r}: cannot import {target!r} ({exc}){how}") from None
     except Exception as exc:
         raise ValueError(f"--impl {spec!r}: importing {target} raised {type(exc).__name__}: {exc}") from None
     factory = getattr(module, factory_name, None)

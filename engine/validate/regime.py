@@ -76,18 +76,19 @@ class Regime:
         return f"{self.short}: atol {rule['atol']:.2g} + rtol {rule['rtol']:.2g}|x|"
 
     def close(self, section: str, name: str, actual: Any, expected: Any, kind: str, where: str,
-              reached: np.ndarray | None = None) -> Check:
-        """Within the tolerance of `kind`; rows `reached` by a routing flip [rows] bool are judged
-        apart: off the tolerance they make the row a near-tie, not a failure."""
+              locate: Any = None, reached: np.ndarray | None = None) -> Check:
+        """Within the tolerance of `kind` (compare_close; `locate` names a row); rows `reached` by a
+        routing flip [rows] bool are judged apart: off the tolerance they make the row a near-tie,
+        not a failure."""
         rule = self.tolerances[kind]
         actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
         label = self.label(kind)
         if reached is None or not reached.any() or actual.shape != expected.shape:
-            return dataclasses.replace(compare_close(section, name, actual, expected, rule["rtol"], rule["atol"], where),
-                                       regime=label)
+            return dataclasses.replace(compare_close(section, name, actual, expected, rule["rtol"], rule["atol"], where,
+                                                     locate), regime=label)
         rows = reached.reshape((-1,) + (1,) * (expected.ndim - 1))
         strict = compare_close(section, name, actual, expected, rule["rtol"], np.where(rows, np.inf, rule["atol"]),
-                               where)
+                               where, locate)
         apart = compare_close(section, name, actual[reached], expected[reached], rule["rtol"], rule["atol"], where)
         note = f"{int(reached.sum())} of {len(reached)} rows reached by a routing flip"
         if strict.status is not Status.FAIL and apart.status is Status.FAIL:
@@ -97,11 +98,11 @@ class Regime:
         return dataclasses.replace(strict, detail=f"{strict.detail}; {note}" if strict.detail else note, regime=label)
 
     def tokens(self, section: str, name: str, actual: Any, expected: Any, margins: Any, where: str,
-               reached: np.ndarray | None = None, sequence: bool = False) -> Check:
+               locate: Any = None, reached: np.ndarray | None = None, sequence: bool = False) -> Check:
         """Token decisions (compare_tokens) at this regime's near-tie threshold; a decision whose row is
         `reached` by a routing flip is a near-tie. `sequence`: the tokens follow each other (AR, DDTree
         output), so only the first divergence is judged."""
-        check = compare_tokens(section, name, actual, expected, margins, self.margin_threshold, where,
+        check = compare_tokens(section, name, actual, expected, margins, self.margin_threshold, where, locate,
                                tied=reached, sequence=sequence)
         return dataclasses.replace(check, regime=self.label("tokens"))
 

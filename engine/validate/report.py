@@ -2,7 +2,7 @@
 
 A row's status is one of exact, within tolerance, near-tie (a token divergence at a
 decision whose reference margin is below the fixture's threshold), skipped, FAIL.
-The report fails when any row is FAIL.
+The report fails when any row is FAIL, and when no row ran (every one skipped).
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ _SEVERITY = {Status.SKIPPED: 0, Status.EXACT: 1, Status.WITHIN: 2, Status.NEAR_T
 
 @dataclass
 class Check:
-    """One row of the report. error / tolerance: the worst element's |actual - expected| and
-    its tolerance (floats); margin: the reference's top1 - top2 logit gap at a token divergence;
-    regime: the tolerance regime that judged it and its numbers (engine/validate/regime.py);
-    tables: JSON-ready detail too large for the row's text (acceptance.py's tables)."""
+    """One row of the report. section: the fixture's path in the fixture directory;
+    error / tolerance: |actual - expected| and its tolerance at the element the row
+    reports; margin: the reference's margin at the decision the row reports (a token
+    divergence), shown only here, never in the detail; needs: the adapter capabilities
+    the row exercises (empty for the built-in engine's own rows); tables: JSON-ready
+    detail too large for the row's text (acceptance.py's tables); regime: the tolerance
+    regime that judged it and its numbers (regime.py)."""
 
     section: str
     name: str
@@ -46,8 +49,9 @@ class Check:
     tolerance: float | None = None
     margin: float | None = None
     detail: str = ""
-    regime: str = ""
+    needs: tuple[str, ...] = ()
     tables: dict[str, Any] = field(default_factory=dict)
+    regime: str = ""
 
     @property
     def ratio(self) -> float:
@@ -77,8 +81,13 @@ class Report:
     deviations: dict[str, list[Any]] = field(default_factory=dict)   # fixture -> [Deviation] (deviations.py)
 
     @property
+    def executed(self) -> int:
+        """Rows that compared something (not skipped)."""
+        return sum(c.status is not Status.SKIPPED for c in self.checks)
+
+    @property
     def failed(self) -> bool:
-        return any(c.status is Status.FAIL for c in self.checks)
+        return self.executed == 0 or any(c.status is Status.FAIL for c in self.checks)
 
     def counts(self) -> dict[str, int]:
         return {s.value: sum(c.status is s for c in self.checks) for s in Status}
@@ -86,8 +95,9 @@ class Report:
     def summary(self) -> str:
         counts = self.counts()
         verdict = "FAILED" if self.failed else "PASSED"
-        parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-        return f"{verdict}: {len(self.checks)} checks ({parts})"
+        parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "none"
+        ran = "; no check ran" if self.executed == 0 else ""
+        return f"{verdict}: {len(self.checks)} checks ({parts}){ran}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"implementation": self.implementation, "device": self.device, "device_name": self.device_name,

@@ -11,6 +11,9 @@
 - A test taking `device` runs on "cpu" and on "cuda" (skipped without a GPU).
 - Engine tests run torch with one intra-op thread (`one_torch_thread`).
 - `golden_path(preset)` -> tests/golden/<preset>.kdtr, or a skip naming the absent file.
+- `builtin_decode_only(stages=None)`: from then on, `engine.validate.validate(None, ...)`
+  checks the built-in engine with these stages and runs its own decode loops but not the
+  invariant (checked on its own, and the slowest part).
 """
 
 from __future__ import annotations
@@ -104,3 +107,21 @@ def golden_path() -> Callable[[str], Path]:
             pytest.skip(f"golden fixture {path} is absent (generate it with `refgen generate`)")
         return path
     return find
+
+
+@pytest.fixture
+def builtin_decode_only(monkeypatch: pytest.MonkeyPatch) -> Callable:
+    import engine.validate.model_checks
+    import engine.validate.runner
+    from engine.adapter import TorchAdapter
+
+    def use(stages=None) -> None:
+        class Engine(TorchAdapter):
+            def __init__(self, device="cpu"):
+                super().__init__(device)
+                self.stages = stages or self.stages
+
+        monkeypatch.setattr(engine.validate.runner, "TorchAdapter", Engine)
+        monkeypatch.setattr(engine.validate.runner, "preset_invariant_checks", lambda adapter, preset: [])
+        monkeypatch.setattr(engine.validate.model_checks, "invariant_checks", lambda *args: [])
+    return use

@@ -81,10 +81,11 @@ def test_validate_example_adapter_passes_and_broken_one_fails(tmp_path):
     needs("kernels/tree_build.kdtr")
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "tree_build.kdtr").symlink_to(GOLDEN_DIR / "kernels" / "tree_build.kdtr")
-    good = kdtree("validate", "--fixtures", str(tmp_path), "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter")
+    good = kdtree("validate", "--fixtures", str(tmp_path), "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter",
+                  "--require", "topk,tree")          # this directory exercises nothing else it implements
     assert good.returncode == 0, good.stdout + good.stderr
     broken = kdtree("validate", "--fixtures", str(tmp_path), "--json", str(tmp_path / "r.json"),
-                    "--impl", "docs/examples/broken_adapter.py:BrokenTieAdapter")
+                    "--impl", "docs/examples/broken_adapter.py:BrokenTieAdapter", "--require", "topk,tree")
     assert broken.returncode == 1
     assert "FAILED" in broken.stdout
     report = json.loads((tmp_path / "r.json").read_text())
@@ -96,7 +97,8 @@ def test_the_json_report_says_what_ran_where_and_how_long(tmp_path, capsys):
     needs("kernels/tree_build.kdtr")
     fixture = GOLDEN_DIR / "kernels" / "tree_build.kdtr"
     report_path = tmp_path / "report.json"
-    code, out, _ = run_main(["validate", "--fixtures", str(fixture), "--json", str(report_path)], capsys)
+    code, out, _ = run_main(["validate", "--fixtures", str(fixture), "--json", str(report_path),
+                             "--require", "topk,tree,compile"], capsys)          # what this one file exercises
     assert code == 0, out
     report = json.loads(report_path.read_text())
     assert report["fixtures"] == str(fixture)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kdtr_format
-from kdtr_format import ConfigError, DDTreeConfig
+from kdtr_format import PRESETS, ConfigError, DDTreeConfig
 from engine.decode import ar_decode, ddtree_decode
 from engine.drafters import LayerSkipDrafter, OracleDrafter, RandomDrafter, ReplayDrafter
 from engine.validate import Status, compare_tokens
@@ -36,21 +36,40 @@ def assert_same_as_ar(result, ar) -> None:
         assert check.status in (Status.EXACT, Status.NEAR_TIE), check.detail
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(),
-       lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3),
-       budget=st.sampled_from([0, 1, 3, 24]),
-       block_size=st.sampled_from([1, 2, 4, 7]),
+TINY_VOCAB = PRESETS["tiny"].vocab_size
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(st.lists(st.integers(0, TINY_VOCAB - 1), min_size=1, max_size=12), min_size=1, max_size=3),
+       budget=st.sampled_from([0, 1, 3, 24, 40]),
+       block_size=st.sampled_from([1, 2, 4, 7, 16]),
        drafter=st.sampled_from(["oracle", "random", "layerskip"]))
-def test_ddtree_greedy_equals_ar(model_zoo, data, lengths, budget, block_size, drafter):
+@example(prompts=[[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]], budget=40, block_size=16, drafter="oracle")    # deep trees
+@example(prompts=[[8, 8, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11], [5]], budget=24, block_size=4, drafter="oracle")
+def test_ddtree_greedy_equals_ar(model_zoo, prompts, budget, block_size, drafter):
     case = model_zoo.get("tiny")
     model = case.engine()
-    prompts = [data.draw(st.lists(st.integers(0, case.cfg.vocab_size - 1), min_size=n, max_size=n)) for n in lengths]
     ar = ar_decode(model, prompts, 10)
     result = ddtree_decode(model, make_drafter(drafter, case, prompts, ar.tokens), prompts,
                            DDTreeConfig(block_size=block_size, budget=budget), 10)
     assert_same_as_ar(result, ar)
     assert result.metrics.target_forwards <= ar.metrics.target_forwards
+
+
+def test_ddtree_greedy_equals_ar_where_accepted_nodes_sit_off_the_chain(model_zoo):
+    """Deep trees whose accepted paths hold siblings: nodes whose index is not their depth, so a
+    position taken from the node index (or any mix-up of index and depth) changes the tokens."""
+    case = model_zoo.get("tiny")
+    model = case.engine()
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [8, 8, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11]]
+    ar = ar_decode(model, prompts, 24)
+    drafter = OracleDrafter([p + t for p, t in zip(prompts, ar.tokens)], case.cfg.vocab_size, 0.7, seed=3)
+    result = ddtree_decode(model, drafter, prompts, DDTreeConfig(block_size=16, budget=40), 24, record=True)
+    assert_same_as_ar(result, ar)
+    rounds = [r for request in result.requests for r in request.rounds]
+    off_chain = [r for r in rounds if (r.accepted != torch.arange(len(r.accepted))).any()]
+    assert len(off_chain) >= 3, "the case must accept nodes whose index differs from their depth"
+    assert max(len(r.accepted) for r in rounds) >= 6, "the case must accept deep paths"
 
 
 @pytest.mark.parametrize("preset", ["tiny2"])

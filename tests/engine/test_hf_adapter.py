@@ -209,7 +209,7 @@ def test_without_transformers_the_adapter_is_a_clear_error(monkeypatch):
             "main(['validate', '--impl', 'engine.adapters.hf:HFAdapter'])")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment(),
                          timeout=120)
-    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr     # bad input
     assert run.stderr.strip().splitlines() == [
         "kdtree: error: --impl 'engine.adapters.hf:HFAdapter': cannot import 'engine.adapters.hf' "
         "(engine.adapters.hf needs HF transformers >= 5 (pip install 'transformers>=5'): "

@@ -431,7 +431,9 @@ def replay_trace(engine: Transformer, stages: TorchStages, fixture, trace: dict,
         logits = engine.forward(trees.tokens, compiled.positions, compiled.visibility, n_new,
                                 torch.tensor([start]), cache)
         np.testing.assert_allclose(logits[0].numpy(), get("verify_logits").numpy(), rtol=tol["rtol"], atol=tol["atol"])
-        choices = stages.greedy_choices(logits)
+        temperature = trace["ddtree"]["temperature"]          # sampled traces: with their recorded uniforms
+        choices = (stages.sample_choices(logits, temperature, get("uniforms")[None]) if temperature > 0
+                   else stages.greedy_choices(logits))
         torch.testing.assert_close(choices[0], get("choices"), rtol=0, atol=0)
         accepted, accept_len, next_root = stages.accept(trees, choices)
         torch.testing.assert_close(accepted[0, :int(accept_len[0])], get("accepted"), rtol=0, atol=0)

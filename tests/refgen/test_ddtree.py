@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refgen.ddtree import (ROOT_UNSET, CompiledTree, Tree, accept, build_tree, compact, compile_tree,
-                           greedy_choices, max_nodes, sample_choices, topk_logprobs,
+                           greedy_choices, max_nodes, sample_choices, sample_margins, topk_logprobs,
                            visibility_over_cache)
 from refgen.kernel_cases import SIBLING_ROUNDING_TOPK
 
@@ -305,6 +305,30 @@ def test_sampling_frequencies_follow_softmax() -> None:
     counts = np.bincount(sample_choices(np.repeat(logits, n, axis=0), 0.5, uniforms), minlength=4)
     p = np.exp(logits[0] / 0.5) / np.exp(logits[0] / 0.5).sum()
     assert np.abs(counts / n - p).max() < 4 * np.sqrt(p.max() / n)
+
+
+def test_sample_margins_by_hand() -> None:
+    """p = (1/4, 1/4, 1/2): u = 0.3 picks token 1 of [0.25, 0.5), 0.05 from its lower end:
+    margin 4 T 0.05; u = 0.9 picks token 2 of [0.5, 1), 0.1 from its upper end."""
+    logits = np.log(np.array([[1.0, 1.0, 2.0]] * 2))
+    margins = sample_margins(logits, 1.0, np.array([0.3, 0.9]))
+    np.testing.assert_allclose(margins, [4 * 0.05, 4 * 0.1], rtol=1e-12)
+    np.testing.assert_allclose(sample_margins(logits * 0.5, 0.5, np.array([0.3, 0.9])), [2 * 0.05, 2 * 0.1],
+                               rtol=1e-12)                                   # the same law at T = 0.5
+    assert sample_margins(np.array([[0.0, 0.0]]), 1.0, np.array([0.5]))[0] == 0.0     # on a boundary
+
+
+def test_no_perturbation_below_half_the_margin_flips_a_sampled_decision() -> None:
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((400, 12)) * 2
+    uniforms = rng.random(400)
+    for temperature in (0.5, 1.0, 2.0):
+        choices = sample_choices(logits, temperature, uniforms)
+        margins = sample_margins(logits, temperature, uniforms)
+        perturbed = logits + 0.45 * margins[:, None] * rng.choice([-1.0, 1.0], size=logits.shape)
+        np.testing.assert_array_equal(sample_choices(perturbed, temperature, uniforms), choices)
+        flipped = logits + 3.0 * margins[:, None] * np.where(np.arange(12) < choices[:, None], 1.0, -1.0)
+        assert (sample_choices(flipped, temperature, uniforms) != choices).any()   # the margin is not loose
 
 
 @pytest.mark.parametrize("temperature,uniforms,message", [

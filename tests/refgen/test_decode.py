@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from collections import Counter
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.validate.distribution import distribution_test
 from kdtr_format import PRESETS, DDTreeConfig, ModelConfig
 from refgen.ddtree import sample_choices
 from refgen.decode import ARResult, DDTreeResult, ar_greedy, ddtree_decode
-from refgen.drafters import OracleDrafter, RandomDrafter
+from refgen.drafters import OracleDrafter, RandomDrafter, TargetDrafter
 from refgen.model import KVCache, Model, causal_visibility
 from refgen.weights import init_weights
 
@@ -265,8 +267,33 @@ def test_sampling_is_reproducible_from_recorded_uniforms() -> None:
     assert greedy.prefill_uniform is None and all(r.uniforms is None for r in greedy.rounds)
 
 
+def test_a_margin_floor_redraws_only_the_uniforms_near_a_boundary() -> None:
+    target = HashTarget(vocab_size=24)
+    cfg = DDTreeConfig(block_size=4, budget=10, temperature=0.8)
+    plain = ddtree_decode(target, RandomDrafter(24, 5), np.array([4, 2]), cfg, 16, uniforms_seed=3)
+    floored = ddtree_decode(target, RandomDrafter(24, 5), np.array([4, 2]), cfg, 16, uniforms_seed=3,
+                            margin_floor=0.05)
+    assert min(r.margins.min() for r in plain.rounds) < 0.05 <= min(r.margins.min() for r in floored.rounds)
+    assert floored.margins.min() >= 0.05 and len(floored.margins) == len(floored.tokens)
+    for r in floored.rounds:
+        np.testing.assert_array_equal(sample_choices(r.verify_logits, 0.8, r.uniforms), r.choices)
+
+
+def test_the_target_drafter_drafts_the_targets_own_chain() -> None:
+    model = real_model("tiny2")
+    context = np.array([5, 9, 2, 7])
+    drafts = TargetDrafter(model)(context, 3)
+    ar = ar_greedy(model, context, 3)
+    assert drafts.shape == (3, model.cfg.vocab_size) and drafts.dtype == np.float32
+    np.testing.assert_array_equal(drafts[0], ar.prefill_logits[-1].astype(np.float32))
+    assert np.argmax(drafts, axis=1).tolist() == ar.tokens.tolist()
+    np.testing.assert_array_equal(TargetDrafter(model)(context, 3), drafts)
+
+
 def test_sampling_has_the_ar_sampling_distribution() -> None:
-    """The first two sampled tokens over many uniform seeds vs the target's exact joint law."""
+    """The first two sampled tokens over many uniform seeds vs the target's exact joint law;
+    and within round 0, the root's and node 1's choices vs the product of their exact laws
+    (each node has a uniform of its own)."""
     V, T, runs = 4, 1.0, 1000
     target = HashTarget(vocab_size=V, seed=3)
     prompt = np.array([1, 0])
@@ -283,16 +310,22 @@ def test_sampling_has_the_ar_sampling_distribution() -> None:
         joint[t1] = p_first[t1] * softmax(logits[0])
     drafter = RandomDrafter(V, 0)                                 # V = 4: the tree holds most paths
     counts = np.zeros((V, V))
+    within, within_law = Counter(), np.zeros((V, V))
     multi_token_rounds = 0
     for seed in range(runs):
         result = ddtree_decode(target, drafter, prompt, DDTreeConfig(3, 6, temperature=T), 2,
                                uniforms_seed=seed)
         counts[result.tokens[0], result.tokens[1]] += 1
         multi_token_rounds += int(result.acceptance_lengths[0] > 1)
+        first_round = result.rounds[0]
+        within[int(first_round.choices[0]), int(first_round.choices[1])] += 1
+        within_law += np.outer(softmax(first_round.verify_logits[0]), softmax(first_round.verify_logits[1])) / runs
     assert multi_token_rounds > runs // 4                          # the tree path is really exercised
     expected = joint * runs
     chi2 = ((counts - expected) ** 2 / expected).sum()
     assert chi2 < 45.0, f"chi-square {chi2:.1f} over 15 degrees of freedom (p < 1e-4)"
+    independence = distribution_test(within, {(a, b): within_law[a, b] for a in range(V) for b in range(V)})
+    assert independence.passed, str(independence)
 
 
 # ------------------------------------------------------------------ bad input

@@ -70,6 +70,18 @@ def check_topk(draft: np.ndarray, topk_lp: np.ndarray, topk_id: np.ndarray) -> N
     np.testing.assert_allclose(topk_lp, np.take_along_axis(lp, order, axis=1), rtol=0, atol=1e-6)
 
 
+def inverse_cdf(logits: np.ndarray, temperature: float, u: float) -> tuple[int, float]:
+    """One sampled decision, re-derived: (the first id whose cumulative softmax(logits / T) exceeds
+    u, capped at the last id of nonzero probability; 4 T times u's distance to that id's interval)."""
+    x = logits.astype(np.float64) / temperature
+    p = np.exp(x - x.max())
+    cdf = np.cumsum(p / p.sum())
+    above = np.flatnonzero(cdf > u)
+    c = int(above[0]) if above.size else int(np.flatnonzero(p > 0)[-1])
+    low = cdf[c - 1] if c > 0 else 0.0
+    return c, 4 * temperature * max(min(u - low, cdf[c] - u), 0.0)
+
+
 def top2_gap(logits: np.ndarray) -> np.ndarray:
     ordered = np.sort(logits, axis=-1)
     return ordered[..., -1] - ordered[..., -2]
@@ -153,17 +165,25 @@ def test_model_fixture_traces_are_self_consistent(open_golden, preset):
     f = open_golden(f"{preset}.kdtr")
     meta = f.metadata
     V = meta["config"]["vocab_size"]
+    threshold = meta["margin_threshold"]
     prompts = {p["name"]: p for p in meta["prompts"]}
-    covered = {"budget0": False, "budget1": False, "unfillable": False, "non_prefix": False, "random": False}
+    covered = {"budget0": False, "budget1": False, "unfillable": False, "non_prefix": False, "random": False,
+               "sampled": False, "sampled_non_prefix": False, "sampled_multi_token": False}
     for t in meta["traces"]:
         ddtree = DDTreeConfig.from_dict(t["ddtree"])
-        L, budget, K = ddtree.depth, ddtree.budget, min(ddtree.budget, V)
+        L, budget, K, T = ddtree.depth, ddtree.budget, min(ddtree.budget, V), ddtree.temperature
         prefix = f"traces/{t['name']}"
         ar_tokens = f[f"prompts/{t['prompt']}/ar/tokens"]
         tokens = f[f"{prefix}/tokens"]
-        np.testing.assert_array_equal(tokens, ar_tokens[:t["max_new_tokens"]])        # the invariant
         assert f[f"{prefix}/target_forwards"] == 1 + t["rounds"] == t["target_forwards"]
-        start, root = prompts[t["prompt"]]["length"], ar_tokens[0]
+        start = prompts[t["prompt"]]["length"]
+        if T == 0:
+            np.testing.assert_array_equal(tokens, ar_tokens[:t["max_new_tokens"]])        # the invariant
+            root, margins = ar_tokens[0], [None]
+        else:
+            last = f[f"prompts/{t['prompt']}/prefill_logits"][-1]
+            root, margin = inverse_cdf(last, T, float(f[f"{prefix}/prefill_uniform"]))
+            margins = [margin]
         committed = [root]
         for r in range(t["rounds"]):
             def g(name: str) -> np.ndarray:
@@ -179,23 +199,67 @@ def test_model_fixture_traces_are_self_consistent(open_golden, preset):
                        budget, start, g("positions"), g("visibility_bits"))
             verify_logits = g("verify_logits")
             assert verify_logits.shape == (len(parents), V)
-            np.testing.assert_array_equal(g("choices"), np.argmax(verify_logits, axis=1))
-            np.testing.assert_allclose(g("margins"), top2_gap(verify_logits), rtol=1e-12)
+            if T == 0:
+                np.testing.assert_array_equal(g("choices"), np.argmax(verify_logits, axis=1))
+                np.testing.assert_allclose(g("margins"), top2_gap(verify_logits), rtol=1e-12)
+            else:
+                uniforms = g("uniforms")
+                assert uniforms.shape == (len(parents),) and ((0 <= uniforms) & (uniforms < 1)).all()
+                sampled = [inverse_cdf(row, T, u) for row, u in zip(verify_logits, uniforms)]
+                np.testing.assert_array_equal(g("choices"), [c for c, _ in sampled])
+                np.testing.assert_allclose(g("margins"), [m for _, m in sampled], rtol=1e-6, atol=1e-12)
+                assert g("margins").min() >= threshold
             path, next_root = walk(parents, tree_tokens, g("choices"))
             np.testing.assert_array_equal(g("accepted"), path)
             assert g("next_root") == next_root
             np.testing.assert_array_equal(g("compaction_src"), start + np.array(path))
             assert f[f"{prefix}/acceptance_lengths"][r] == len(path)
             covered["non_prefix"] |= path != list(range(len(path)))
+            covered["sampled_non_prefix"] |= T > 0 and path != list(range(len(path)))
+            covered["sampled_multi_token"] |= T > 0 and len(path) > 2
             committed += [*tree_tokens[path[1:]], next_root]
+            margins += list(g("margins")[path])
             start, root = start + len(path), next_root
         np.testing.assert_array_equal(committed[:len(tokens)], tokens)
         assert len(committed) >= len(tokens)
+        if T > 0:
+            np.testing.assert_allclose(f[f"{prefix}/margins"], margins[:len(tokens)], rtol=1e-6, atol=1e-12)
+            assert not np.array_equal(tokens, ar_tokens[:len(tokens)])     # it really sampled
         covered["budget0"] |= budget == 0
         covered["budget1"] |= budget == 1
         covered["unfillable"] |= budget > sum(K ** d for d in range(1, L + 1))
         covered["random"] |= t["drafter"]["kind"] == "random"
+        covered["sampled"] |= T > 0
     assert all(covered.values()), covered
+
+
+# The adversarial sampling cases, by hand: the root's choice, the accepted path, the next root.
+SAMPLE_CASES_EXPECTED = {
+    "u_zero": (1, [0, 2], 5),          # u = 0: token 0 has p = 0; the first token of p > 0 is 1 (node 2)
+    "u_boundary": (9, [0, 4], 11),     # u = cdf[2] = 0.5: cdf > u strictly, so 9 (10 has p = 0); then 11
+    "u_max": (9, [0, 4], 3),           # u = 1 - 2^-53 >= the rounded cdf of 10 x 1/10: the last p > 0, 9
+}
+
+
+@pytest.mark.parametrize("preset", MODEL_FIXTURES)
+def test_adversarial_sampling_cases(open_golden, preset):
+    f = open_golden(f"{preset}.kdtr")
+    cases = {c["name"]: c for c in f.metadata["sample_cases"]}
+    assert set(cases) == set(SAMPLE_CASES_EXPECTED)
+    for name, (root_choice, accepted, next_root) in SAMPLE_CASES_EXPECTED.items():
+        def g(tensor: str) -> np.ndarray:
+            return f[f"sample_cases/{name}/{tensor}"]
+
+        logits, uniforms, choices = g("logits"), g("uniforms"), g("choices")
+        assert logits.dtype == np.float64 and logits.shape == (len(g("parents")), f.metadata["config"]["vocab_size"])
+        assert choices[0] == root_choice and g("accepted").tolist() == accepted and g("next_root") == next_root
+        assert np.isfinite(logits[np.arange(len(choices)), choices]).all()      # never a token of probability 0
+        assert choices.tolist() == [inverse_cdf(row, cases[name]["temperature"], u)[0]
+                                    for row, u in zip(logits, uniforms)]
+    assert f["sample_cases/u_zero/uniforms"][0] == 0.0
+    assert f["sample_cases/u_max/uniforms"][0] == 1.0 - 2.0 ** -53
+    assert not np.isfinite(f["sample_cases/u_zero/logits"][0, 0])              # token 0: probability 0
+    assert f["sample_cases/u_zero/tokens"][1] == 0                               # ... and a child of the root
 
 
 # ---------------------------------------------------------------------------- kernel cases
