@@ -44,14 +44,17 @@ class TorchAdapter:
     """The built-in torch engine (engine.model, engine.stages, engine.attention) as an adapter.
 
     device "cuda" takes the CUDA stages and attention kernels when they load
-    (`backends` says which ran), the torch paths otherwise.
+    (`backends` says which ran), the torch paths otherwise. invariant: the model in
+    batch-invariant mode (Transformer's `invariant`).
     """
 
     capabilities = ("model", "topk", "tree", "compile", "accept", "sample_accept", "compact", "attention")
 
-    def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 invariant: bool = False) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
+        self.invariant = invariant
         self.stages: Stages = TorchStages()
         self.attention_backend: AttentionBackend = torch_attention
         self.backends = {"stages": "torch", "attention": "torch"}
@@ -68,7 +71,7 @@ class TorchAdapter:
     def _name(self) -> None:
         dtype = "" if self.dtype == torch.float32 else f", {str(self.dtype).removeprefix('torch.')}"
         self.name = f"torch engine ({self.device.type}{dtype}, stages: {self.backends['stages'].split()[0]}, " \
-                    f"attention: {self.backends['attention'].split()[0]})"
+                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if self.invariant else ''})"
 
     # precision
     def set_dtype(self, dtype: str) -> None:
@@ -87,7 +90,7 @@ class TorchAdapter:
         self.weights = {name: w if isinstance(w, torch.Tensor) else torch.tensor(np.asarray(w))
                         for name, w in weights.items()}
         self.model = Transformer(config, self.weights, device=self.device, dtype=self.dtype,
-                                 attention=self.attention_backend)
+                                 attention=self.attention_backend, invariant=self.invariant)
 
     def reset(self, max_len: int) -> None:
         self.cache = self._model().new_cache(1, max_len)

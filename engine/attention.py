@@ -12,14 +12,27 @@ tree). Query rows i >= n_new[b] are padding: they see no slot and their
 o_lat is zero, so no NaN can leave this function.
 
 `AttentionBackend` is the seam where a CUDA kernel replaces `torch_attention`
-(engine/cuda_attention.py implements the same Protocol).
+(engine/cuda_attention.py implements the same Protocol). A backend may also have
+`bind(starts, n_new, new_visibility, num_slots)`, returning the per-layer call
+(q_lat, q_pe, c_kv, k_pe, scale) -> o_lat with the metadata every layer shares
+prepared once per forward; `bind_attention` gives a plain callable that form too.
+
+Two torch backends:
+- `torch_attention`: the whole batch at once, over every cache slot (masked), so it
+  reads nothing back to the host and can be captured in a CUDA graph.
+- `invariant_torch_attention`: each query row alone over exactly its visible slots,
+  in slot order; a row's output depends on that sequence of keys only, whatever the
+  number of rows, their tree and the other requests (docs/precision-invariant.md).
+  It loops on the host over rows (it reads n_new, starts and the mask back).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
+
+LayerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class AttentionBackend(Protocol):
@@ -30,6 +43,16 @@ class AttentionBackend(Protocol):
         starts [B] int64, n_new [B] int64, new_visibility [B, N, N] bool -> o_lat [B, N, H, R]
         (the dtype of q_lat). The new tokens' c_kv/k_pe are already in slots starts[b] + j."""
         ...
+
+
+def bind_attention(backend: AttentionBackend, starts: torch.Tensor, n_new: torch.Tensor,
+                   new_visibility: torch.Tensor, num_slots: int) -> LayerAttention:
+    """The per-layer call of `backend` for one forward (module docstring)."""
+    bind = getattr(backend, "bind", None)
+    if bind is not None:
+        return bind(starts, n_new, new_visibility, num_slots)
+    return lambda q_lat, q_pe, c_kv, k_pe, scale: backend(q_lat, q_pe, c_kv, k_pe, starts, n_new,
+                                                          new_visibility, scale)
 
 
 def visible_slots(starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
@@ -49,17 +72,60 @@ def visible_slots(starts: torch.Tensor, n_new: torch.Tensor, new_visibility: tor
     return visible & real_row[:, :, None]
 
 
-def torch_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
-                    k_pe: torch.Tensor, starts: torch.Tensor, n_new: torch.Tensor,
-                    new_visibility: torch.Tensor, scale: float) -> torch.Tensor:
-    """The reference backend: matmul, mask, softmax, all in float32 (AttentionBackend)."""
-    t_used = int((starts + n_new).max()) if starts.numel() else 0          # slots anyone can see
-    c = c_kv[:, :t_used].float()                                          # [B, T, R]
-    k = k_pe[:, :t_used].float()                                          # [B, T, dr]
-    scores = (torch.einsum("bnhr,btr->bnht", q_lat.float(), c)
-              + torch.einsum("bnhd,btd->bnht", q_pe.float(), k)) * scale  # [B, N, H, T]
-    visible = visible_slots(starts, n_new, new_visibility, t_used)        # [B, N, T]
-    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                  # rows seeing nothing -> 0
-    o_lat = torch.einsum("bnht,btr->bnhr", probs, c)                      # [B, N, H, R]
-    return o_lat.to(q_lat.dtype)
+class TorchAttention:
+    """The reference backend: matmul, mask, softmax, all in float32, over every slot."""
+
+    def bind(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
+             num_slots: int) -> LayerAttention:
+        visible = visible_slots(starts, n_new, new_visibility, num_slots)[:, :, None, :]   # [B, N, 1, T]
+
+        def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+            c, k = c_kv.float(), k_pe.float()                                 # [B, T, R], [B, T, dr]
+            scores = (torch.einsum("bnhr,btr->bnht", q_lat.float(), c)
+                      + torch.einsum("bnhd,btd->bnht", q_pe.float(), k)) * scale   # [B, N, H, T]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)              # rows seeing nothing -> 0
+            return torch.einsum("bnht,btr->bnhr", probs, c).to(q_lat.dtype)   # [B, N, H, R]
+        return attend
+
+    def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                 starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        return self.bind(starts, n_new, new_visibility, c_kv.shape[1])(q_lat, q_pe, c_kv, k_pe, scale)
+
+    def invariant_form(self) -> AttentionBackend:
+        return invariant_torch_attention
+
+
+class InvariantTorchAttention:
+    """Each real query row alone over its visible slots in slot order (module docstring)."""
+
+    def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                 starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        o_lat = torch.zeros_like(q_lat)
+        seen = new_visibility.cpu()
+        for b, (start, count) in enumerate(zip(starts.tolist(), n_new.tolist())):
+            context = torch.arange(start)
+            for i in range(count):
+                slots = torch.cat([context, start + seen[b, i, :count].nonzero().flatten()]).to(c_kv.device)
+                c, k = c_kv[b, slots].float(), k_pe[b, slots].float()           # [S, R], [S, dr]
+                scores = (q_lat[b, i].float() @ c.T + q_pe[b, i].float() @ k.T) * scale   # [H, S]
+                o_lat[b, i] = (torch.softmax(scores, dim=-1) @ c).to(o_lat.dtype)
+        return o_lat
+
+    def invariant_form(self) -> AttentionBackend:
+        return self
+
+
+torch_attention = TorchAttention()
+invariant_torch_attention = InvariantTorchAttention()
+
+
+def invariant_form(backend: AttentionBackend) -> AttentionBackend:
+    """The batch-invariant form of `backend` (its `invariant_form()`); ValueError when it has none."""
+    make = getattr(backend, "invariant_form", None)
+    if make is None:
+        raise ValueError(f"attention backend {backend!r} has no invariant form (invariant_form())")
+    return make()

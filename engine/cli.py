@@ -1,9 +1,10 @@
 """The `kdtree` command line: `validate` (the main job), `diverge` and `demo`.
 
     kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH]
-                    [--impl module:factory] [--require CAPS]
+                    [--impl module:factory] [--require CAPS] [--invariant]
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
+                [--invariant]
 
 Exit status: 0 passed, 1 a check failed (validate), the two ways differ (diverge) or
 DDTree differed from AR (demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
@@ -138,9 +139,12 @@ def _check_device(device: str) -> None:
                    "sample_accept, compact, attention); `declared`: the adapter's `capabilities`, else what it "
                    "implements; `none`: nothing required. A required capability that is skipped or that no "
                    "fixture exercises is a FAIL.")
+@click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
 def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None, impl: str | None,
-                     require: str) -> int:
+                     require: str, invariant: bool) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
+    if invariant and impl:
+        raise CliError("--invariant is a mode of the built-in engine; it does not apply to --impl")
     _check_device(device)
     from .validate import load_impl, validate, write_json
 
@@ -150,7 +154,7 @@ def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: 
         raise CliError(str(exc)) from None
     out = console()
     steps = _Steps(lambda line: out.print(Text(line, style="dim")))
-    report = validate(adapter, fixtures, device, log=steps, require=require, dtype=dtype)
+    report = validate(adapter, fixtures, device, log=steps, require=require, invariant=invariant, dtype=dtype)
     report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
     report.timings = steps.timings()
     render(report, out)
@@ -273,13 +277,16 @@ def render(report: Report, out: Console) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--impl", type=str, default=None, help="Adapter factory (model and intermediates capabilities).")
+@click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
 @click.option("--json", "json_path", type=OutputFile(), default=None, help="Also write the finding as JSON here.")
 def diverge_command(fixture: Path | None, config: str | None, prompt: str | None, prompt_length: int,
                     prompt_seed: int, seed: int, way: str, count: int, trace: str | None, batch: int, dtype: str,
-                    device: str, impl: str | None, json_path: Path | None) -> int:
+                    device: str, impl: str | None, invariant: bool, json_path: Path | None) -> int:
     """The first op where AR decode and a verify of the same tokens differ bit for bit (exit 1 if any)."""
     if (fixture is None) == (config is None):
         raise CliError("give exactly one of --fixture PATH and --config NAME")
+    if invariant and impl is not None:
+        raise CliError("--invariant is the built-in engine's mode; an --impl adapter is what it is")
     if config is not None and prompt is not None:
         raise CliError("--prompt names a fixture's prompt; with --config use --prompt-length and --prompt-seed")
     pick = None
@@ -294,7 +301,7 @@ def diverge_command(fixture: Path | None, config: str | None, prompt: str | None
     from .validate import load_impl, write_json
 
     try:
-        adapter = load_impl(impl) if impl else TorchAdapter(device)
+        adapter = load_impl(impl) if impl else TorchAdapter(device, invariant=invariant)
         if not callable(getattr(adapter, "intermediates", None)):
             raise CliError(f"--impl {impl}: the adapter has no `intermediates` method (protocol capability)")
         set_dtype = getattr(adapter, "set_dtype", None)
@@ -381,8 +388,10 @@ class _DemoModel:
 @click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--plot", "plot_path", type=OutputFile(), default=None,
               help="Save a PNG histogram of acceptance lengths (needs matplotlib: the `plot` extra).")
+@click.option("--invariant", is_flag=True, help="Run the engine in batch-invariant mode.")
 def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | None, max_new_tokens: int,
-                 budget: int, block_size: int, accuracy: float, device: str, plot_path: Path | None) -> int:
+                 budget: int, block_size: int, accuracy: float, device: str, plot_path: Path | None,
+                 invariant: bool) -> int:
     """AR and DDTree side by side on a model fixture's weights (oracle and layerskip drafters)."""
     if plot_path is not None:
         _require_matplotlib()
@@ -397,7 +406,7 @@ def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | N
     from .decode import ar_decode, ddtree_decode
     from .drafters import LayerSkipDrafter, OracleDrafter
 
-    adapter = TorchAdapter(device)
+    adapter = TorchAdapter(device, invariant=invariant)
     with _reading(model.path) as reader:
         adapter.load_weights(cfg, {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")})
     target, layers = adapter.model, max(1, cfg.num_hidden_layers // 2)

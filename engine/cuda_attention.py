@@ -7,8 +7,15 @@ new_visibility[b, i, j]; padding rows i >= n_new[b] get o_lat = 0.
 The padded batch maps onto the kernel's ragged form without copying the cache: request b's
 queries are rows b * N .. b * N + n_new[b] of q_lat viewed as [B * N, H, R], and its keys are
 rows b * T' .. of the cache viewed as rows of R (T' = the cache's slot stride), context =
-starts[b], tree size = n_new[b]. Each call reads max(starts + n_new) and min(n_new) back
-from the device once, to size the key splits.
+starts[b], tree size = n_new[b]. The key splits are sized from the shapes alone (the longest
+tree is N, the longest key range the cache's T slots), so a call reads nothing back from the
+device and can be captured in a CUDA graph. `bind` packs the visibility and the index arrays
+once per forward for every layer.
+
+invariant=True (`invariant_form()`): the kernel's CUDA-core path with one key split, where each
+query row folds its visible keys one at a time in slot order; a row's output is then a function
+of that key sequence alone, whatever the tree size, the batch and the cache size
+(docs/precision-invariant.md).
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from kernels_cuda.mla_ops import mla_verify, pack_visibility
+
+from .attention import LayerAttention
 
 
 def _key_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -33,26 +42,39 @@ class CudaAttention:
     k_pe [B, T, dr], starts [B], n_new [B], new_visibility [B, N, N] bool -> o_lat [B, N, H, R]
     in q_lat's dtype. Inputs float32 or bfloat16, all on one CUDA device."""
 
+    def __init__(self, invariant: bool = False) -> None:
+        self.invariant = invariant
+
+    def invariant_form(self) -> "CudaAttention":
+        return CudaAttention(invariant=True)
+
+    def bind(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
+             num_slots: int) -> LayerAttention:
+        batch, n = new_visibility.shape[:2]
+        bits = pack_visibility(new_visibility).view(batch * n, -1)                # [B N, W]
+        index = torch.arange(batch + 1, device=new_visibility.device, dtype=torch.int32)
+        context, tree, q_offsets = starts.to(torch.int32), n_new.to(torch.int32), index * n
+
+        def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+            heads, kv_lora = q_lat.shape[2:]
+            o_lat = torch.zeros(batch, n, heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
+            if batch == 0 or n == 0:
+                return o_lat
+            c_rows, stride = _key_rows(c_kv)
+            k_rows, k_stride = _key_rows(k_pe)
+            if k_stride != stride:
+                (c_rows, stride), (k_rows, _) = _key_rows(c_kv.contiguous()), _key_rows(k_pe.contiguous())
+            mla_verify(q_lat.reshape(batch * n, heads, kv_lora).contiguous(),
+                       q_pe.reshape(batch * n, heads, q_pe.shape[3]).contiguous(),
+                       c_rows, k_rows, context, tree, q_offsets, index[:batch] * stride, bits, scale,
+                       max_tree=n, max_kv=max(c_kv.shape[1], 1), invariant=self.invariant,
+                       out=(o_lat.view(batch * n, heads, kv_lora),
+                            torch.empty((batch * n, heads), dtype=torch.float32, device=q_lat.device)))
+            return o_lat
+        return attend
+
     def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
                  k_pe: torch.Tensor, starts: torch.Tensor, n_new: torch.Tensor,
                  new_visibility: torch.Tensor, scale: float) -> torch.Tensor:
-        batch, n, heads, kv_lora = q_lat.shape
-        o_lat = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
-        if batch == 0 or n == 0:
-            return o_lat
-        c_rows, stride = _key_rows(c_kv)
-        k_rows, k_stride = _key_rows(k_pe)
-        if k_stride != stride:
-            (c_rows, stride), (k_rows, _) = _key_rows(c_kv.contiguous()), _key_rows(k_pe.contiguous())
-        max_kv, min_new = torch.stack([(starts + n_new).max(), n_new.min()]).tolist()
-        if min_new < n:
-            o_lat.zero_()
-        index = torch.arange(batch + 1, device=q_lat.device, dtype=torch.int32)
-        mla_verify(q_lat.reshape(batch * n, heads, kv_lora).contiguous(),
-                   q_pe.reshape(batch * n, heads, q_pe.shape[3]).contiguous(),
-                   c_rows, k_rows, starts, n_new, index * n, index[:batch] * stride,
-                   pack_visibility(new_visibility).view(batch * n, -1), scale,
-                   max_tree=n, max_kv=max(max_kv, 1),
-                   out=(o_lat.view(batch * n, heads, kv_lora),
-                        torch.empty((batch * n, heads), dtype=torch.float32, device=q_lat.device)))
-        return o_lat
+        return self.bind(starts, n_new, new_visibility, c_kv.shape[1])(q_lat, q_pe, c_kv, k_pe, scale)

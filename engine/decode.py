@@ -15,10 +15,18 @@ commits a tokens. DDTree greedy emits exactly the AR greedy tokens.
 `max_new_tokens` (one for all requests, or one per request) counts every
 committed token, the first one (the argmax of the prefill's last logits)
 included, as the fixtures' `ar/tokens` do.
+
+`model` is a `Transformer` or an `engine.graphs.GraphedModel`. With the latter, greedy
+AR runs each step as one CUDA graph, and greedy DDTree with `CudaStages` runs each round
+after the draft as three (build, verify, accept; record=True takes the eager path): the
+host reads back the committed tokens once per step or round. The device times of the
+graphs go to the stages "build", "verify" and "accept", the rest of the round's wall
+time to "host".
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -27,10 +35,11 @@ import torch
 
 from kdtr_format import DDTreeConfig
 
-from .cache import KVCache
+from .cuda_stages import CudaStages
 from .drafters import Drafter
+from .graphs import GraphedModel
 from .metrics import DecodeMetrics, StageTimer
-from .stages import Stages, TorchStages
+from .stages import Stages, TorchStages, top2_margins
 
 
 @dataclass
@@ -84,16 +93,24 @@ def ar_decode(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     stages = stages or TorchStages()
     batch = _Batch(model, prompts, max_new_tokens, stop_tokens, extra_slots=0)
     first = batch.prefill(stages, temperature, generator)
+    step = model.ar_step(batch.cache, stages) if isinstance(model, GraphedModel) and temperature == 0 else None
+    if step is not None:
+        step.load(first.to(batch.device), batch.starts.to(batch.device))
     last = first
     while batch.any_active:
         active = batch.active_mask()
-        with batch.timer("verify"):
-            logits = model.forward(last[:, None].to(batch.device), batch.starts[:, None].to(batch.device),
-                                   torch.ones(batch.size, 1, 1, dtype=torch.bool, device=batch.device),
-                                   active.long().to(batch.device), batch.starts.to(batch.device), batch.cache)
-        with batch.timer("accept"):
-            uniforms = _uniforms(generator, batch.size, 1) if temperature > 0 else None
-            choices, margins = _choose(stages, logits, temperature, uniforms)
+        if step is not None:
+            with batch.timer("verify"):
+                choices, margins = (t[:, None] for t in step(active))
+        else:
+            with batch.timer("verify"):
+                logits = model.forward(last[:, None].to(batch.device), batch.starts[:, None].to(batch.device),
+                                       torch.ones(batch.size, 1, 1, dtype=torch.bool, device=batch.device),
+                                       active.long().to(batch.device), batch.starts.to(batch.device), batch.cache,
+                                       check=False)
+            with batch.timer("accept"):
+                uniforms = _uniforms(generator, batch.size, 1) if temperature > 0 else None
+                choices, margins = (t.cpu() for t in _choose(stages, logits, temperature, uniforms))
         batch.rounds += 1
         for b in range(batch.size):
             if active[b]:
@@ -138,6 +155,9 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
     vocab = model.cfg.vocab_size
     k = min(max(request_budgets), vocab)            # K = min(B, V); the widest budget serves all
     roots = batch.prefill(stages, ddtree.temperature, generator, None if uniforms is None else uniforms[0])
+    graphed = (model.ddtree_round(batch.cache, depth, k, max(request_budgets))
+               if isinstance(model, GraphedModel) and isinstance(stages, CudaStages) and depth > 0
+               and not sampled and not record else None)
     while batch.any_active:
         active = batch.active_mask()
         round_budgets = torch.tensor([request_budgets[b] if active[b] else 0 for b in range(batch.size)],
@@ -146,46 +166,58 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
         with batch.timer("draft"):
             if depth > 0:
                 draft_logits = drafter.draft(batch.contexts(), roots_dev, depth)
-        with batch.timer("build"):
-            if depth > 0:
-                topk_lp, topk_id = stages.topk_logprobs(draft_logits, k)
-            else:
-                topk_lp = torch.zeros(batch.size, 0, k, dtype=torch.float32, device=batch.device)
-                topk_id = torch.zeros(batch.size, 0, k, dtype=torch.int64, device=batch.device)
-            trees = stages.build_trees(topk_lp, topk_id, round_budgets, roots_dev)
         starts_dev = batch.starts.to(batch.device)
-        with batch.timer("compile"):
-            compiled = stages.compile_trees(trees, starts_dev)
-        n_new = trees.n.to(batch.device) + 1
-        with batch.timer("verify"):
-            logits = model.forward(trees.tokens.clamp(min=0), compiled.positions, compiled.visibility,
-                                   torch.where(active.to(batch.device), n_new, 0), starts_dev, batch.cache)
-        with batch.timer("accept"):
-            round_uniforms = None
-            if sampled:
-                round_uniforms = (uniforms[batch.rounds + 1] if uniforms is not None
-                                  else _uniforms(generator, batch.size, logits.shape[1]))
-                round_uniforms = round_uniforms[:, :logits.shape[1]]
-            choices, margins = _choose(stages, logits, ddtree.temperature, round_uniforms)
-            accepted, accept_len, next_root = stages.accept(trees, choices)
-        with batch.timer("compact"):
-            stages.compact_kv(batch.cache, starts_dev, accepted, accept_len)
+        if graphed is not None:
+            began = time.perf_counter()
+            result = graphed(draft_logits, round_budgets, roots_dev, starts_dev, active.to(batch.device))
+            for stage, seconds in result.seconds.items():
+                batch.timer.seconds[stage] += seconds
+            host = time.perf_counter() - began - sum(result.seconds.values())
+            batch.timer.seconds["host"] = batch.timer.seconds.get("host", 0.0) + max(host, 0.0)
+            accept_len, next_root = result.accept_len, result.next_root
+            path_tokens, path_margins = result.path_tokens, result.path_margins
+        else:
+            with batch.timer("build"):
+                if depth > 0:
+                    topk_lp, topk_id = stages.topk_logprobs(draft_logits, k)
+                else:
+                    topk_lp = torch.zeros(batch.size, 0, k, dtype=torch.float32, device=batch.device)
+                    topk_id = torch.zeros(batch.size, 0, k, dtype=torch.int64, device=batch.device)
+                trees = stages.build_trees(topk_lp, topk_id, round_budgets, roots_dev)
+            with batch.timer("compile"):
+                compiled = stages.compile_trees(trees, starts_dev)
+            n_new = trees.n.to(batch.device) + 1
+            with batch.timer("verify"):
+                logits = model.forward(trees.tokens.clamp(min=0), compiled.positions, compiled.visibility,
+                                       torch.where(active.to(batch.device), n_new, 0), starts_dev, batch.cache,
+                                       check=False)
+            with batch.timer("accept"):
+                round_uniforms = None
+                if sampled:
+                    round_uniforms = (uniforms[batch.rounds + 1] if uniforms is not None
+                                      else _uniforms(generator, batch.size, logits.shape[1]))
+                    round_uniforms = round_uniforms[:, :logits.shape[1]]
+                choices, margins = _choose(stages, logits, ddtree.temperature, round_uniforms)
+                accepted, accept_len, next_root = stages.accept(trees, choices)
+            with batch.timer("compact"):
+                stages.compact_kv(batch.cache, starts_dev, accepted, accept_len)
+            path = accepted.clamp(min=0)
+            path_tokens = trees.tokens.gather(1, path).cpu()
+            path_margins = margins.to(path.device).gather(1, path).cpu()
+            accepted, accept_len, next_root = accepted.cpu(), accept_len.cpu(), next_root.cpu()
         batch.rounds += 1
-        accepted, accept_len, next_root = accepted.cpu(), accept_len.cpu(), next_root.cpu()
-        tree_tokens, choices_cpu, margins = trees.tokens.cpu(), choices.cpu(), margins.cpu()
         for b in range(batch.size):
             if not active[b]:
                 continue
             a = int(accept_len[b])
-            path = accepted[b, :a]
             if record:
                 batch.requests[b].rounds.append(_record(b, int(batch.starts[b]), int(roots[b]), topk_lp,
-                                                        topk_id, trees, choices_cpu, path,
+                                                        topk_id, trees, choices.cpu(), accepted[b, :a],
                                                         int(next_root[b])))
-            committed = tree_tokens[b, path[1:]].tolist() + [int(next_root[b])]
+            committed = path_tokens[b, 1:a].tolist() + [int(next_root[b])]
             batch.starts[b] += a
             batch.requests[b].acceptance_lengths.append(a)
-            batch.commit(b, committed, margins[b, path].tolist())
+            batch.commit(b, committed, path_margins[b, :a].tolist())
         batch.sync_cache_lengths()
         roots = next_root
     return batch.result()
@@ -225,8 +257,7 @@ class _Batch:
                              f"exceeds max_position_embeddings {cfg.max_position_embeddings}")
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
         self.device = torch.device(model.device)
-        self.cache = KVCache.allocate(cfg, self.size, longest + extra_slots,
-                                      self.device, model.dtype)
+        self.cache = model.new_cache(self.size, longest + extra_slots)
         self.starts = torch.tensor([len(p) for p in self.prompts], dtype=torch.int64)
         self.requests = [RequestResult([], [], 0, []) for _ in self.prompts]
         self.done = [False] * self.size
@@ -260,7 +291,7 @@ class _Batch:
             logits = self.model.forward(tokens.to(self.device), positions.to(self.device),
                                         causal.to(self.device), lengths.to(self.device),
                                         torch.zeros(self.size, dtype=torch.int64, device=self.device),
-                                        self.cache)
+                                        self.cache, check=False)
             last = logits[torch.arange(self.size, device=self.device), (lengths - 1).to(self.device)]
             if temperature > 0:
                 uniforms = uniforms[:, :1] if uniforms is not None else _uniforms(generator, self.size, 1)
@@ -314,9 +345,7 @@ def _choose(stages: Stages, logits: torch.Tensor, temperature: float,
     if temperature > 0:
         choices = stages.sample_choices(logits, temperature, uniforms.to(logits.device))
         return choices, torch.full(choices.shape, float("nan"), dtype=torch.float64)
-    top2 = logits.topk(min(2, logits.shape[-1]), dim=-1).values.double()
-    margins = top2[..., 0] - top2[..., -1] if top2.shape[-1] == 2 else torch.full_like(top2[..., 0], float("inf"))
-    return stages.greedy_choices(logits), margins
+    return stages.greedy_choices(logits), top2_margins(logits)
 
 
 def _record(b: int, start: int, root: int, topk_lp: torch.Tensor, topk_id: torch.Tensor, trees,

@@ -22,11 +22,11 @@ The ways, each teacher-forced on the same tokens after the same prompt:
   with other requests (prefill included).
 
 How the first divergence is found. The capture points (engine/model.py
-CAPTURE_POINTS: attn_in, q_lat, q_pe, c_kv, k_pe, o_lat, attn_out, residual,
-ffn_in, router_scores, experts, ffn_out, layer_out per layer, then logits) are
-compared in that order, layer by layer, every token at once. A point's inputs
-come earlier in this order: its own token's earlier points, and the c_kv / k_pe
-of the keys it sees, which precede o_lat. So at the first point where any token
+CAPTURE_POINTS: attn_input, q_lat, c_kv, k_pe, o_lat, attn_output,
+attn_residual, router_scores, experts, ffn_output, layer_output per layer, then
+logits) are compared in that order, layer by layer, every token at once. A
+point's inputs come earlier in this order: its own token's earlier points, and
+the c_kv / k_pe of the keys it sees, which precede o_lat. So at the first point where any token
 differs, every input is bitwise equal in both ways: the op producing it
 returned different bits for the same inputs. That op is the cause, everything
 after it may be a consequence. The finder names it, the token, the ulps (in the
@@ -63,20 +63,33 @@ from .model import CAPTURE_POINTS, Transformer
 LAYER_POINTS = CAPTURE_POINTS[:-1]
 
 OPS = {
-    "attn_in": "RMSNorm_in of the layer input",
-    "q_lat": "the query projection (W_q, or W_qa, RMSNorm_qa, W_qb) and its absorption by W_UK",
-    "q_pe": "RoPE of the query's rotary part",
+    "attn_input": "RMSNorm_in of the layer input",
+    "q_lat": "the query projection (W_q, or W_qa, RMSNorm_qa, W_qb), its RoPE part and the absorption by W_UK",
     "c_kv": "W_kva and RMSNorm_kva (the cached latent)",
     "k_pe": "RoPE of the rotary key",
     "o_lat": "attention: scores over the visible keys, mask, softmax, weighted sum of c_kv",
-    "attn_out": "W_UV and W_o",
-    "residual": "the residual add after attention",
-    "ffn_in": "RMSNorm_post",
-    "router_scores": "the router, sigmoid(x W_g^T)",
+    "attn_output": "W_UV and W_o",
+    "attn_residual": "the residual add after attention",
+    "router_scores": "RMSNorm_post and the router, sigmoid(x W_g^T)",
     "experts": "top-k expert selection (correction bias, groups)",
-    "ffn_out": "the experts' SwiGLU, their weighted sum and the shared expert (or the dense MLP)",
-    "layer_out": "the residual add after the FFN",
+    "ffn_output": "RMSNorm_post, the experts' SwiGLU, their weighted sum and the shared expert (or the dense MLP)",
+    "layer_output": "the residual add after the FFN",
     "logits": "the final RMSNorm and lm_head",
+}
+
+# Each point's inputs among the points ("layer input": the previous layer's layer_output, or
+# the embedding of the tokens, which both ways share).
+INPUTS = {
+    "attn_input": ("layer input",),
+    "q_lat": ("attn_input",), "c_kv": ("attn_input",), "k_pe": ("attn_input",),
+    "o_lat": ("q_lat", "c_kv", "k_pe"),
+    "attn_output": ("o_lat",),
+    "attn_residual": ("layer input", "attn_output"),
+    "router_scores": ("attn_residual",),
+    "experts": ("router_scores",),
+    "ffn_output": ("attn_residual", "router_scores", "experts"),
+    "layer_output": ("attn_residual", "ffn_output"),
+    "logits": ("layer input",),
 }
 
 # ---------------------------------------------------------------------------- ulps
@@ -94,22 +107,6 @@ def ulps_at_scale(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     ulp = np.exp2(np.floor(np.log2(np.maximum(scale, np.finfo(np.float64).tiny))) - nmant)
     return np.abs(a64 - b64).max(1, initial=0.0) / ulp
 
-
-# Each point's inputs among the points ("layer input": the previous layer's layer_out, or the
-# embedding of the tokens, which both ways share).
-INPUTS = {
-    "attn_in": ("layer input",),
-    "q_lat": ("attn_in",), "q_pe": ("attn_in",), "c_kv": ("attn_in",), "k_pe": ("attn_in",),
-    "o_lat": ("q_lat", "q_pe", "c_kv", "k_pe"),
-    "attn_out": ("o_lat",),
-    "residual": ("layer input", "attn_out"),
-    "ffn_in": ("residual",),
-    "router_scores": ("ffn_in",),
-    "experts": ("router_scores",),
-    "ffn_out": ("ffn_in", "router_scores", "experts"),
-    "layer_out": ("residual", "ffn_out"),
-    "logits": ("layer input",),
-}
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -399,7 +396,7 @@ def _mark_causes(points: list[PointDiff], num_layers: int) -> None:
     for p in points:
         if p.tokens:
             layer = num_layers if p.layer is None else p.layer
-            inputs = [f"layers.{layer - 1}.layer_out" if name == "layer input" else f"layers.{layer}.{name}"
+            inputs = [f"layers.{layer - 1}.layer_output" if name == "layer input" else f"layers.{layer}.{name}"
                       for name in INPUTS.get(p.point, ())]
             inputs = [k for k in inputs if not k.startswith("layers.-1.")]
             known = p.point in INPUTS and all(k in by_key for k in inputs)
@@ -457,7 +454,7 @@ def explain(d: Divergence, a: Way, b: Way) -> list[str]:
     if p.point == "o_lat":
         lines.append(f"keys: token {t} sees {a.keys[t]} keys; its attention call spans {a.slots[t]} slots with "
                      f"{a.rows[t]} query rows in {a.label}, {b.slots[t]} slots with {b.rows[t]} in {b.label}")
-    if p.point == "ffn_out" and f"layers.{p.layer}.experts" in a.values:
+    if p.point == "ffn_output" and f"layers.{p.layer}.experts" in a.values:
         experts = sorted(a.values[f"layers.{p.layer}.experts"][t].tolist())
         load = ""
         if p.layer in a.expert_counts and p.layer in b.expert_counts:

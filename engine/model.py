@@ -15,13 +15,24 @@ nothing that a real row sees.
 Compute dtype is float32 (default) or bfloat16; norms, rotary embeddings,
 router scores, softmax and the MoE sum run in float32 whatever the dtype.
 
-`Transformer.capture`, None by default, is called as capture(name, layer, tensor)
-at the points named in CAPTURE_POINTS (listed in compute order; docs/precision.md):
-the divergence finder (engine/diverge.py) reads every layer's intermediates
-through it. Points up to the attention output and `layer_out` / `logits` pass
-[B, N, ...] tensors (padding rows included); the FFN points (`ffn_in`,
-`router_scores`, `experts`, `ffn_out`) pass [M, ...], the M real rows in
-request-major order. `logits` comes with layer = num_hidden_layers.
+The forward reads nothing back to the host: types, shapes and devices are checked
+on the host every call, values (ranges, the cache's room, self-visibility) only with
+``check=True``, the default; the decoding loops and CUDA graphs (engine/graphs.py)
+pass ``check=False``. The new tokens' KV goes into the cache by a scatter whose
+padding rows write back what their slot held, and the MoE dispatch keeps its
+offsets on the device (engine/moe.py), so a forward can be captured in a CUDA graph.
+
+Each layer is per-row stages (the attention inputs, the attention output
+projection, the FFN; the head after the last layer) around the one cross-row
+step, attention. With ``invariant=True`` every per-row stage runs on tiles of
+exactly `tile` rows (1 on the CPU, 64 elsewhere; the last tile zero-padded), so the
+same kernels with the same shapes compute every row whatever the number of rows in
+the call; the MoE takes the dense dispatch and attention its backend's invariant
+form. A token's logits are then bitwise the same in a 1-token decode, a tree verify
+or a prefill chunk, alone or batched (docs/precision-invariant.md).
+
+``capture(name, layer, tensor)``, when given, sees the intermediates [B, N, ...] at
+the points CAPTURE_POINTS (layer -1 for the logits), for the divergence finder.
 """
 
 from __future__ import annotations
@@ -36,16 +47,16 @@ import torch.nn.functional as F
 
 from kdtr_format import ModelConfig
 
-from .attention import AttentionBackend, torch_attention
+from .attention import AttentionBackend, bind_attention, invariant_form, torch_attention
 from .cache import KVCache
+from .moe import DISPATCHES, RoutedExperts, moe_dispatch, swiglu
 from .weights import as_tensor, check_weights, load_fixture_weights
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
-
-Capture = Callable[[str, int, torch.Tensor], None]      # capture(name, layer, tensor)
-Tap = Callable[..., None]                               # one layer's capture: tap(name=tensor, ...)
-CAPTURE_POINTS = ("attn_in", "q_lat", "q_pe", "c_kv", "k_pe", "o_lat", "attn_out", "residual",
-                  "ffn_in", "router_scores", "experts", "ffn_out", "layer_out", "logits")
+INVARIANT_TILE = {"cpu": 1}          # rows per tile in invariant mode; other devices: 64
+CAPTURE_POINTS = ("attn_input", "q_lat", "c_kv", "k_pe", "o_lat", "attn_output", "attn_residual",
+                  "router_scores", "experts", "ffn_output", "layer_output", "logits")
+Capture = Callable[[str, int, torch.Tensor], None]
 
 
 # ---- rotary embedding and softmax scale (MODEL.md "Rotary embedding") ----
@@ -104,12 +115,13 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """x [..., d_rope] rotated pairwise; cos/sin broadcast to [..., d_rope / 2]. Float32 math.
 
-    interleave pairs (x[2i], x[2i+1]); neox pairs (x[i], x[i + d/2]). Output keeps x's layout.
+    interleave pairs (x[2i], x[2i+1]) (one complex product: (x1 + i x2)(cos + i sin));
+    neox pairs (x[i], x[i + d/2]). Output keeps x's layout.
     """
     xf = x.float()
     if style == "interleave":
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        pairs = torch.view_as_complex(xf.reshape(*xf.shape[:-1], -1, 2).contiguous())
+        out = torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2)
     else:
         x1, x2 = xf.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
@@ -120,13 +132,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] / sqrt(mean(x^2) + eps) * weight, in float32; returns x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-
-
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """x [T, D] -> [T, D]: W_down (silu(W_gate x) * (W_up x))."""
-    return (F.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -134,14 +140,13 @@ def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def route(cfg: ModelConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor,
-          tap: Tap | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(cfg: ModelConfig, x: torch.Tensor, gate: torch.Tensor,
+          bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid noaux_tc routing. x [T, D] -> (idx int64 [T, k], weight float32 [T, k]).
 
     The correction bias steers selection only; dropped groups become -inf.
     """
     scores = torch.sigmoid(x.float() @ gate.float().T)                     # [T, E]
-    if tap: tap(router_scores=scores)
     selection = scores + bias.float()
     if cfg.n_group > 1:
         tokens, experts = selection.shape
@@ -151,22 +156,10 @@ def route(cfg: ModelConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.Ten
         kept.scatter_(1, top_indices(group_score, cfg.topk_group), True)
         selection = grouped.masked_fill(~kept[..., None], float("-inf")).view(tokens, experts)
     idx = top_indices(selection, cfg.num_experts_per_tok)                  # [T, k]
-    if tap: tap(experts=idx)
     weight = scores.gather(1, idx)
     if cfg.norm_topk_prob:
         weight = weight / weight.sum(-1, keepdim=True)
     return idx, weight * cfg.routed_scaling_factor
-
-
-def _layer_tap(capture: Capture | None, layer: int) -> Tap | None:
-    """capture bound to one layer as tap(name=tensor, ...), or None (the hot path tests `if tap:`)."""
-    if capture is None:
-        return None
-
-    def tap(**tensors: torch.Tensor) -> None:
-        for name, tensor in tensors.items():
-            capture(name, layer, tensor)
-    return tap
 
 
 # ---- layers ----
@@ -186,79 +179,60 @@ class MLA:
         self.w_uk = wkv_b[:, :cfg.qk_nope_head_dim].contiguous()          # [H, d_nope, R]
         self.w_uv = wkv_b[:, cfg.qk_nope_head_dim:].contiguous()          # [H, d_v, R]
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                 layer: int, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                 starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
-                 attention: AttentionBackend, scale: float, tap: Tap | None = None) -> torch.Tensor:
-        """x [B, N, D] -> [B, N, D]; writes the real tokens' c_kv / k_pe into `cache` first."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, D] (normed), cos/sin [M, dr/2] -> q_lat [M, H, R], q_pe [M, H, dr], c_kv [M, R], k_pe [M, dr]."""
         cfg = self.cfg
-        batch, n, _ = x.shape
+        rows = x.shape[0]
         if cfg.q_lora_rank is None:
             q = x @ self.wq.T
         else:
             q = rms_norm(x @ self.wq_a.T, self.q_a_norm, cfg.latent_norm_eps) @ self.wq_b.T
-        q = q.view(batch, n, cfg.num_attention_heads, cfg.qk_head_dim)
+        q = q.view(rows, cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], cfg.rope_style)   # [B, N, H, dr]
+        q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], cfg.rope_style)           # [M, H, dr]
         kv_a = x @ self.wkv_a.T
-        c_kv = rms_norm(kv_a[..., :cfg.kv_lora_rank], self.kv_a_norm, cfg.latent_norm_eps)  # [B, N, R]
-        k_pe = apply_rope(kv_a[..., cfg.kv_lora_rank:], cos, sin, cfg.rope_style)      # [B, N, dr]
-        if tap: tap(c_kv=c_kv, k_pe=k_pe)
+        c_kv = rms_norm(kv_a[..., :cfg.kv_lora_rank], self.kv_a_norm, cfg.latent_norm_eps)  # [M, R]
+        k_pe = apply_rope(kv_a[..., cfg.kv_lora_rank:], cos, sin, cfg.rope_style)      # [M, dr]
+        q_lat = torch.einsum("mhd,hdr->mhr", q_nope, self.w_uk)                     # [M, H, R]
+        return q_lat, q_pe, c_kv, k_pe
 
-        rows, cols, slots = write
-        cache.c_kv[layer, rows, slots] = c_kv[rows, cols]
-        cache.k_pe[layer, rows, slots] = k_pe[rows, cols]
-
-        q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, self.w_uk)                   # [B, N, H, R]
-        if tap: tap(q_lat=q_lat, q_pe=q_pe)
-        o_lat = attention(q_lat, q_pe, cache.c_kv[layer], cache.k_pe[layer], starts, n_new,
-                          new_visibility, scale)
-        if tap: tap(o_lat=o_lat)
-        o = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x.dtype), self.w_uv)             # [B, N, H, d_v]
-        return o.reshape(batch, n, -1) @ self.wo.T
+    def output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [M, H, R] -> [M, D]."""
+        o = torch.einsum("mhr,hvr->mhv", o_lat, self.w_uv)                           # [M, H, d_v]
+        return o.reshape(o.shape[0], -1) @ self.wo.T
 
 
 class DenseMLP:
     def __init__(self, w: Mapping[str, torch.Tensor], prefix: str):
         self.w_gate, self.w_up, self.w_down = (w[prefix + n] for n in ("w_gate", "w_up", "w_down"))
 
-    def __call__(self, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         return swiglu(x, self.w_gate, self.w_up, self.w_down)
 
 
 class MoE:
-    """Routed experts dispatched by expert (tokens sorted by expert id), plus shared experts."""
+    """Sigmoid noaux_tc routing, the routed experts (engine/moe.py), plus shared experts."""
 
     def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str):
         self.cfg = cfg
         self.gate, self.bias = w[prefix + "gate"], w[prefix + "e_score_correction_bias"]
-        self.w_gate, self.w_up, self.w_down = (w[prefix + "experts." + n] for n in ("w_gate", "w_up", "w_down"))
+        self.experts = RoutedExperts(*(w[prefix + "experts." + n] for n in ("w_gate", "w_up", "w_down")))
         self.shared = DenseMLP(w, prefix + "shared.") if cfg.n_shared_experts else None
 
-    def __call__(self, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
-        k = self.cfg.num_experts_per_tok
-        idx, weight = route(self.cfg, x, self.gate, self.bias, tap)                # [T, k]
-        flat_expert = idx.flatten()                                                 # [T * k]
-        order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.cfg.n_routed_experts).tolist()
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        begin = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[begin:begin + count]                                      # token * k + slot
-            begin += count
-            tokens = pairs // k
-            y = swiglu(x[tokens], self.w_gate[expert], self.w_up[expert], self.w_down[expert])
-            out.index_add_(0, tokens, y.float() * weight.flatten()[pairs, None])
+    def __call__(self, x: torch.Tensor, real: torch.Tensor, dispatch: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D], real bool [T] -> (out [T, D], the chosen experts int64 [T, k])."""
+        idx, weight = route(self.cfg, x, self.gate, self.bias)                     # [T, k]
+        out = self.experts(x, idx, weight, real, dispatch)                          # float32
         if self.shared is not None:
-            out += self.shared(x).float()
-        return out.to(x.dtype)
+            out = out + self.shared(x).float()
+        return out.to(x.dtype), idx
 
 
 class Block:
+    """One pre-norm layer as per-row stages around attention (module docstring)."""
+
     def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], layer: int):
         p = f"layers.{layer}."
         self.eps = cfg.rms_norm_eps
@@ -266,29 +240,85 @@ class Block:
         self.attn = MLA(cfg, w, p + "attn.")
         self.ffn = DenseMLP(w, p + "mlp.") if cfg.is_dense_layer(layer) else MoE(cfg, w, p + "moe.")
 
+    def attention_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [M, D] -> (normed [M, D], q_lat [M, H, R], q_pe [M, H, dr], c_kv [M, R], k_pe [M, dr])."""
+        h = rms_norm(x, self.input_norm, self.eps)
+        return (h, *self.attn.project(h, cos, sin))
+
+    def attention_out(self, x: torch.Tensor, o_lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, D], o_lat [M, H, R] -> (attention output [M, D], x + it)."""
+        a = self.attn.output(o_lat.to(x.dtype))
+        return a, x + a
+
+    def ffn_rows(self, x: torch.Tensor, real: torch.Tensor, dispatch: str,
+                 scores: bool) -> tuple[torch.Tensor, ...]:
+        """x [M, D], real bool [M] -> (router scores float32 [M, E] (or [M, 0]: dense layer,
+        or `scores` False), experts int64 [M, k] ([M, 0] dense), FFN output [M, D], x + it)."""
+        h = rms_norm(x, self.post_norm, self.eps)
+        if isinstance(self.ffn, DenseMLP):
+            out, experts = self.ffn(h), h.new_zeros(h.shape[0], 0, dtype=torch.int64)
+        else:
+            out, experts = self.ffn(h, real, dispatch)
+        router = (torch.sigmoid(h.float() @ self.ffn.gate.float().T) if scores and isinstance(self.ffn, MoE)
+                  else h.new_zeros(h.shape[0], 0, dtype=torch.float32))
+        return router, experts, out, x + out
+
+
+def _write_rows(cache: torch.Tensor, slots: torch.Tensor, real: torch.Tensor, new: torch.Tensor) -> None:
+    """cache [B, T, W] <- new [B, N, W] at slots [B, N] for real [B, N] rows; padding rows
+    write back what their (distinct) slot holds."""
+    index = slots[..., None].expand(*slots.shape, cache.shape[-1])
+    cache.scatter_(1, index, torch.where(real[..., None], new.to(cache.dtype), cache.gather(1, index)))
+
+
+def _stored(name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as the forward keeps it: routing in float32 in any dtype; norm weights rounded
+    to the dtype and kept in float32 (their math is float32); the rest in the dtype."""
+    if name.endswith(("moe.gate", "moe.e_score_correction_bias")):
+        return value.float()
+    if name == "norm" or name.endswith(("layernorm", "q_a_norm", "kv_a_norm")):
+        return value.to(dtype).float()
+    return value.to(dtype)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [m, ...] -> [rows, ...], zero rows appended."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
 
 # ---- the model ----
 
 class Transformer:
-    """The target model. Weights are named as docs/fixtures.md (no ``weights/`` prefix)."""
+    """The target model. Weights are named as docs/fixtures.md (no ``weights/`` prefix).
+
+    moe: the routed experts' dispatch, "grouped" or "dense" (engine/moe.py; default: the
+    one for the device and dtype). invariant: batch-invariant mode (module docstring).
+    capture: the divergence finder's hook (module docstring).
+    """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor | np.ndarray],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 attention: AttentionBackend | None = None, capture: Capture | None = None):
+                 attention: AttentionBackend | None = None, *, invariant: bool = False,
+                 moe: str | None = None, capture: Capture | None = None):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Transformer: dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"Transformer: device {str(device)!r} requested but CUDA is not available")
+        if moe is not None and moe not in DISPATCHES:
+            raise ValueError(f"Transformer: moe must be one of {DISPATCHES}, got {moe!r}")
         check_weights(cfg, weights)
         self.cfg = cfg
         self.device = torch.empty(0, device=device).device      # "cuda" -> "cuda:0", comparable with tensors
         self.dtype = dtype
-        self.attention: AttentionBackend = attention if attention is not None else torch_attention
+        self.invariant = invariant
+        attention = attention if attention is not None else torch_attention
+        self.attention: AttentionBackend = invariant_form(attention) if invariant else attention
+        self.tile = INVARIANT_TILE.get(self.device.type, 64) if invariant else None
+        self.moe = "dense" if invariant else (moe or moe_dispatch(self.device, dtype))
         self.capture = capture
-        router = ("moe.gate", "moe.e_score_correction_bias")    # routing stays float32 in any dtype
-        w = {name: as_tensor(value).to(device=self.device,
-                                       dtype=torch.float32 if name.endswith(router) else dtype)
-             for name, value in weights.items()}
+        w = {name: _stored(name, as_tensor(value).to(self.device), dtype) for name, value in weights.items()}
         self.embed, self.norm, self.lm_head = w["embed_tokens"], w["norm"], w["lm_head"]
         self.layers = [Block(cfg, w, i) for i in range(cfg.num_hidden_layers)]
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
@@ -296,92 +326,146 @@ class Transformer:
 
     @classmethod
     def from_fixture(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32,
-                     attention: AttentionBackend | None = None) -> "Transformer":
+                     dtype: torch.dtype = torch.float32, attention: AttentionBackend | None = None,
+                     **options) -> "Transformer":
         cfg, weights = load_fixture_weights(path)
-        return cls(cfg, weights, device=device, dtype=dtype, attention=attention)
+        return cls(cfg, weights, device=device, dtype=dtype, attention=attention, **options)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.allocate(self.cfg, batch, max_len, self.device, self.dtype)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, new_visibility: torch.Tensor,
-                n_new: torch.Tensor, starts: torch.Tensor, cache: KVCache) -> torch.Tensor:
+                n_new: torch.Tensor, starts: torch.Tensor, cache: KVCache, *, check: bool = True) -> torch.Tensor:
         """tokens [B, N] int64, positions [B, N] int64, new_visibility [B, N, N] bool,
         n_new [B] int64, starts [B] int64 -> logits [B, N, V] float32.
 
         Token i < n_new[b] of request b is written to slot starts[b] + i of every layer and
         sees every slot < starts[b] plus new token j iff new_visibility[b, i, j]. Rows
         i >= n_new[b] are padding: their values are ignored and their logits are garbage.
+        check: also check the values (module docstring); without it, inputs out of range
+        give garbage but no error and no out-of-bounds access.
         """
         self._check_inputs(tokens, positions, new_visibility, n_new, starts, cache)
+        if check:
+            self._check_values(tokens, positions, new_visibility, n_new, starts, cache)
         cfg = self.cfg
         batch, n = tokens.shape
-        real = torch.arange(n, device=self.device)[None, :] < n_new[:, None]       # [B, N]
-        tokens = tokens.where(real, 0)
-        positions = positions.where(real, 0)
-        rows, cols = real.nonzero(as_tuple=True)
-        write = (rows, cols, starts[rows] + cols)
-        cos, sin = rope_cos_sin(cfg, positions, self.inv_freq)                      # [B, N, dr/2]
+        rows = batch * n
+        if rows == 0:
+            return torch.zeros(batch, n, cfg.vocab_size, device=self.device)
+        column = torch.arange(n, device=self.device)
+        real = column[None, :] < n_new[:, None]                                     # [B, N]
+        flat_real = real.reshape(rows)
+        token_ids = tokens.where(real, 0).clamp(0, cfg.vocab_size - 1).reshape(rows)
+        slots = (starts[:, None] + column[None, :]).remainder(cache.max_len)         # [B, N], distinct
+        attend = bind_attention(self.attention, starts, n_new, new_visibility, cache.max_len)
+        keep = self._keeper(batch, n)
+        cos, sin = self._rows(self._rope, positions.where(real, 0).clamp(min=0).reshape(rows))
 
-        x = self.embed[tokens]                                                       # [B, N, D]
+        x = self.embed[token_ids]                                                    # [M, D]
         for layer, block in enumerate(self.layers):
-            tap = _layer_tap(self.capture, layer)
-            attn_in = rms_norm(x, block.input_norm, block.eps)
-            attn_out = block.attn(attn_in, cos, sin, cache, layer, write, starts, n_new, new_visibility,
-                                  self.attention, self.scale, tap)
-            x = x + attn_out
-            h = rms_norm(x[real], block.post_norm, block.eps)                        # [M, D] real rows
-            if tap: tap(attn_in=attn_in, attn_out=attn_out, residual=x, ffn_in=h)
-            ffn_out = block.ffn(h, tap)
-            x = x.index_put((rows, cols), ffn_out, accumulate=True)
-            if tap: tap(ffn_out=ffn_out, layer_out=x)
-        logits = rms_norm(x, self.norm, cfg.rms_norm_eps) @ self.lm_head.T
-        if self.capture: self.capture("logits", cfg.num_hidden_layers, logits)
-        return logits.float()
+            h, q_lat, q_pe, c_kv, k_pe = self._rows(block.attention_in, x, cos, sin)
+            _write_rows(cache.c_kv[layer], slots, real, c_kv.view(batch, n, -1))
+            _write_rows(cache.k_pe[layer], slots, real, k_pe.view(batch, n, -1))
+            o_lat = attend(q_lat.view(batch, n, *q_lat.shape[1:]), q_pe.view(batch, n, *q_pe.shape[1:]),
+                           cache.c_kv[layer], cache.k_pe[layer], self.scale).reshape(q_lat.shape)   # [M, H, R]
+            a, x_attn = self._rows(block.attention_out, x, o_lat)
+            router, experts, f, x = self._rows(
+                lambda x_, real_: block.ffn_rows(x_, real_, self.moe, self.capture is not None), x_attn, flat_real)
+            for name, t in (("attn_input", h), ("q_lat", q_lat), ("c_kv", c_kv), ("k_pe", k_pe),
+                            ("o_lat", o_lat), ("attn_output", a), ("attn_residual", x_attn),
+                            ("router_scores", router), ("experts", experts), ("ffn_output", f),
+                            ("layer_output", x)):
+                keep(name, layer, t)
+        logits = self._rows(self._head, x)                                           # [M, V] float32
+        keep("logits", -1, logits)
+        return logits.view(batch, n, -1)
 
     __call__ = forward
 
+    def _keeper(self, batch: int, n: int) -> Capture:
+        """keep(name, layer, rows [M, ...]): the capture hook's call with [B, N, ...] (a no-op without one)."""
+        capture = self.capture
+        if capture is None:
+            return lambda name, layer, t: None
+
+        def keep(name: str, layer: int, t: torch.Tensor) -> None:
+            if t.dim() != 2 or t.shape[1] > 0:                      # dense layers have no router
+                capture(name, layer, t.reshape(batch, n, *t.shape[1:]))
+        return keep
+
+    def _rows(self, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], *rows: torch.Tensor):
+        """fn over row-aligned tensors [M, ...] -> its outputs [M, ...]. In invariant mode fn sees
+        tiles of exactly `self.tile` rows (the last zero-padded), so its kernels have one shape."""
+        if self.tile is None:
+            return fn(*rows)
+        total, tile = rows[0].shape[0], self.tile
+        pieces = []
+        for begin in range(0, total, tile):
+            out = fn(*(_pad_rows(r[begin:begin + tile], tile) for r in rows))
+            pieces.append(out if isinstance(out, tuple) else (out,))
+        outs = tuple(torch.cat(parts)[:total] for parts in zip(*pieces))
+        return outs if len(outs) > 1 else outs[0]
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [M] -> cos, sin float32 [M, dr / 2]."""
+        return rope_cos_sin(self.cfg, positions, self.inv_freq)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, D] -> logits float32 [M, V]."""
+        return (rms_norm(x, self.norm, self.cfg.rms_norm_eps) @ self.lm_head.T).float()
+
     def _check_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, new_visibility: torch.Tensor,
                       n_new: torch.Tensor, starts: torch.Tensor, cache: KVCache) -> None:
-        """Raise ValueError naming the first malformed input (shape, dtype, device, range)."""
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(f"Transformer.forward: {message}")
-
+        """Raise ValueError naming the first input of the wrong type, shape, dtype or device
+        (host-side: reads no tensor values)."""
         named = {"tokens": tokens, "positions": positions, "new_visibility": new_visibility,
                  "n_new": n_new, "starts": starts}
         for name, t in named.items():
-            need(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            need(t.device == self.device, f"{name} is on {t.device}, the model on {self.device}")
+            _need(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            _need(t.device == self.device, f"{name} is on {t.device}, the model on {self.device}")
             want = torch.bool if name == "new_visibility" else torch.int64
-            need(t.dtype == want, f"{name} must be {want}, got {t.dtype}")
-        need(tokens.dim() == 2, f"tokens must be [B, N], got shape {list(tokens.shape)}")
+            _need(t.dtype == want, f"{name} must be {want}, got {t.dtype}")
+        _need(tokens.dim() == 2, f"tokens must be [B, N], got shape {list(tokens.shape)}")
         batch, n = tokens.shape
-        need(positions.shape == (batch, n), f"positions shape {list(positions.shape)} != tokens {[batch, n]}")
-        need(new_visibility.shape == (batch, n, n),
-             f"new_visibility shape {list(new_visibility.shape)} != {[batch, n, n]}")
-        need(n_new.shape == (batch,), f"n_new shape {list(n_new.shape)} != {[batch]}")
-        need(starts.shape == (batch,), f"starts shape {list(starts.shape)} != {[batch]}")
-        need(isinstance(cache, KVCache), f"cache must be a KVCache, got {type(cache).__name__}")
-        need(cache.device == self.device, f"cache is on {cache.device}, the model on {self.device}")
-        need(cache.dtype == self.dtype, f"cache dtype {cache.dtype} != model dtype {self.dtype}")
-        need(cache.batch == batch, f"cache holds {cache.batch} requests, the inputs {batch}")
-        need(cache.num_layers == self.cfg.num_hidden_layers,
-             f"cache has {cache.num_layers} layers, the model {self.cfg.num_hidden_layers}")
+        _need(positions.shape == (batch, n), f"positions shape {list(positions.shape)} != tokens {[batch, n]}")
+        _need(new_visibility.shape == (batch, n, n),
+              f"new_visibility shape {list(new_visibility.shape)} != {[batch, n, n]}")
+        _need(n_new.shape == (batch,), f"n_new shape {list(n_new.shape)} != {[batch]}")
+        _need(starts.shape == (batch,), f"starts shape {list(starts.shape)} != {[batch]}")
+        _need(isinstance(cache, KVCache), f"cache must be a KVCache, got {type(cache).__name__}")
+        _need(cache.device == self.device, f"cache is on {cache.device}, the model on {self.device}")
+        _need(cache.dtype == self.dtype, f"cache dtype {cache.dtype} != model dtype {self.dtype}")
+        _need(cache.batch == batch, f"cache holds {cache.batch} requests, the inputs {batch}")
+        _need(cache.num_layers == self.cfg.num_hidden_layers,
+              f"cache has {cache.num_layers} layers, the model {self.cfg.num_hidden_layers}")
+        _need(batch == 0 or n <= cache.max_len,
+              f"{n} new-token columns do not fit the cache's {cache.max_len} slots (prompt or tree "
+              f"longer than the cache)")
+
+    def _check_values(self, tokens: torch.Tensor, positions: torch.Tensor, new_visibility: torch.Tensor,
+                      n_new: torch.Tensor, starts: torch.Tensor, cache: KVCache) -> None:
+        """Raise ValueError naming the first input value out of range (reads the inputs back)."""
+        batch, n = tokens.shape
         if batch == 0:
             return
-        need(bool(((n_new >= 0) & (n_new <= n)).all()), f"n_new must lie in [0, {n}], got {n_new.tolist()}")
-        need(bool((starts >= 0).all()), f"starts must be >= 0, got {starts.tolist()}")
+        _need(bool(((n_new >= 0) & (n_new <= n)).all()), f"n_new must lie in [0, {n}], got {n_new.tolist()}")
+        _need(bool((starts >= 0).all()), f"starts must be >= 0, got {starts.tolist()}")
         ends = starts + n_new
         over = (ends > cache.max_len).nonzero().flatten()
         if over.numel():
             b = int(over[0])
-            need(False, f"request {b} needs cache slots up to {int(ends[b])} but the cache holds "
-                        f"{cache.max_len} (prompt or tree longer than the cache)")
+            _need(False, f"request {b} needs cache slots up to {int(ends[b])} but the cache holds "
+                         f"{cache.max_len} (prompt or tree longer than the cache)")
         real = torch.arange(n, device=self.device)[None, :] < n_new[:, None]
-        need(bool(((tokens >= 0) & (tokens < self.cfg.vocab_size) | ~real).all()),
-             f"tokens must lie in [0, {self.cfg.vocab_size}) on real rows")
-        need(bool(((positions >= 0) | ~real).all()), "positions must be >= 0 on real rows")
-        need(bool((new_visibility.diagonal(dim1=1, dim2=2) | ~real).all()),
-             "new_visibility must let every real token see itself (new_visibility[b, i, i])")
+        _need(bool(((tokens >= 0) & (tokens < self.cfg.vocab_size) | ~real).all()),
+              f"tokens must lie in [0, {self.cfg.vocab_size}) on real rows")
+        _need(bool(((positions >= 0) | ~real).all()), "positions must be >= 0 on real rows")
+        _need(bool((new_visibility.diagonal(dim1=1, dim2=2) | ~real).all()),
+              "new_visibility must let every real token see itself (new_visibility[b, i, i])")
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"Transformer.forward: {message}")

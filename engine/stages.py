@@ -99,6 +99,12 @@ def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
     return x - (peak + (x - peak).exp().sum(dim=-1, keepdim=True).log())
 
 
+def top2_margins(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> float64 [...]: the top-1 minus the top-2 logit (inf when V == 1)."""
+    top2 = logits.topk(min(2, logits.shape[-1]), dim=-1).values.double()
+    return top2[..., 0] - top2[..., -1] if top2.shape[-1] == 2 else torch.full_like(top2[..., 0], float("inf"))
+
+
 def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
     """float32 [...] -> int64 [...]: an integer key with the floats' order (no NaN; -0 == +0)."""
     bits = (x + 0.0).view(torch.int32).to(torch.int64)                   # + 0.0 turns -0 into +0

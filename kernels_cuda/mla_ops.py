@@ -21,6 +21,16 @@ on a CUDA-core path.
 op `kdtree::mla_verify_out` on torch's current stream. Long key ranges are split across
 blocks (flash-decoding); `plan_splits` picks the split from host-side maxima, which the caller
 passes (`max_tree`, `max_kv`) or `mla_verify` reads from the device once.
+
+Invariant plan (`invariant=True`): the CUDA-core path with one split covering max_kv. A
+query row's warp then folds its request's keys one at a time in slot order, skipping the
+invisible ones (online softmax per key, the dot products in one fixed lane order), so its
+output is a function of its own sequence of visible keys: the same bits whatever the tree
+size, the other requests and max_kv, and the same bits for a token verified inside a tree
+(its ancestors at scattered slots) as for the token decoded alone over a contiguous cache.
+The default plan has neither property: its splits follow the tree size and the batch (a
+split boundary regroups a row's partial sums), and the tensor-core path sums each 64-key
+tile in an order set by the keys' slots.
 """
 
 from __future__ import annotations
@@ -72,11 +82,15 @@ def _tensor_cores_on(device: torch.device) -> bool:
         return _lib.function("kdtree_mla_tensor_cores", ())() == 1
 
 
-def plan_splits(batch: int, max_tree: int, heads: int, max_kv: int, fast: bool, sm_count: int) -> SplitPlan:
-    """The split that gives the busiest multiprocessor the least work.
+def plan_splits(batch: int, max_tree: int, heads: int, max_kv: int, fast: bool, sm_count: int,
+                invariant: bool = False) -> SplitPlan:
+    """The split that gives the busiest multiprocessor the least work; with `invariant`, one
+    split over max_kv whatever the rest (module docstring).
 
     Blocks = row blocks x splits, run in waves of (resident blocks per multiprocessor x
     sm_count); each block costs its key tiles plus SPLIT_COST_TILES. Ties go to fewer splits."""
+    if invariant:
+        return SplitPlan(1, KEY_BLOCK * max(1, math.ceil(max_kv / KEY_BLOCK)))
     rows_per_block = FAST_ROWS if fast else GENERIC_ROWS
     slots = sm_count * (FAST_BLOCKS_PER_SM if fast else GENERIC_BLOCKS_PER_SM)
     row_blocks = batch * math.ceil(max_tree * heads / rows_per_block)
@@ -142,7 +156,7 @@ def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
                context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
                kv_offsets: torch.Tensor, visibility: torch.Tensor, scale: float, *,
                max_tree: int | None = None, max_kv: int | None = None,
-               out_dtype: torch.dtype | None = None, generic: bool = False,
+               out_dtype: torch.dtype | None = None, generic: bool = False, invariant: bool = False,
                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-verify attention (module docstring) -> (o_lat [T, H, R], lse [T, H] float32).
 
@@ -150,6 +164,7 @@ def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
     the index arrays are read back once (a device sync) and their values are checked too
     (offsets consistent, key rows inside c_kv); when both are given they are trusted.
     out_dtype: q's dtype (default) or float32. generic: force the CUDA-core path.
+    invariant: the invariant plan (module docstring; implies generic).
     out: (o_lat, lse) to write into instead of fresh tensors.
     """
     _check_tensors(q_lat, q_pe, c_kv, k_pe, visibility)
@@ -172,10 +187,10 @@ def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
         return o_lat, lse
     if visibility.shape[1] * 32 < max_tree:
         raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
-    fast = (not generic and uses_tensor_cores(q_lat.dtype, kv_lora, q_pe.shape[2], q_lat.device)
+    fast = (not generic and not invariant and uses_tensor_cores(q_lat.dtype, kv_lora, q_pe.shape[2], q_lat.device)
             and all(t.data_ptr() % 16 == 0 for t in (q_lat, q_pe, c_kv, k_pe)))   # TMA alignment
     sm_count = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
-    plan = plan_splits(batch, max_tree, heads, max_kv, fast, sm_count)
+    plan = plan_splits(batch, max_tree, heads, max_kv, fast, sm_count, invariant)
     torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, visibility, float(scale), max_tree,
                                     plan.num_splits, plan.split_keys, not fast, o_lat, lse)
     return o_lat, lse

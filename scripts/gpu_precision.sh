@@ -2,14 +2,16 @@
 # The bf16 track on the GPU in one call: `kdtree validate --dtype bfloat16 --device cuda` (the torch
 # engine in bf16 with the CUDA stages and attention kernels when they load, judged in the bf16
 # regime) and the divergence finder on the engine benchmark's k2-mid model in bf16 on CUDA (AR
-# decode against a chunk of 16 rows, the first DDTree round's tree, and a batch of 8).
+# decode against a chunk of 16 rows, the first DDTree round's tree, a batch of 8, and the chunk
+# again in batch-invariant mode, where it must find no divergence).
 # Run from the checkout root:
 #
 #   PYTHONPATH=. bash scripts/gpu_precision.sh
 #
 # Writes under $OUT (default ./out): gpu.txt, build.log, validate_bf16_cuda.txt / .json and
-# diverge_k2mid_{chunk,tree,batch}.txt / .json. Look for each diverge file's "first divergence"
-# line (op, layer, ulps, M of both calls) and the greedy choices that differ with their margins.
+# diverge_k2mid_{chunk,tree,batch,chunk-invariant}.txt / .json. Look for each diverge file's
+# "first divergence" line (op, layer, ulps, M of both calls) and the greedy choices that differ with
+# their margins; chunk-invariant must say "no divergence".
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 
@@ -31,15 +33,16 @@ print(report.summary())
 write_json(report, f"{sys.argv[1]}/validate_bf16_cuda.json")
 PY
 
-for way in chunk tree batch; do
-echo "== diverge --config k2-mid --dtype bfloat16 --device cuda --way $way"
-timeout 400 python3 - "$OUT" "$way" <<'PY' 2>&1 | tee "$OUT/diverge_k2mid_$way.txt"
+for run in chunk tree batch chunk-invariant; do
+way="${run%-invariant}"
+echo "== diverge --config k2-mid --dtype bfloat16 --device cuda: $run"
+timeout 400 python3 - "$OUT" "$way" "$run" <<'PY' 2>&1 | tee "$OUT/diverge_k2mid_$run.txt"
 import sys
 from engine.adapter import TorchAdapter
 from engine.diverge_run import from_config, run
 from engine.validate import write_json
-out, way = sys.argv[1:3]
-adapter = TorchAdapter("cuda")
+out, way, name = sys.argv[1:4]
+adapter = TorchAdapter("cuda", invariant=name.endswith("invariant"))
 adapter.set_dtype("bfloat16")
 subject = from_config("k2-mid", adapter, seed=0, prompt_length=64, prompt_seed=1)
 a, b, divergence = run(subject, way, 16, batch=8)
@@ -48,6 +51,6 @@ print("\n".join(divergence.explanation))
 for p in [p for p in divergence.points if p.tokens][:24]:
     print(f"  layer {p.layer} {p.point}: {len(p.tokens)} tokens, {p.values}/{p.size} values, "
           f"max {p.max_ulps} ulp{' (cause)' if p.inputs_agree else ''}")
-write_json(divergence, f"{out}/diverge_k2mid_{way}.json")
+write_json(divergence, f"{out}/diverge_k2mid_{name}.json")
 PY
 done

@@ -41,9 +41,9 @@ R kv_lora, dr d_rope, a accepted nodes):
 - intermediates (optional, any adapter with a model): ``intermediates(tokens, positions,
   visibility, start) -> dict[str, array]``: everything `forward` does (the same cache
   writes), returning per new token the values at the capture points (engine/model.py
-  CAPTURE_POINTS), keyed ``"layers.{i}.{point}"`` ([n, ...], one row per token: attn_in,
-  q_lat, q_pe, c_kv, k_pe, o_lat, attn_out, residual, ffn_in, router_scores, experts (int,
-  [n, k]), ffn_out, layer_out) and ``"logits"`` [n, V], in the compute dtype (bfloat16 as
+  CAPTURE_POINTS), keyed ``"layers.{i}.{point}"`` ([n, ...], one row per token: attn_input,
+  q_lat, c_kv, k_pe, o_lat, attn_output, attn_residual, router_scores, experts (int, [n, k]),
+  ffn_output, layer_output) and ``"logits"`` [n, V], in the compute dtype (bfloat16 as
   ml_dtypes.bfloat16); optionally ``"layers.{i}.expert_counts"`` [E] (rows each expert
   computed in this call). Any subset of points may be given; ``logits`` is required.
   `kdtree diverge` compares them point by point; `kdtree validate --dtype bfloat16` reads

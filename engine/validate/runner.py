@@ -25,15 +25,17 @@ from .report import Check, Report, Status, ValidateError
 
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
              log: Callable[[str], None] = lambda line: None,
-             require: str | Collection[str] | None = None, dtype: str = "float32") -> Report:
+             require: str | Collection[str] | None = None, invariant: bool = False,
+             dtype: str = "float32") -> Report:
     """Run every check (package docstring) and return the report. adapter None = the built-in
     engine; require: the capabilities whose checks must run (protocol.resolve_capabilities;
     None = what the adapter declares, else what it implements; when `fixtures` is one file,
-    only those of them that the file has checks for); dtype: the compute dtype the adapter is
-    told (`set_dtype`) and judged in (regime.py)."""
+    only those of them that the file has checks for); invariant: the built-in engine in
+    batch-invariant mode; dtype: the compute dtype the adapter is told (`set_dtype`) and
+    judged in (regime.py)."""
     builtin = adapter is None
     if builtin:
-        adapter = TorchAdapter(device)
+        adapter = TorchAdapter(device, invariant=invariant)
     _set_dtype(adapter, dtype)
     caps, required = resolve_capabilities(adapter, require)
     directory = find_fixtures(fixtures)

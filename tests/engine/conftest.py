@@ -117,8 +117,8 @@ def builtin_decode_only(monkeypatch: pytest.MonkeyPatch) -> Callable:
 
     def use(stages=None) -> None:
         class Engine(TorchAdapter):
-            def __init__(self, device="cpu"):
-                super().__init__(device)
+            def __init__(self, device="cpu", **kwargs):
+                super().__init__(device, **kwargs)
                 self.stages = stages or self.stages
 
         monkeypatch.setattr(engine.validate.runner, "TorchAdapter", Engine)

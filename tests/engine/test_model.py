@@ -18,7 +18,7 @@ import torch
 
 from engine.attention import torch_attention
 from engine.cache import KVCache
-from engine.model import (Transformer, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, route,
+from engine.model import (CAPTURE_POINTS, Transformer, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, route,
                           softmax_scale)
 from engine.stages import TorchStages
 from engine.weights import load_fixture_weights
@@ -494,3 +494,100 @@ def test_constructor_rejects_bad_weights_and_dtype(model_zoo):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             Transformer(case.cfg, case.weights, device="cuda")
+
+
+# ---- the forward reads nothing back to the host ----
+
+class MetaAttention:
+    """torch_attention, also as the 'invariant form' (the tiles' test needs a backend that
+    reads nothing back; the invariant torch backend does)."""
+
+    def __call__(self, *args):
+        return torch_attention(*args)
+
+    def invariant_form(self):
+        return self
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("moe, dtype", [("grouped", torch.bfloat16), ("dense", torch.float32)])
+def test_forward_runs_on_the_meta_device(model_zoo, moe, dtype, invariant):
+    """Meta tensors have no values: any .item(), .tolist(), nonzero, boolean-mask indexing or
+    Python branch on a tensor raises. A forward that runs there cannot synchronize with the
+    host, so it can be captured in a CUDA graph (the MoE's grouped dispatch needs bf16 there,
+    as on CUDA)."""
+    case = model_zoo.get("tiny2")
+    meta = {name: torch.from_numpy(w).to("meta") for name, w in case.weights.items()}
+    engine = Transformer(case.cfg, meta, device="meta", dtype=dtype, attention=MetaAttention(), moe=moe,
+                         invariant=invariant)
+    assert engine.moe == ("dense" if invariant else moe) and engine.tile == (64 if invariant else None)
+    batch, n = 3, 70                                          # two tiles in invariant mode
+    tokens = torch.zeros(batch, n, dtype=torch.int64, device="meta")
+    logits = engine.forward(tokens, tokens, torch.ones(batch, n, n, dtype=torch.bool, device="meta"),
+                            torch.zeros(batch, dtype=torch.int64, device="meta"),
+                            torch.zeros(batch, dtype=torch.int64, device="meta"), engine.new_cache(batch, 80),
+                            check=False)
+    assert logits.shape == (batch, n, case.cfg.vocab_size) and logits.dtype == torch.float32
+
+
+def test_moe_dispatches_agree(model_zoo):
+    """grouped (sorted pairs, grouped products) and dense (every expert on every row) give the
+    same logits, padding rows included in the call."""
+    case = model_zoo.get("tiny2")
+    rng = np.random.default_rng(13)
+    prompts, trees = ragged_rounds(case.cfg.vocab_size, seed=14)
+    results = []
+    for moe in ("grouped", "dense"):
+        engine = Transformer(case.cfg, case.weights, moe=moe)
+        cache = engine.new_cache(3, 40)
+        results.append(engine_forward(engine, cache, prompts, rng) + engine_forward(engine, cache, trees, rng))
+    for grouped, dense in zip(*results):
+        np.testing.assert_allclose(grouped, dense, rtol=0, atol=1e-5)
+
+
+def test_unchecked_forward_takes_bad_values_without_error(model_zoo):
+    """check=False reads no values: out-of-range tokens and slots give garbage logits, never an
+    error or an out-of-bounds access; the default check still names the problem."""
+    engine = model_zoo.get("tiny2").engine()
+    call = valid_call(engine)
+    call["tokens"][0, 1] = engine.cfg.vocab_size + 5
+    call["starts"] = torch.tensor([7])                      # slots 7 .. 10 of 8
+    logits = engine.forward(**call, check=False)
+    assert logits.shape == (1, 4, engine.cfg.vocab_size) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="tokens must lie|longer than the cache"):
+        engine.forward(**call)
+
+
+def test_forward_rejects_more_columns_than_cache_slots(model_zoo):
+    engine = model_zoo.get("tiny2").engine()
+    call = valid_call(engine)
+    call["cache"] = engine.new_cache(1, 3)
+    with pytest.raises(ValueError, match="4 new-token columns do not fit the cache's 3 slots"):
+        engine.forward(**call, check=False)
+
+
+# ---- the capture hook ----
+
+def test_capture_hook_sees_every_point_with_batch_layout(model_zoo):
+    """capture(name, layer, tensor [B, N, ...]) at every point of every layer (no router on a
+    dense layer), the logits last and equal to the forward's; the hook changes nothing."""
+    case = model_zoo.get("tiny")
+    seen = []
+    engine = Transformer(case.cfg, case.weights, capture=lambda name, layer, t: seen.append((name, layer, t.clone())))
+    prompts, _ = ragged_rounds(case.cfg.vocab_size, seed=15)
+    actual = engine_forward(engine, engine.new_cache(3, 40), prompts)
+    expected = engine_forward(case.engine(), case.engine().new_cache(3, 40), prompts)
+    for a, e in zip(actual, expected):
+        np.testing.assert_array_equal(a, e)
+    cfg, width = case.cfg, 11
+    points = [(name, layer) for layer in range(cfg.num_hidden_layers) for name in CAPTURE_POINTS[:-1]
+              if not (cfg.is_dense_layer(layer) and name in ("router_scores", "experts"))]
+    assert [(name, layer) for name, layer, _ in seen] == points + [("logits", -1)]
+    shapes = {name: t.shape for name, layer, t in seen if layer == cfg.num_hidden_layers - 1}
+    heads, rank = cfg.num_attention_heads, cfg.kv_lora_rank
+    assert shapes["q_lat"] == (3, width, heads, rank) and shapes["o_lat"] == (3, width, heads, rank)
+    assert shapes["c_kv"] == (3, width, rank) and shapes["experts"] == (3, width, cfg.num_experts_per_tok)
+    assert shapes["router_scores"] == (3, width, cfg.n_routed_experts)
+    logits = seen[-1][2]
+    for b, p in enumerate(prompts):
+        np.testing.assert_array_equal(logits[b, :len(p.tokens)].numpy(), actual[b])

@@ -145,8 +145,8 @@ def test_a_planted_position_bug_still_fails_in_bf16(adapter):
 def test_a_planted_routing_bug_fails_the_routing_row(monkeypatch):
     real = engine.model.route
 
-    def no_bias(cfg, x, gate, bias, tap=None):             # the correction bias forgotten in selection
-        return real(cfg, x, gate, torch.zeros_like(bias), tap)
+    def no_bias(cfg, x, gate, bias):                       # the correction bias forgotten in selection
+        return real(cfg, x, gate, torch.zeros_like(bias))
 
     monkeypatch.setattr(engine.model, "route", no_bias)
     checks = bf16_checks(TorchAdapter())
