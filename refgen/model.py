@@ -151,6 +151,25 @@ def _check_visibility(visibility: np.ndarray, shape: tuple[int, int]) -> None:
         raise ValueError(f"visibility: row {blind[0]} sees no key")
 
 
+def _selection(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray,
+               bias: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """-> scores s [n, E], the selection scores [n, E] (s + bias, dropped groups -inf) and the
+    group scores [n, G] (None without groups); see `route`."""
+    x, gate, bias = (np.asarray(a, dtype=np.float64) for a in (x, gate, bias))
+    n = x.shape[0]
+    E, G = cfg.n_routed_experts, cfg.n_group
+    s = np.exp(-np.logaddexp(0.0, -(x @ gate.T)))
+    s_sel = s + bias
+    if G == 1:
+        return s, s_sel, None
+    grouped = s_sel.reshape(n, G, E // G)
+    group_score = -np.sort(-grouped, axis=-1)[..., :2].sum(axis=-1)
+    kept = np.argsort(-group_score, axis=-1, kind="stable")[:, :cfg.topk_group]
+    keep = np.zeros((n, G), dtype=bool)
+    np.put_along_axis(keep, kept, True, axis=-1)
+    return s, np.where(keep[:, :, None], grouped, -np.inf).reshape(n, E), group_score
+
+
 def route(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray,
           bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sigmoid noaux_tc routing. x [n, D], gate [E, D], bias [E] -> idx [n, k] int64,
@@ -162,23 +181,34 @@ def route(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray,
     the lower index; groups likewise), in descending order. weight = s[idx],
     divided by its sum when norm_topk_prob, times routed_scaling_factor.
     """
-    x, gate, bias = (np.asarray(a, dtype=np.float64) for a in (x, gate, bias))
-    n = x.shape[0]
-    E, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
-    s = np.exp(-np.logaddexp(0.0, -(x @ gate.T)))
-    s_sel = s + bias
-    if G > 1:
-        grouped = s_sel.reshape(n, G, E // G)
-        group_score = -np.sort(-grouped, axis=-1)[..., :2].sum(axis=-1)
-        kept = np.argsort(-group_score, axis=-1, kind="stable")[:, :cfg.topk_group]
-        keep = np.zeros((n, G), dtype=bool)
-        np.put_along_axis(keep, kept, True, axis=-1)
-        s_sel = np.where(keep[:, :, None], grouped, -np.inf).reshape(n, E)
-    idx = np.argsort(-s_sel, axis=-1, kind="stable")[:, :k]
+    s, s_sel, _ = _selection(cfg, x, gate, bias)
+    idx = np.argsort(-s_sel, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]
     weight = np.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob:
         weight = weight / weight.sum(axis=-1, keepdims=True)
     return idx.astype(np.int64), weight * cfg.routed_scaling_factor
+
+
+def router_margins(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """x [n, D] -> [n] float64: how far each token's routing is from changing, the smallest
+    of the gap between the k-th and (k+1)-th selection score among the kept groups and, with
+    n_group > 1, the gap between the topk_group-th and next group score (inf when no
+    such pair exists). A rounding error below half of it cannot change the chosen experts."""
+    _, s_sel, group_score = _selection(cfg, x, gate, bias)
+    k = cfg.num_experts_per_tok
+    margins = _boundary_gap(s_sel, k)
+    if group_score is not None:
+        margins = np.minimum(margins, _boundary_gap(group_score, cfg.topk_group))
+    return margins
+
+
+def _boundary_gap(values: np.ndarray, k: int) -> np.ndarray:
+    """[n, m] -> [n]: the k-th largest minus the (k+1)-th (inf when there is no finite (k+1)-th)."""
+    if values.shape[1] <= k:
+        return np.full(len(values), np.inf)
+    top = -np.sort(-values, axis=-1)
+    gap = top[:, k - 1] - top[:, k]
+    return np.where(np.isfinite(top[:, k]), gap, np.inf)
 
 
 def swiglu(x: np.ndarray, project: Callable[[np.ndarray, str], np.ndarray]) -> np.ndarray:
@@ -271,10 +301,13 @@ class Float64Weights:
 class Model:
     """The reference model. `attention` picks the MLA form: "absorbed" (what engines
     run: queries folded into the latent space) or "naive" (keys and values expanded
-    per head); the two agree to rounding."""
+    per head); the two agree to rounding. `capture`, None by default, is called as
+    capture("ffn_in", layer, y) with every layer's FFN input y [n, D] (the normed
+    residual; bf16 fixtures take the router margins from it)."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray],
-                 attention: Attention = "absorbed", widen_once: int = WIDEN_ONCE) -> None:
+                 attention: Attention = "absorbed", widen_once: int = WIDEN_ONCE,
+                 capture: Callable[[str, int, np.ndarray], None] | None = None) -> None:
         if attention not in ("absorbed", "naive"):
             raise ValueError(f"attention: must be 'absorbed' or 'naive', got {attention!r}")
         shapes = weight_shapes(cfg)
@@ -290,6 +323,7 @@ class Model:
                                  f"expected {shape}")
         self.cfg = cfg
         self.attention = attention
+        self.capture = capture
         self.w = Float64Weights({name: weights[name] for name in shapes}, widen_once)
         self.scale = softmax_scale(cfg)
         H, dn, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
@@ -339,6 +373,8 @@ class Model:
         h = x + self._attention(i, rms_norm(x, self.w[p + "input_layernorm"], eps),
                                 positions, visibility, cache, start)
         y = rms_norm(h, self.w[p + "post_attention_layernorm"], eps)
+        if self.capture is not None:
+            self.capture("ffn_in", i, y)
         if self.cfg.is_dense_layer(i):
             return h + swiglu(y, lambda v, name: self.w.project(v, p + "mlp." + name))
         return h + self._moe(i, y)

@@ -39,7 +39,8 @@ class Check:
     reports; margin: the reference's margin at the decision the row reports (a token
     divergence), shown only here, never in the detail; needs: the adapter capabilities
     the row exercises (empty for the built-in engine's own rows); tables: JSON-ready
-    detail too large for the row's text (acceptance.py's tables)."""
+    detail too large for the row's text (acceptance.py's tables); regime: the tolerance
+    regime that judged it and its numbers (regime.py)."""
 
     section: str
     name: str
@@ -50,6 +51,7 @@ class Check:
     detail: str = ""
     needs: tuple[str, ...] = ()
     tables: dict[str, Any] = field(default_factory=dict)
+    regime: str = ""
 
     @property
     def ratio(self) -> float:
@@ -105,7 +107,8 @@ class Report:
                 "deviations": {f: [d.to_dict() for d in ds] for f, ds in self.deviations.items()}}
 
 
-def write_json(report: Report, path: str | os.PathLike) -> None:
-    """The report as JSON, written all or nothing with the user's umask."""
+def write_json(report: Any, path: str | os.PathLike) -> None:
+    """A Report (or anything with to_dict(), e.g. a divergence) as JSON, written all or nothing
+    with the user's umask."""
     with atomic_output(path) as file:
         file.write(json.dumps(report.to_dict(), indent=2, allow_nan=True).encode())

@@ -19,20 +19,24 @@ from .invariant import preset_invariant_checks
 from .kernel_checks import _KERNEL_CASES
 from .model_checks import _model_fixture
 from .protocol import CAPABILITIES, resolve_capabilities
+from .regime import DTYPES, CasesView, Regime
 from .report import Check, Report, Status, ValidateError
 
 
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
              log: Callable[[str], None] = lambda line: None,
-             require: str | Collection[str] | None = None, invariant: bool = False) -> Report:
+             require: str | Collection[str] | None = None, invariant: bool = False,
+             dtype: str = "float32") -> Report:
     """Run every check (package docstring) and return the report. adapter None = the built-in
     engine; require: the capabilities whose checks must run (protocol.resolve_capabilities;
     None = what the adapter declares, else what it implements; when `fixtures` is one file,
     only those of them that the file has checks for); invariant: the built-in engine in
-    batch-invariant mode."""
+    batch-invariant mode; dtype: the compute dtype the adapter is told (`set_dtype`) and
+    judged in (regime.py)."""
     builtin = adapter is None
     if builtin:
         adapter = TorchAdapter(device, invariant=invariant)
+    _set_dtype(adapter, dtype)
     caps, required = resolve_capabilities(adapter, require)
     directory = find_fixtures(fixtures)
     report = Report(implementation=getattr(adapter, "name", type(adapter).__name__), device=device,
@@ -46,11 +50,14 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
             with kdtr_format.open(path) as reader:
                 kind = reader.metadata.get("kind")
                 if kind == "model":
-                    checks = with_trace_acceptance(_model_fixture(checked, caps, reader, section, builtin),
-                                                   reader)
-                    report.checks += with_deviations(report, adapter, checks, section)
+                    checks = _model_fixture(checked, caps, reader, section, builtin, dtype)
+                    regime = Regime.of(reader.metadata, dtype)
+                    if regime is not None:
+                        checks = with_trace_acceptance(checks, CasesView(reader, regime))
+                    report.checks += _stamped(with_deviations(report, adapter, checks, section), "exact")
                 elif kind in _KERNEL_CASES:
-                    report.checks += _KERNEL_CASES[kind](checked, caps, reader, section)
+                    report.checks += _stamped(_KERNEL_CASES[kind](checked, caps, reader, section),
+                                              "float32: the kernel case's tolerance (float32 inputs)")
                 else:
                     report.checks.append(Check(section, "fixture", Status.FAIL,
                                                detail=f"unknown fixture kind {kind!r}"))
@@ -95,3 +102,26 @@ def requirements(checks: list[Check], caps: set[str], required: set[str], fixtur
             detail = f"required, but no check of {fixtures} exercised it"
         rows.append(Check("validate", f"capability {cap}", Status.FAIL, detail=detail, needs=(cap,)))
     return rows
+
+
+def _set_dtype(adapter: Any, dtype: str) -> None:
+    """Tell the adapter its compute dtype (protocol: `set_dtype`); bfloat16 needs it."""
+    if dtype not in DTYPES:
+        raise ValidateError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    set_dtype = getattr(adapter, "set_dtype", None)
+    if not callable(set_dtype):
+        if dtype != "float32":
+            raise ValidateError(f"--dtype {dtype}: the adapter has no set_dtype method to be told its dtype")
+        return
+    try:
+        set_dtype(dtype)
+    except (ValueError, TypeError) as exc:
+        raise ValidateError(f"--dtype {dtype}: the adapter refuses it ({exc})") from None
+
+
+def _stamped(checks: list[Check], default: str) -> list[Check]:
+    """Rows without a regime get `default` for float comparisons, "exact" for exact ones."""
+    for check in checks:
+        if not check.regime and check.status is not Status.SKIPPED:
+            check.regime = default if check.tolerance is not None else "exact"
+    return checks
