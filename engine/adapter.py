@@ -13,6 +13,7 @@ from kdtr_format import ModelConfig
 
 from .attention import AttentionBackend, torch_attention
 from .cache import KVCache
+from .capture import capturing
 from .model import Transformer
 from .stages import Stages, TorchStages, TreeBatch
 
@@ -61,15 +62,33 @@ class TorchAdapter:
             stages, attention, self.backends = cuda_backends()
             self.stages = stages or self.stages
             self.attention_backend = attention or self.attention_backend
-        self.name = f"torch engine ({self.device.type}, stages: {self.backends['stages'].split()[0]}, " \
-                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if invariant else ''})"
+        self.name = ""
+        self._name()
         self.model: Transformer | None = None
         self.weights: dict[str, torch.Tensor] = {}
         self.cache: KVCache | None = None
 
+    def _name(self) -> None:
+        dtype = "" if self.dtype == torch.float32 else f", {str(self.dtype).removeprefix('torch.')}"
+        self.name = f"torch engine ({self.device.type}{dtype}, stages: {self.backends['stages'].split()[0]}, " \
+                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if self.invariant else ''})"
+
+    # precision
+    def set_dtype(self, dtype: str) -> None:
+        """"float32" or "bfloat16": the compute dtype of the model loaded next (and of one loaded now)."""
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        if dtype not in dtypes:
+            raise ValueError(f"the torch engine computes in float32 or bfloat16, not {dtype!r}")
+        self.dtype = dtypes[dtype]
+        self._name()
+        if self.model is not None:
+            self.load_weights(self.model.cfg, self.weights)
+
     # model
-    def load_weights(self, config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
-        self.weights = {name: torch.tensor(np.asarray(w)) for name, w in weights.items()}
+    def load_weights(self, config: ModelConfig, weights: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        """Protocol weights are numpy arrays; torch tensors (any dtype or device) are taken as they are."""
+        self.weights = {name: w if isinstance(w, torch.Tensor) else torch.tensor(np.asarray(w))
+                        for name, w in weights.items()}
         self.model = Transformer(config, self.weights, device=self.device, dtype=self.dtype,
                                  attention=self.attention_backend, invariant=self.invariant)
 
@@ -94,6 +113,16 @@ class TorchAdapter:
                                torch.as_tensor(visibility[:, start:], device=dev)[None],
                                torch.tensor([n], device=dev), torch.tensor([start], device=dev), self.cache)
         return logits[0].cpu().numpy()
+
+    # intermediates
+    def intermediates(self, tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
+                      start: int) -> dict[str, np.ndarray]:
+        """`forward` with every capture point's rows: {"layers.{i}.{point}": [n, ...], "logits": [n, V],
+        "layers.{i}.expert_counts": [E]} in the compute dtype (engine/capture.py)."""
+        with capturing(self._model(), [len(tokens)]) as captured:
+            self.forward(tokens, positions, visibility, start)
+        counts = {f"layers.{layer}.expert_counts": c for layer, c in captured.expert_counts.items()}
+        return {**captured.values, **counts}
 
     # stages
     def topk_logprobs(self, draft_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

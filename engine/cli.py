@@ -1,14 +1,15 @@
-"""The `kdtree` command line: `validate` (the main job) and `demo`.
+"""The `kdtree` command line: `validate` (the main job), `diverge` and `demo`.
 
-    kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--json PATH] [--junit-xml PATH]
-                    [--html PATH] [--impl module:factory] [--require CAPS] [--invariant]
+    kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH]
+                    [--junit-xml PATH] [--html PATH] [--impl module:factory] [--require CAPS] [--invariant]
+    kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
                 [--invariant]
 
-Exit status: 0 passed, 1 a check failed (validate) or DDTree differed from AR
-(demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
-argument is refused before any work, in one line on stderr; --json, --junit-xml,
---html and --plot are written all or nothing, with the user's umask.
+Exit status: 0 passed, 1 a check failed (validate), the two ways differ (diverge) or
+DDTree differed from AR (demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
+argument is refused before any work, in one line on stderr; --json, --junit-xml, --html
+and --plot are written all or nothing, with the user's umask.
 
 Help, --version and refused arguments answer without importing torch (seconds):
 each command imports the engine when it runs.
@@ -41,9 +42,12 @@ from kdtr_format.clikit import Cli, CliError, FiniteFloat, OutputFile, atomic_ou
 
 if TYPE_CHECKING:
     from .decode import DecodeResult
+    from .diverge import Divergence, Way
+    from .diverge_run import Subject
     from .validate import Check, Report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+DTYPES = ("float32", "bfloat16")
 STATUS_STYLE = {"exact": "green", "within tolerance": "green", "near-tie": "yellow", "skipped": "dim",
                 "FAIL": "bold red"}
 
@@ -122,6 +126,9 @@ def _check_device(device: str) -> None:
               help="A fixture directory, or one fixture file (then only that file is checked). "
                    "Default: tests/golden, else fixtures generated once into a cache directory.")
 @click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+              help="The implementation's compute dtype, and the tolerance regime it is judged in "
+                   "(docs/precision.md).")
 @click.option("--json", "json_path", type=OutputFile(), default=None,
               help="Also write the report as JSON here (with versions, commit, device and timings).")
 @click.option("--junit-xml", "junit_path", type=OutputFile(), default=None,
@@ -138,8 +145,9 @@ def _check_device(device: str) -> None:
                    "implements; `none`: nothing required. A required capability that is skipped or that no "
                    "fixture exercises is a FAIL.")
 @click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
-def validate_command(fixtures: Path | None, device: str, json_path: Path | None, junit_path: Path | None,
-                     html_path: Path | None, impl: str | None, require: str, invariant: bool) -> int:
+def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
+                     junit_path: Path | None, html_path: Path | None, impl: str | None, require: str,
+                     invariant: bool) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
     if invariant and impl:
         raise CliError("--invariant is a mode of the built-in engine; it does not apply to --impl")
@@ -154,7 +162,7 @@ def validate_command(fixtures: Path | None, device: str, json_path: Path | None,
         raise CliError(str(exc)) from None
     out = console()
     steps = _Steps(lambda line: out.print(Text(line, style="dim")))
-    report = validate(adapter, fixtures, device, log=steps, require=require, invariant=invariant)
+    report = validate(adapter, fixtures, device, log=steps, require=require, invariant=invariant, dtype=dtype)
     report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
     report.timings = steps.timings()
     render(report, out)
@@ -248,6 +256,111 @@ def render(report: Report, out: Console) -> None:
             out.print(Text(f"  {deviation.line()}"))
     out.print(Text(f"fixtures: {report.fixtures}"))
     out.print(Text(report.summary(), style="bold red" if report.failed else "bold green"))
+
+
+# ---------------------------------------------------------------------------- diverge
+
+@cli.command("diverge")
+@click.option("--fixture", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A model fixture: its weights, a prompt, its AR tokens and trees.")
+@click.option("--config", "config", default=None,
+              help="Or a config (a preset, or kdtr_format.CONFIGS such as k2-mid) with the engine benchmark's "
+                   "seeded random weights.")
+@click.option("--prompt", default=None, help="The fixture's prompt name (default: the longest).")
+@click.option("--prompt-length", default=64, show_default=True, type=click.IntRange(min=1),
+              help="With --config: random prompt tokens.")
+@click.option("--prompt-seed", default=1, show_default=True, type=int, help="With --config: the prompt's seed.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="With --config: the weights' seed.")
+@click.option("--way", type=click.Choice(("chunk", "tree", "batch")), default="chunk", show_default=True,
+              help="What AR decode is compared with: one causal chunk, a tree verify, or a batch.")
+@click.option("--tokens", "count", default=16, show_default=True, type=click.IntRange(min=1),
+              help="New tokens compared (chunk, batch).")
+@click.option("--trace", default=None,
+              help="With --fixture and --way tree: the round as TRACE/ROUND (default: the longest accepted path).")
+@click.option("--batch", default=4, show_default=True, type=click.IntRange(min=2), help="Requests of the batch way.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--impl", type=str, default=None, help="Adapter factory (model and intermediates capabilities).")
+@click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
+@click.option("--json", "json_path", type=OutputFile(), default=None, help="Also write the finding as JSON here.")
+def diverge_command(fixture: Path | None, config: str | None, prompt: str | None, prompt_length: int,
+                    prompt_seed: int, seed: int, way: str, count: int, trace: str | None, batch: int, dtype: str,
+                    device: str, impl: str | None, invariant: bool, json_path: Path | None) -> int:
+    """The first op where AR decode and a verify of the same tokens differ bit for bit (exit 1 if any)."""
+    if (fixture is None) == (config is None):
+        raise CliError("give exactly one of --fixture PATH and --config NAME")
+    if invariant and impl is not None:
+        raise CliError("--invariant is the built-in engine's mode; an --impl adapter is what it is")
+    if config is not None and prompt is not None:
+        raise CliError("--prompt names a fixture's prompt; with --config use --prompt-length and --prompt-seed")
+    pick = None
+    if trace is not None:
+        name, _, number = trace.partition("/")
+        if not number.isdigit():
+            raise CliError(f"--trace {trace!r}: expected TRACE/ROUND, e.g. t1/0")
+        pick = (name, int(number))
+    _check_device(device)
+    from .adapter import TorchAdapter
+    from .diverge_run import from_config, from_fixture, run
+    from .validate import load_impl, write_json
+
+    try:
+        adapter = load_impl(impl) if impl else TorchAdapter(device, invariant=invariant)
+        if not callable(getattr(adapter, "intermediates", None)):
+            raise CliError(f"--impl {impl}: the adapter has no `intermediates` method (protocol capability)")
+        set_dtype = getattr(adapter, "set_dtype", None)
+        if dtype != "float32" and not callable(set_dtype):
+            raise CliError(f"--dtype {dtype}: the adapter has no `set_dtype` method")
+        if callable(set_dtype):
+            set_dtype(dtype)
+        if fixture is not None:
+            subject = _reading_subject(fixture, prompt, adapter, from_fixture)
+        elif not isinstance(adapter, TorchAdapter):
+            raise CliError("--config builds the built-in engine; use --fixture with --impl")
+        else:
+            subject = from_config(config, adapter, seed, prompt_length, prompt_seed)
+        a, b, divergence = run(subject, way, count, batch, pick)
+    except ValueError as exc:          # the fixture, config, prompt, trace or way named does not fit
+        raise CliError(str(exc)) from None
+    render_divergence(subject, a, b, divergence, console())
+    if json_path is not None:
+        write_json(divergence, json_path)
+    return 1 if divergence.first is not None else 0
+
+
+def _reading_subject(fixture: Path, prompt: str | None, adapter: Any, from_fixture: Callable) -> Subject:
+    """from_fixture, a broken file's error naming the file."""
+    try:
+        return from_fixture(fixture, prompt, adapter)
+    except KdtrError as exc:
+        raise CliError(f"{fixture}: {exc}") from None
+
+
+def render_divergence(subject: Subject, a: Way, b: Way, divergence: Divergence, out: Console, rows: int = 16) -> None:
+    """The explanation, the differing points in compute order and the decisions that differ."""
+    out.print(Text(f"kdtree diverge: {subject.label}; {a.label} vs {b.label}, "
+                   f"{len(a.tokens) - a.prompt_length} new tokens after {a.prompt_length}", style="bold"))
+    for line in divergence.explanation:
+        out.print(Text(f"  {line}"))
+    differing = [p for p in divergence.points if p.tokens]
+    if differing:
+        points = table("layer", "point", "tokens differ", "values differ", "max ulp (row scale)", "cause",
+                       title="points that differ, in compute order")
+        for p in differing[:rows]:
+            points.add_row("-" if p.layer is None else str(p.layer), p.point, str(len(p.tokens)),
+                           f"{p.values} / {p.size}", "-" if p.max_ulps is None else f"{p.max_ulps:.3g}",
+                           "yes" if p.inputs_agree else "")
+        out.print(points)
+        if len(differing) > rows:
+            out.print(Text(f"  ... and {len(differing) - rows} more points"))
+    flipped = [c for c in divergence.decisions if c.choice_a != c.choice_b]
+    if flipped:
+        choices = table("token", "position", a.label, "margin", b.label, "margin ", title="greedy choices that differ")
+        for c in flipped[:rows]:
+            choices.add_row(str(c.token), str(c.position), str(c.choice_a), f"{c.margin_a:.3g}", str(c.choice_b),
+                            f"{c.margin_b:.3g}")
+        out.print(choices)
 
 
 # ---------------------------------------------------------------------------- demo

@@ -8,6 +8,8 @@
 Byte layout: `kdtr_format.format` (module docstring) and SPEC.md.
 """
 
+__version__ = "0.1.0"
+
 from .errors import ChecksumError, FormatError, KdtrError, TensorNotFoundError, VersionError, WriterError
 from .reader import Reader, TensorInfo, open
 from .schema import CONFIGS, PRESETS, ConfigError, DDTreeConfig, ModelConfig, YarnScaling

@@ -1,143 +1,157 @@
 """`kdtr`: inspect, verify, diff, cat and convert KDTR files.
 
-Exit status: 0 success; 1 a file is corrupt or malformed, or (diff) the files
-differ; 2 bad usage or input that is not there (missing file, unknown tensor,
-unsupported extension, missing optional library). Errors are one line on
-stderr, `kdtr: error: ...`, never a traceback.
+The project's command-line conventions (`clikit`): every command prints its help when run with no
+arguments or -h; every failure is one line on stderr, `kdtr: error: ...`, never a traceback;
+arguments are checked before any work starts, and an output file appears complete or not at all.
+Exit status: 0 success; 1 a file is corrupt or malformed, or (diff) the files differ; 2 bad input
+(usage, a missing file, an unknown tensor, an extension, dtype or name another format cannot
+take, a missing optional library); 3 an internal error; 130 interrupted.
+
+Output is plain text sized for the terminal (80 columns is enough; a wider one is used), and the
+same when piped; a progress bar shows on stderr only when stderr is a terminal.
 """
 
 from __future__ import annotations
 
+import shutil
+import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import click
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
-from rich.tree import Tree
 
+from . import __version__, clikit
 from . import format as fmt
 from .compare import compare_arrays, diff_metadata
-from .convert import ConvertError, convert as convert_file
-from .errors import KdtrError, TensorNotFoundError
+from .convert import ConvertError, convert as convert_file, kind_of
+from .errors import KdtrError, TensorNotFoundError, WriterError
+from .listing import LIST_AT_MOST, listing, metadata_text, shown
 from .reader import Reader
 
-EXIT_DIFFERENT = 1
-EXIT_USAGE = 2
-_NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", ())
+EXIT_DIFFERENT = clikit.EXIT_FAILED
 
 
-class _Cli(click.Group):
-    """A click group whose every failure is one line and an exit status (see the module docstring)."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        try:
-            status = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except _NoArgsIsHelp as e:
-            click.echo(e.ctx.get_help())
-            status = 0
-        except click.exceptions.Abort:
-            _error("aborted")
-            status = 130
-        except click.ClickException as e:
-            _error(e.format_message())
-            status = EXIT_USAGE
-        except (TensorNotFoundError, ConvertError) as e:
-            _error(str(e))
-            status = EXIT_USAGE
-        except KdtrError as e:
-            _error(str(e))
-            status = EXIT_DIFFERENT
-        except OSError as e:
-            _error(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
-            status = EXIT_USAGE
-        sys.exit(status or 0)
-
-
-def _error(message: str) -> None:
-    click.echo(f"kdtr: error: {' '.join(str(message).split())}", err=True)
+def _width() -> int:
+    return shutil.get_terminal_size((80, 24)).columns
 
 
 @contextmanager
 def _progress(label: str, unit_bytes: bool) -> Iterator[Callable[[int, int], None]]:
     """A rich progress bar on stderr (shown only on a terminal); yields update(done, total)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     console = Console(stderr=True)
-    columns = [TextColumn(label), BarColumn()]
-    columns += [DownloadColumn()] if unit_bytes else [TextColumn("{task.completed:.0f}/{task.total:.0f}")]
-    with Progress(*columns, TimeRemainingColumn(), console=console, transient=True,
+    count = DownloadColumn() if unit_bytes else MofNCompleteColumn()
+    with Progress(TextColumn(label), BarColumn(), count, TimeRemainingColumn(), console=console, transient=True,
                   disable=not console.is_terminal) as bar:
         task = bar.add_task(label, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@contextmanager
+def _interrupt_between_steps() -> Iterator[Callable[[], None]]:
+    """Ctrl-C takes effect at the next `check()` (between tensors), not inside a library's weakref
+    callback, where Python can only print it and carry on (h5py has many); a second Ctrl-C
+    interrupts at once."""
+    pressed: list[bool] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    def check() -> None:
+        if pressed:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _Alignment(click.ParamType):
+    """A power of two from 64 to 4096."""
+
+    name = "alignment"
+
+    def convert(self, value, param, ctx):
+        number = click.INT.convert(value, param, ctx)
+        if number < fmt.MIN_ALIGNMENT or number > fmt.MAX_ALIGNMENT or number & (number - 1):
+            self.fail(f"{value!r} is not a power of two from {fmt.MIN_ALIGNMENT} to {fmt.MAX_ALIGNMENT}", param, ctx)
+        return number
+
+
+def _command(**settings):
+    return main.command(no_args_is_help=True, **settings)
+
+
+@click.group(cls=clikit.Cli, name="kdtr", bad_input=(TensorNotFoundError, ConvertError, WriterError), failed=(KdtrError,))
+@click.version_option(__version__, "--version", prog_name="kdtr",
+                      message=f"%(prog)s, version %(version)s (KDTR format {fmt.VERSION_MAJOR}.{fmt.VERSION_MINOR})")
 def main() -> None:
     """Inspect, verify, diff, print and convert KDTR files."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")    # a path from argv may not be UTF-8
 
 
-@main.command()
+@_command()
 @click.argument("path")
 @click.option("--prefix", default=None, help="Only tensors whose name starts with this.")
-@click.option("--no-metadata", is_flag=True, help="Leave out the metadata tree.")
-def inspect(path: str, prefix: str | None, no_metadata: bool) -> None:
-    """Table of tensors and the metadata tree."""
-    console = Console()
+@click.option("--all", "everything", is_flag=True,
+              help=f"List every tensor (without it, more than {LIST_AT_MOST} are summarized by prefix).")
+@click.option("--no-metadata", is_flag=True, help="Leave out the metadata.")
+def inspect(path: str, prefix: str | None, everything: bool, no_metadata: bool) -> None:
+    """List the tensors and print the metadata.
+
+    One row per tensor: dtype, shape, bytes, offset, checksum, name (verbatim)."""
     with Reader(path) as f:
-        names = f.names(prefix)
-        total = sum(f.info(n).nbytes for n in names)
-        table = Table(title=f"{path}: KDTR {f.version[0]}.{f.version[1]}, alignment {f.alignment}, "
-                            f"{len(names)} tensors, {total} bytes")
-        for column in ["name", "dtype", "shape", "offset", "nbytes", "crc32c"]:
-            table.add_column(column, justify="right" if column in ("offset", "nbytes") else "left")
-        for name in names:
-            info = f.info(name)
-            table.add_row(name, info.dtype, str(list(info.shape)), str(info.offset), str(info.nbytes), f"{info.crc32c:08x}")
-        console.print(table)
-        if not no_metadata:
-            tree = Tree("metadata")
-            _grow(tree, f.metadata)
-            console.print(tree)
+        text = None if no_metadata else metadata_text(f.metadata)
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        lines = listing(f, prefix, everything, width)
+    lines.insert(0, f"{path}:")
+    click.echo("\n".join(lines))
+    if text is not None:
+        click.echo(f"metadata:\n{text}")
 
 
-def _grow(tree: Tree, value: object) -> None:
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else None
-    for key, child in items or []:
-        if isinstance(child, (dict, list)) and child:
-            _grow(tree.add(f"[bold]{key}[/bold]"), child)
-        else:
-            tree.add(f"[bold]{key}[/bold]: {child!r}")
-
-
-@main.command()
+@_command()
 @click.argument("path")
 def verify(path: str) -> None:
-    """Check the layout and every checksum (exit 1 naming the first bad tensor)."""
-    with Reader(path) as f:
-        total = sum(f.info(n).nbytes for n in f.names())
-        with _progress("verify", unit_bytes=True) as update:
-            f.verify(progress=update)
-        click.echo(f"ok: {path}: {len(f)} tensors, {total} bytes, all checksums match")
+    """Check the layout, the metadata and every checksum.
+
+    Exit 1 naming the first problem: the tensor and the file offset."""
+    with Reader(path) as f, _progress("verify", unit_bytes=True) as update:
+        checked = f.verify(progress=update)
+        count = len(f)
+    click.echo(f"ok: {path}\n  {count} tensors, {checked} bytes, all checksums match")
 
 
-@main.command()
+@_command()
 @click.argument("a")
 @click.argument("b")
-@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (against B).")
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance.")
+@click.option("--rtol", type=clikit.FiniteFloat(min=0), default=0.0, show_default=True, help="Relative tolerance (against B).")
+@click.option("--atol", type=clikit.FiniteFloat(min=0), default=0.0, show_default=True, help="Absolute tolerance.")
 @click.option("--prefix", default=None, help="Only tensors whose name starts with this.")
 def diff(a: str, b: str, rtol: float, atol: float, prefix: str | None) -> int:
-    """Compare tensors and metadata of A against reference B (exit 1 when they differ)."""
-    if rtol < 0 or atol < 0:
-        raise click.BadParameter("tolerances must be >= 0")
+    """Compare tensors and metadata of A against B.
+
+    Per tensor: max abs, max rel and ulp difference, first differing index. Exit 1 when
+    anything differs beyond the tolerances."""
     different = 0
     with Reader(a) as fa, Reader(b) as fb:
+        metadata_lines = diff_metadata(fa.metadata, fb.metadata)
         names_a, names_b = fa.names(prefix), fb.names(prefix)
         for name in names_a + [n for n in names_b if n not in fa]:
+            label = shown(name)
             if name not in fb or name not in fa:
-                click.echo(f"{name}: only in {'A' if name in fa else 'B'}")
+                click.echo(f"{label}: only in {'A' if name in fa else 'B'}")
                 different += 1
                 continue
             result = compare_arrays(fa[name], fb[name], rtol=rtol, atol=atol)
@@ -145,34 +159,34 @@ def diff(a: str, b: str, rtol: float, atol: float, prefix: str | None) -> int:
                 continue
             if result.status in ("dtype", "shape"):
                 ia, ib = fa.info(name), fb.info(name)
-                click.echo(f"{name}: {result.status} differs: {ia.dtype}{list(ia.shape)} vs {ib.dtype}{list(ib.shape)}")
+                click.echo(f"{label}: {result.status} differs: {ia.dtype}{list(ia.shape)} vs {ib.dtype}{list(ib.shape)}")
             else:
+                where = (f"{result.count} outside tolerance, first at {list(result.first_index)}" if result.count
+                         else f"first difference at {list(result.first_index)}")
                 ulp = f", max ulp {result.max_ulp}" if result.max_ulp is not None else ""
-                outside = f", {result.count} outside tolerance, first at {list(result.first_index)}" if result.count else ""
-                click.echo(f"{name}: {result.status}: max abs {result.max_abs:.6g}, max rel {result.max_rel:.6g}{ulp}{outside}"
-                           + ("" if result.count else f", first difference at {list(result.first_index)}"))
+                click.echo(f"{label}: {result.status}, {where}\n  max abs {result.max_abs:.6g}, max rel {result.max_rel:.6g}{ulp}")
             different += not result.same
-        for line in diff_metadata(fa.metadata, fb.metadata):
-            click.echo(line)
-            different += 1
+    for line in metadata_lines:
+        click.echo(line)
+        different += 1
     click.echo(f"{'different' if different else 'same'}: {different} difference(s) beyond rtol={rtol}, atol={atol}")
     return EXIT_DIFFERENT if different else 0
 
 
-@main.command()
+@_command()
 @click.argument("path")
 @click.argument("name")
 @click.option("--summary", "mode", flag_value="summary", help="Statistics only.")
 @click.option("--values", "mode", flag_value="values", help="All values, however many.")
-@click.option("--threshold", type=int, default=1000, show_default=True,
+@click.option("--threshold", type=click.IntRange(0, 2**62), default=1000, show_default=True,
               help="Without --summary/--values: values up to this many elements, else a summary.")
 def cat(path: str, name: str, mode: str | None, threshold: int) -> None:
     """Print one tensor's values, or a summary of them."""
     with Reader(path) as f:
         array, info = f[name], f.info(name)
-        click.echo(f"{name}: {info.dtype} {list(info.shape)}")
+        click.echo(f"{shown(name)}: {info.dtype} {list(info.shape)}")
         if mode == "values" or (mode is None and array.size <= threshold):
-            with np.printoptions(threshold=sys.maxsize if mode == "values" else threshold, linewidth=120):
+            with np.printoptions(threshold=sys.maxsize if mode == "values" else threshold, linewidth=_width()):
                 click.echo(np.array2string(array.astype(np.int8) if info.dtype == "int4" else array))
             return
         values = array.astype(np.float64).reshape(-1)
@@ -183,13 +197,21 @@ def cat(path: str, name: str, mode: str | None, threshold: int) -> None:
         click.echo("  ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()))
 
 
-@main.command()
+@_command()
 @click.argument("src")
-@click.argument("dst")
-@click.option("--alignment", type=int, default=fmt.DEFAULT_ALIGNMENT, show_default=True,
-              help="Data alignment when writing KDTR.")
-def convert(src: str, dst: str, alignment: int) -> None:
-    """Convert between .kdtr, .h5/.hdf5, .npz and .safetensors (by extension), losslessly."""
-    with _progress("convert", unit_bytes=False) as update:
-        written = convert_file(src, dst, alignment=alignment, progress=update)
+@click.argument("dst", type=clikit.OutputFile())
+@click.option("--alignment", type=_Alignment(), default=fmt.DEFAULT_ALIGNMENT, show_default=True,
+              help="Data alignment when writing KDTR (a power of two from 64 to 4096).")
+def convert(src: str, dst: Path, alignment: int) -> None:
+    """Convert between KDTR, HDF5, npz and safetensors.
+
+    Formats by extension (.kdtr, .h5/.hdf5, .npz, .safetensors); every dtype, shape, the
+    tensor order and the metadata survive a round trip."""
+    kind_of(src), kind_of(str(dst))
+    with _progress("convert", unit_bytes=False) as update, _interrupt_between_steps() as check:
+        def step(done: int, total: int) -> None:
+            check()
+            update(done, total)
+
+        written = convert_file(src, str(dst), alignment=alignment, progress=step)
     click.echo(f"wrote {dst}: {written} tensors")

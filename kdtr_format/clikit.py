@@ -30,8 +30,7 @@ import errno
 import math
 import os
 import sys
-import tempfile
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Sequence, Union
 
@@ -41,7 +40,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .writer import _fsync_directory, _umask
+from . import atomic
+from .writer import _fsync_directory
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -65,13 +65,15 @@ class Cli(click.Group):
 
     bad_input: the exception types that mean the user's input is bad (exit 2, their message
     shown), or a function returning them (called only to judge an error, so that a command
-    line can name types of modules it imports late)."""
+    line can name types of modules it imports late). failed: the exception types that mean
+    the check failed (exit 1, their message shown; `kdtr`: a corrupt file), judged after
+    bad_input."""
 
-    def __init__(self, *args: Any, bad_input: BadInput = (), **kwargs: Any) -> None:
+    def __init__(self, *args: Any, bad_input: BadInput = (), failed: Sequence[type] = (), **kwargs: Any) -> None:
         kwargs.setdefault("context_settings", {}).setdefault("help_option_names", ["-h", "--help"])
         kwargs.setdefault("no_args_is_help", True)
         super().__init__(*args, **kwargs)
-        self.bad_input = bad_input
+        self.bad_input, self.failed = bad_input, tuple(failed)
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              **extra: Any) -> None:
@@ -93,6 +95,8 @@ class Cli(click.Group):
             bad_input = self.bad_input() if callable(self.bad_input) else self.bad_input
             if isinstance(exc, (OSError, *bad_input)):
                 status = _fail(prog, _describe(exc), EXIT_BAD_INPUT)
+            elif isinstance(exc, self.failed):
+                status = _fail(prog, _describe(exc), EXIT_FAILED)
             elif os.environ.get(TRACEBACK_VAR):
                 raise
             else:
@@ -169,28 +173,24 @@ def _name_max(directory: Path) -> int:
 
 @contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """Write `path` all or nothing: yields a binary file beside it (mode 0666 less the umask);
-    on success it is fsynced and renamed onto `path`, on any exception removed. An OSError
-    names `path`, never the temporary file."""
+    """Write `path` all or nothing: yields a binary file beside it (`kdtr_format.atomic`: mode
+    0666 less the umask, a name within NAME_MAX, symbolic links written through); on success it
+    is fsynced and renamed onto `path`, on any exception removed. An OSError names `path`,
+    never the temporary file."""
     path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".kdtree-", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    fd, tmp = atomic.create_beside(str(path))
     try:
         with os.fdopen(fd, "wb") as file:
-            os.fchmod(file.fileno(), 0o666 & ~_umask())
             yield file
             file.flush()
             os.fsync(file.fileno())
-        os.replace(tmp, path)
+        atomic.rename_over(tmp, str(path))
     except BaseException as exc:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
+        atomic.remove(tmp)
         if isinstance(exc, OSError):
             raise OSError(exc.errno or errno.EIO, exc.strerror or str(exc), str(path)) from None
         raise
-    _fsync_directory(str(path.parent))
+    _fsync_directory(os.path.dirname(atomic.target_of(str(path))))
 
 
 # ---------------------------------------------------------------------------- numbers

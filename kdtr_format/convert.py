@@ -5,30 +5,32 @@ Formats that cannot hold a dtype natively keep its raw bits plus a dtype note:
 - HDF5 (.h5, .hdf5): one dataset per tensor at the tensor's name (each `/` a group level);
   bfloat16 / float8 stored as uint16 / uint8 bits and int4 as int8 values, with the
   dataset attribute `kdtr_dtype`; `kdtr_index` keeps the tensor order; the metadata is the
-  root attribute `kdtr_metadata` (JSON text).
-- npz: one array per tensor (same raw-bits rule); the entry `__kdtr__` holds, as UTF-8 JSON
+  root attribute `kdtr_metadata` (JSON text, ASCII with \\u escapes, so every string survives).
+- npz: one array per tensor (same raw-bits rule); the entry `__kdtr__` holds, as ASCII JSON
   bytes, {"metadata": ..., "dtypes": {name: kdtr dtype}} for the exotic tensors.
-- safetensors: native BF16 / F8_E4M3 / F8_E5M2; int4 as I8 values; `__metadata__` holds
-  `kdtr_metadata`, `kdtr_dtypes` and `kdtr_order` (JSON text).
+- safetensors: native BF16 / F8_E4M3 / F8_E5M2; int4 as I8 values; 0-d tensors keep their
+  shape []; `__metadata__` holds `kdtr_metadata`, `kdtr_dtypes` and `kdtr_order` (JSON text).
 
 Files not written by kdtr convert are read too (their metadata is then empty, except
-safetensors' string map, which becomes the metadata object). Outputs other than KDTR are
-also written to a temporary file and renamed, so a failure leaves nothing behind.
+safetensors' string map, which becomes the metadata object); what a foreign file holds that
+KDTR cannot (a string dataset, a pickled array) is an error naming the tensor.
+Every output is written beside its target and renamed (`atomic`): a failure leaves nothing
+behind, the file gets the user's umask, and errors name the user's path.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
 import os
-import tempfile
 import zipfile
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
+from . import atomic
 from . import format as fmt
 from .errors import KdtrError
 from .reader import Reader
@@ -104,37 +106,83 @@ def _safetensors():
 
 
 def open_source(path: str) -> Source:
+    """The tensors and metadata of `path`; a foreign file KDTR cannot take in is a ConvertError."""
     kind = kind_of(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such file: {path}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     if kind == "kdtr":
         reader = Reader(path)
-        return Source(reader.names(), reader.__getitem__, reader.metadata, reader.close)
-    if kind == "hdf5":
-        h5py = _h5py()
-        f = h5py.File(path, "r")
-        found: list[tuple[int, str]] = []
+        try:
+            return Source(reader.names(), reader.__getitem__, reader.metadata, reader.close)
+        except BaseException:
+            reader.close()
+            raise
+    opener = {"hdf5": _open_h5, "npz": _open_npz, "safetensors": _open_safetensors}[kind]
+    try:
+        source = opener(path)
+    except KdtrError:
+        raise
+    except Exception as e:          # whatever h5py, numpy, zipfile or safetensors raise on a file they cannot read
+        raise ConvertError(f"cannot read {path} as {kind}: {_reason(e)}") from None
 
-        def visit(name: str, node) -> None:
-            if isinstance(node, h5py.Dataset):
-                found.append((int(node.attrs.get("kdtr_index", len(found) + 10**9)), name))
+    def load(name: str) -> np.ndarray:
+        try:
+            return source.load(name)
+        except KdtrError:
+            raise
+        except Exception as e:
+            raise ConvertError(f"cannot read tensor {name!r} of {path}: {_reason(e)}") from None
 
+    return Source(source.names, load, source.metadata, source.close)
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _json_object(text: str | bytes, what: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ConvertError(f"{what} is not a JSON object")
+    return value
+
+
+def _open_h5(path: str) -> Source:
+    h5py = _h5py()
+    f = h5py.File(path, "r")
+    found: list[tuple[int, str]] = []
+
+    def visit(name: str, node) -> None:
+        if isinstance(node, h5py.Dataset):
+            found.append((int(node.attrs.get("kdtr_index", len(found) + 10**9)), name))
+
+    try:
         f.visititems(visit)
         raw = f.attrs.get("kdtr_metadata")
-        metadata = json.loads(raw) if raw is not None else {}
+        metadata = _json_object(raw, "attribute kdtr_metadata") if raw is not None else {}
+    except BaseException:
+        f.close()
+        raise
 
-        def load_h5(name: str) -> np.ndarray:
-            dataset = f[name]
-            note = dataset.attrs.get("kdtr_dtype")
-            return _from_stored(dataset[()], note.decode() if isinstance(note, bytes) else note)
+    def load(name: str) -> np.ndarray:
+        dataset = f[name]
+        note = dataset.attrs.get("kdtr_dtype")
+        return _from_stored(dataset[()], note.decode() if isinstance(note, bytes) else note)
 
-        return Source([n for _, n in sorted(found)], load_h5, metadata, f.close)
-    if kind == "npz":
-        archive = np.load(path, allow_pickle=False)
-        info = json.loads(archive[_NPZ_INFO].tobytes()) if _NPZ_INFO in archive.files else {}
-        notes = info.get("dtypes", {})
-        names = [n for n in archive.files if n != _NPZ_INFO]
-        return Source(names, lambda n: _from_stored(archive[n], notes.get(n)), info.get("metadata", {}), archive.close)
+    return Source([n for _, n in sorted(found)], load, metadata, f.close)
+
+
+def _open_npz(path: str) -> Source:
+    archive = np.load(path, allow_pickle=False)
+    info = _json_object(archive[_NPZ_INFO].tobytes(), f"entry {_NPZ_INFO}") if _NPZ_INFO in archive.files else {}
+    notes = info.get("dtypes", {})
+    names = [n for n in archive.files if n != _NPZ_INFO]
+    return Source(names, lambda n: _from_stored(archive[n], notes.get(n)), info.get("metadata", {}), archive.close)
+
+
+def _open_safetensors(path: str) -> Source:
     safetensors = _safetensors()
     with open(path, "rb") as f:
         blob = f.read()
@@ -142,30 +190,16 @@ def open_source(path: str) -> Source:
     views = {name: view for name, view in safetensors.deserialize(blob)}
     notes = json.loads(header.get("kdtr_dtypes", "{}"))
     order = json.loads(header["kdtr_order"]) if "kdtr_order" in header else sorted(views)
-    metadata = json.loads(header["kdtr_metadata"]) if "kdtr_metadata" in header else dict(header)
+    metadata = _json_object(header["kdtr_metadata"], "kdtr_metadata") if "kdtr_metadata" in header else dict(header)
 
-    def load_safetensors(name: str) -> np.ndarray:
+    def load(name: str) -> np.ndarray:
         view = views[name]
         if view["dtype"] not in _SAFETENSORS_DTYPES:
             raise ConvertError(f"tensor {name!r} has safetensors dtype {view['dtype']}, which KDTR does not store")
         array = np.frombuffer(view["data"], _SAFETENSORS_DTYPES[view["dtype"]]).reshape(view["shape"])
         return _from_stored(array, notes.get(name))
 
-    return Source(order, load_safetensors, metadata, lambda: None)
-
-
-@contextlib.contextmanager
-def _atomic(path: str) -> Iterator[str]:
-    """A temporary path beside `path`, renamed onto it on success and removed on failure."""
-    directory, base = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=os.path.splitext(path)[1], dir=directory)
-    os.close(fd)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return Source(order, load, metadata, lambda: None)
 
 
 def _npz_member(archive: zipfile.ZipFile, name: str, array: np.ndarray) -> None:
@@ -202,8 +236,8 @@ def convert(src: str, dst: str, alignment: int = fmt.DEFAULT_ALIGNMENT,
                     step(name)
         elif kind == "hdf5":
             h5py = _h5py()
-            with _atomic(dst) as tmp, h5py.File(tmp, "w") as f:
-                f.attrs["kdtr_metadata"] = json.dumps(source.metadata, ensure_ascii=False)
+            with atomic.replacing(dst) as tmp, h5py.File(tmp, "w") as f:
+                f.attrs["kdtr_metadata"] = json.dumps(source.metadata)
                 for i, name in enumerate(source.names):
                     stored, note = _to_stored(source.load(name))
                     try:
@@ -216,7 +250,7 @@ def convert(src: str, dst: str, alignment: int = fmt.DEFAULT_ALIGNMENT,
                     step(name)
         elif kind == "npz":
             notes = {}
-            with _atomic(dst) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            with atomic.replacing(dst) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
                 for name in source.names:
                     if name == _NPZ_INFO:
                         raise ConvertError(f"tensor name {_NPZ_INFO!r} is reserved in npz")
@@ -225,7 +259,7 @@ def convert(src: str, dst: str, alignment: int = fmt.DEFAULT_ALIGNMENT,
                     if note:
                         notes[name] = note
                     step(name)
-                info = json.dumps({"metadata": source.metadata, "dtypes": notes}, ensure_ascii=False).encode()
+                info = json.dumps({"metadata": source.metadata, "dtypes": notes}).encode()
                 _npz_member(archive, _NPZ_INFO, np.frombuffer(info, np.uint8))
         else:
             safetensors = _safetensors()
@@ -234,11 +268,11 @@ def convert(src: str, dst: str, alignment: int = fmt.DEFAULT_ALIGNMENT,
                 array = source.load(name)
                 if array.dtype.name == "int4":
                     array, notes[name] = array.astype(np.int8), "int4"
-                arrays[name] = np.ascontiguousarray(array)
+                arrays[name] = array if array.flags.c_contiguous else array.copy(order="C")   # keeps 0-d shapes
                 step(name)
-            header = {"kdtr_metadata": json.dumps(source.metadata, ensure_ascii=False),
-                      "kdtr_dtypes": json.dumps(notes), "kdtr_order": json.dumps(source.names, ensure_ascii=False)}
-            with _atomic(dst) as tmp:
+            header = {"kdtr_metadata": json.dumps(source.metadata),
+                      "kdtr_dtypes": json.dumps(notes), "kdtr_order": json.dumps(source.names)}
+            with atomic.replacing(dst) as tmp:
                 safetensors.numpy.save_file(arrays, tmp, metadata=header)
     finally:
         source.close()

@@ -30,13 +30,13 @@ read); `Reader.raw(name)` gives the packed bytes.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 
+from . import metadata
 from .errors import FormatError, VersionError, WriterError
 
 MAGIC = b"\x89KDTR\r\n\x1a"
@@ -55,8 +55,8 @@ MAX_NDIM = 8
 MAX_NAME_BYTES = 1024
 MAX_TENSORS = 1_000_000
 MAX_INDEX_BYTES = 256 << 20
-MAX_METADATA_BYTES = 64 << 20
-MAX_JSON_DEPTH = 64
+MAX_METADATA_BYTES = metadata.MAX_BYTES
+MAX_JSON_DEPTH = metadata.MAX_DEPTH
 MAX_ELEMENT_BYTES = 1 << 62
 
 HEADER = struct.Struct("<8sHHII44s")
@@ -180,85 +180,6 @@ def pack_trailer(header: bytes, index_offset: int, tensor_count: int, names_size
 
 def parse_trailer(raw: bytes) -> Trailer:
     return Trailer(*TRAILER.unpack(raw))
-
-
-def json_depth_ok(obj: object, limit: int = MAX_JSON_DEPTH) -> bool:
-    """True when containers nest at most `limit` deep (the top-level object counts as 1)."""
-    stack = [(obj, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            if depth > limit:
-                return False
-            children = value.values() if isinstance(value, dict) else value
-            stack.extend((child, depth + 1) for child in children)
-    return True
-
-
-def encode_metadata(metadata: object) -> bytes:
-    """UTF-8 JSON text of a metadata object; WriterError on what JSON cannot hold exactly."""
-    if metadata is None:
-        metadata = {}
-    if not isinstance(metadata, dict):
-        raise WriterError(f"metadata must be a dict (a JSON object), got {type(metadata).__name__}")
-    stack: list[tuple[object, str]] = [(metadata, "metadata")]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, dict):
-            for key, child in value.items():
-                if not isinstance(key, str):
-                    raise WriterError(f"{path}: key {key!r} is not a string")
-                stack.append((child, f"{path}[{key!r}]"))
-        elif isinstance(value, (list, tuple)):
-            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(value))
-        elif isinstance(value, (bool, int, str)) or value is None:
-            continue
-        elif isinstance(value, float):
-            if value != value or value in (float("inf"), float("-inf")):
-                raise WriterError(f"{path}: {value} is not representable in JSON")
-        else:
-            raise WriterError(f"{path}: {type(value).__name__} is not a JSON type (dict, list, str, int, float, bool, None)")
-    if not json_depth_ok(metadata):
-        raise WriterError(f"metadata nests deeper than {MAX_JSON_DEPTH} levels")
-    text = json.dumps(metadata, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    raw = text.encode("utf-8")
-    if len(raw) > MAX_METADATA_BYTES:
-        raise WriterError(f"metadata is {len(raw)} bytes, over the {MAX_METADATA_BYTES}-byte cap")
-    return raw
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        seen: set[str] = set()
-        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise ValueError(f"duplicate key {duplicate!r}")
-    return result
-
-
-def decode_metadata(raw: bytes, offset: int) -> dict:
-    """Parse and check the metadata block found at file offset `offset`."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"metadata is not valid UTF-8: {e.reason}", offset=offset + e.start) from None
-    if "\0" in text or text.startswith("\ufeff"):
-        raise FormatError("metadata contains a NUL or a byte-order mark", offset=offset)
-    try:
-        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
-    except RecursionError:
-        raise FormatError(f"metadata nests deeper than {MAX_JSON_DEPTH} levels", offset=offset) from None
-    except ValueError as e:
-        raise FormatError(f"metadata is not valid JSON: {e}", offset=offset) from None
-    if not isinstance(value, dict):
-        raise FormatError(f"metadata must be a JSON object, found {type(value).__name__}", offset=offset)
-    if not json_depth_ok(value):
-        raise FormatError(f"metadata nests deeper than {MAX_JSON_DEPTH} levels", offset=offset)
-    return value
 
 
 def pack_int4(values: np.ndarray) -> np.ndarray:

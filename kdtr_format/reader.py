@@ -1,34 +1,48 @@
-"""KDTR reader: mmap, validate the whole layout at open, hand out zero-copy views.
+"""KDTR reader: mmap, validate the layout at open, hand out zero-copy views.
 
-Opening reads only the header, trailer, index and metadata (vectorized checks,
-so 10k tensors cost a few milliseconds). Tensor bytes are checksummed on
-first access to each tensor, and all at once by `verify()`.
+Opening reads only the header, trailer, index and metadata and checks them (`index.parse_layout`;
+10k tensors cost a few milliseconds). Three checks wait until they are needed, and `verify()` does
+all of them at once:
 
-The file is mapped copy-on-write: numpy views are read-only, torch tensors
-share the mapping and may be written, which never reaches the file (but is
-seen by other views of the same tensor from this reader).
+- a tensor's CRC32C (and, for bool tensors, that every byte is 0 or 1) on its first access;
+- the metadata's JSON grammar when `metadata` is first read: building Python objects for metadata
+  at the 64 MiB cap can take seconds, and many readers never look.
+
+The file is mapped copy-on-write: numpy arrays are read-only views, torch tensors share the mapping
+and may be written, which never reaches the file (but is seen by other views of the same tensor from
+this reader).
+
+A file truncated or rewritten in place while a reader has it open: `verify()` reads through the file
+descriptor, so it reports a shorter file as a FormatError; an array already handed out, or a first
+access, touches the mapping, and reading past the new end of file is a bus error (SIGBUS), as with
+any memory-mapped file. kdtr's own writer never does this: it renames a new file over the old one,
+and open readers keep the old file.
 """
 
 from __future__ import annotations
 
-import builtins
+import errno
 import mmap
 import os
+import stat
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
 from . import format as fmt
+from . import metadata as md
 from ._crc32c import crc32c
 from .errors import ChecksumError, FormatError, TensorNotFoundError
+from .index import Layout, check_size, parse_layout
 
-_VERIFY_CHUNK = 64 << 20
+_VERIFY_CHUNK = 16 << 20
+_SHAPE_BLOCK_BITS = 12
+_BOOL = fmt.DTYPE_BY_NAME["bool"]
+_INT4 = fmt.DTYPE_BY_NAME["int4"]
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
     """Where and what one tensor is: `nbytes` is the stored length (int4: packed)."""
 
     name: str
@@ -39,57 +53,33 @@ class TensorInfo:
     crc32c: int
 
 
-_ITEMSIZE = np.array([fmt.DTYPE_BY_CODE[c].itemsize if c in fmt.DTYPE_BY_CODE else 1 for c in range(256)], np.uint64)
-_INT4 = fmt.DTYPE_BY_NAME["int4"].code
-
-
-@dataclass(frozen=True)
-class _Columns:
-    """The index records as contiguous per-field arrays."""
-
-    offset: np.ndarray  # [n] uint64
-    nbytes: np.ndarray  # [n] uint64
-    crc32c: np.ndarray  # [n] uint32
-    dtype: np.ndarray  # [n] uint8
-    ndim: np.ndarray  # [n] uint8
-    reserved: np.ndarray  # [n] uint64, the 6 reserved bytes of each record
-    shape: np.ndarray  # [n, 8] uint64
-
-    @classmethod
-    def of(cls, records: np.ndarray) -> "_Columns":
-        reserved = np.zeros((len(records), 8), np.uint8)
-        reserved[:, :6] = records["reserved"]
-        return cls(*(np.ascontiguousarray(records[f]) for f in ("offset", "nbytes", "crc32c", "dtype", "ndim")),
-                   reserved.view("<u8").reshape(-1), np.ascontiguousarray(records["shape"]))
-
-
-def _check_size(size: int) -> None:
-    minimum = fmt.HEADER_SIZE + fmt.TRAILER_SIZE
-    if size < minimum:
-        raise FormatError(f"file is {size} bytes, smaller than header plus trailer ({minimum})", offset=size)
-
-
-def _first(mask: np.ndarray) -> int | None:
-    """Index of the first True in a boolean array, or None."""
-    return int(mask.argmax()) if mask.any() else None
-
-
 class Reader:
     """A validated, memory-mapped KDTR file. Use `kdtr_format.open(path)`."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        with builtins.open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            _check_size(size)
-            self._attach(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), size)
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.path)
+            if not stat.S_ISREG(info.st_mode):
+                raise OSError(errno.EINVAL, "Not a regular file", self.path)
+            check_size(info.st_size)
+            buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._attach(buffer, info.st_size)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, name: str = "<memory>") -> "Reader":
         """Validate a KDTR image held in memory (copied into a private buffer)."""
-        _check_size(len(data))
+        check_size(len(data))
         reader = cls.__new__(cls)
         reader.path = name
+        reader._fd = None
         reader._attach(bytearray(data), len(data))
         return reader
 
@@ -97,186 +87,28 @@ class Reader:
         if sys.byteorder != "little":
             raise FormatError("the KDTR Python reader needs a little-endian host")
         self._mm = buffer
-        self._bytes = np.frombuffer(buffer, np.uint8)
+        self._size = size
         try:
-            self._parse(size)
+            layout = parse_layout(buffer, size)
         except BaseException:
             self.close()
             raise
-        self._checked = np.zeros(len(self._names), bool)
-
-    def _span(self, start: int, length: int) -> bytes:
-        return self._mm[start : start + length]
-
-    def _parse(self, size: int) -> None:
-        header_raw = self._span(0, fmt.HEADER_SIZE)
-        header = fmt.parse_header(header_raw)
-        trailer_at = size - fmt.TRAILER_SIZE
-        trailer_raw = self._span(trailer_at, fmt.TRAILER_SIZE)
-        t = fmt.parse_trailer(trailer_raw)
-        if t.end_magic != fmt.END_MAGIC:
-            raise FormatError(f"end magic {t.end_magic!r}, expected {fmt.END_MAGIC!r} (truncated file?)", offset=size - 8)
-        actual = crc32c(header_raw + trailer_raw[: fmt.TRAILER_CRC_SPAN])
-        if actual != t.trailer_crc32c:
-            raise ChecksumError("trailer", trailer_at + fmt.TRAILER_CRC_SPAN, t.trailer_crc32c, actual)
-        alignment = header.alignment
-        if alignment < fmt.MIN_ALIGNMENT or alignment > fmt.MAX_ALIGNMENT or alignment & (alignment - 1):
-            raise FormatError(f"alignment {alignment} is not a power of two from {fmt.MIN_ALIGNMENT} to {fmt.MAX_ALIGNMENT}", offset=16)
-        if header.minor <= fmt.VERSION_MINOR and (any(header.reserved) or any(t.reserved)):
-            raise FormatError("reserved header or trailer bytes are not zero", offset=20 if any(header.reserved) else trailer_at + 40)
-        self.alignment = alignment
-        self.version = (fmt.VERSION_MAJOR, header.minor)
-
-        count = t.tensor_count
-        if count > fmt.MAX_TENSORS:
-            raise FormatError(f"tensor count {count} exceeds the cap of {fmt.MAX_TENSORS}", offset=trailer_at + 8)
-        index_size = count * fmt.RECORD_SIZE + t.names_size
-        if index_size > fmt.MAX_INDEX_BYTES:
-            raise FormatError(f"index of {index_size} bytes exceeds the cap of {fmt.MAX_INDEX_BYTES}", offset=trailer_at)
-        if t.metadata_size > fmt.MAX_METADATA_BYTES:
-            raise FormatError(f"metadata of {t.metadata_size} bytes exceeds the cap of {fmt.MAX_METADATA_BYTES}", offset=trailer_at + 24)
-        if t.index_offset % alignment or t.index_offset < fmt.align_up(fmt.HEADER_SIZE, alignment):
-            raise FormatError(f"index offset {t.index_offset} is not a multiple of {alignment} past the header", offset=trailer_at)
-        if t.index_offset + index_size + t.metadata_size != trailer_at:
-            raise FormatError(
-                f"index ({index_size} bytes at {t.index_offset}) and metadata ({t.metadata_size} bytes) "
-                f"do not end where the trailer starts ({trailer_at})", offset=trailer_at)
-        index_raw = self._bytes[t.index_offset : t.index_offset + index_size]
-        actual = crc32c(index_raw)
-        if actual != t.index_crc32c:
-            raise ChecksumError("index", t.index_offset, t.index_crc32c, actual)
-        records = index_raw[: count * fmt.RECORD_SIZE].view(fmt.RECORD)
-        names_at = t.index_offset + count * fmt.RECORD_SIZE
-        self._names = self._parse_names(records, index_raw[count * fmt.RECORD_SIZE :], t.index_offset, names_at)
-        self._index = dict(zip(self._names, range(count)))
-        if len(self._index) != count:
-            seen: set[str] = set()
-            duplicate = next(n for n in self._names if n in seen or seen.add(n))
-            raise FormatError("duplicate tensor name", offset=t.index_offset, tensor=duplicate)
-        self._columns = self._check_records(records, t.index_offset)
-
-        metadata_at = names_at + t.names_size
-        metadata_raw = self._span(metadata_at, t.metadata_size)
-        actual = crc32c(metadata_raw)
-        if actual != t.metadata_crc32c:
-            raise ChecksumError("metadata", metadata_at, t.metadata_crc32c, actual)
-        self._metadata = fmt.decode_metadata(metadata_raw, metadata_at)
-
-    def _parse_names(self, records: np.ndarray, blob: np.ndarray, index_at: int, names_at: int) -> list[str]:
-        count = len(records)
-        lengths = records["name_len"].astype(np.uint64)
-        bad = _first((lengths == 0) | (lengths > fmt.MAX_NAME_BYTES))
-        if bad is not None:
-            raise FormatError(f"name length {int(lengths[bad])} of record {bad} is not 1..{fmt.MAX_NAME_BYTES}",
-                              offset=index_at + bad * fmt.RECORD_SIZE + 24)
-        ends = np.cumsum(lengths + 1, dtype=np.uint64)
-        starts = ends - lengths - 1
-        bad = _first(records["name_offset"] != starts)
-        if bad is not None:
-            raise FormatError(f"name offset {int(records['name_offset'][bad])} of record {bad}, expected {int(starts[bad])}",
-                              offset=index_at + bad * fmt.RECORD_SIZE + 16)
-        names_size = int(ends[-1]) if count else 0
-        if names_size != blob.size:
-            raise FormatError(f"names take {blob.size} bytes, the records say {names_size}", offset=names_at)
-        nul_at = np.flatnonzero(blob == 0)
-        shared = min(nul_at.size, count)
-        bad = _first(nul_at[:shared] != ends[:shared] - 1)
-        if bad is None and nul_at.size != count:
-            bad = min(shared, count - 1)
-        if bad is not None:
-            raise FormatError(f"name of record {bad} is not NUL-terminated where its length says, or holds a NUL",
-                              offset=names_at + int(starts[bad]))
-        try:
-            text = blob.tobytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            record = int(np.searchsorted(ends, e.start, side="right"))
-            raise FormatError(f"name of record {record} is not valid UTF-8", offset=names_at + e.start) from None
-        return text.split("\0")[:-1]
-
-    def _check_records(self, records: np.ndarray, index_offset: int) -> "_Columns":
-        """Vectorized checks of every record; returns the records as contiguous columns."""
-        c = _Columns.of(records)
-        if len(records) == 0:
-            if index_offset != fmt.align_up(fmt.HEADER_SIZE, self.alignment):
-                raise FormatError(f"index offset {index_offset} with no tensors, expected {self.alignment}", offset=index_offset)
-            return c
-
-        def record_at(i: int, field: int) -> int:
-            return index_offset + i * fmt.RECORD_SIZE + field
-
-        known = np.zeros(256, bool)
-        known[list(fmt.DTYPE_BY_CODE)] = True
-        bad = _first(~known[c.dtype])
-        if bad is not None:
-            raise FormatError(f"unknown dtype code {int(c.dtype[bad])}", offset=record_at(bad, 32), tensor=self._names[bad])
-        bad = _first(c.ndim > fmt.MAX_NDIM)
-        if bad is not None:
-            raise FormatError(f"ndim {int(c.ndim[bad])} exceeds {fmt.MAX_NDIM}", offset=record_at(bad, 33), tensor=self._names[bad])
-        # dimensions past the largest ndim are checked at once; the loops below stop there
-        top = int(c.ndim.max())
-        unused_nonzero = np.any(c.shape[:, top:] != 0, axis=1)
-        for d in range(top):
-            unused_nonzero |= (c.ndim <= d) & (c.shape[:, d] != 0)
-        bad = _first(unused_nonzero)
-        if bad is not None:
-            raise FormatError("shape slots past ndim are not zero", offset=record_at(bad, 40), tensor=self._names[bad])
-        if self.version[1] <= fmt.VERSION_MINOR:
-            bad = _first(c.reserved != 0)
-            if bad is not None:
-                raise FormatError("reserved record bytes are not zero", offset=record_at(bad, 34), tensor=self._names[bad])
-
-        # Element bytes, ignoring zero dims, must stay under 2**62: bound with float64 first so
-        # that the exact uint64 product below cannot overflow.
-        itemsize = _ITEMSIZE[c.dtype]
-        estimate = itemsize.astype(np.float64)
-        exact = itemsize.copy()
-        elements = np.ones(len(records), np.uint64)
-        for d in range(top):
-            dim = c.shape[:, d]
-            estimate *= np.maximum(dim, 1).astype(np.float64)
-            elements *= np.where(c.ndim > d, dim, np.uint64(1))
-        bad = _first(estimate > 2.0**63)
-        if bad is None:
-            for d in range(top):
-                exact *= np.maximum(c.shape[:, d], np.uint64(1))
-            bad = _first(exact > fmt.MAX_ELEMENT_BYTES)
-        if bad is not None:
-            raise FormatError(f"shape {self._shape_of(c, bad)} is too large (over 2**62 bytes)",
-                              offset=record_at(bad, 40), tensor=self._names[bad])
-        expected = np.where(c.dtype == _INT4, (elements + np.uint64(1)) // np.uint64(2), elements * itemsize)
-        bad = _first(c.nbytes != expected)
-        if bad is not None:
-            raise FormatError(f"byte length {int(c.nbytes[bad])} does not match shape and dtype (expected {int(expected[bad])})",
-                              offset=record_at(bad, 8), tensor=self._names[bad])
-
-        bad = _first((c.offset > index_offset) | (c.nbytes > index_offset))
-        if bad is None:
-            alignment = np.uint64(self.alignment)
-            ends = c.offset + c.nbytes
-            previous_end = np.concatenate([np.array([fmt.HEADER_SIZE], np.uint64), ends[:-1]])
-            canonical = (previous_end + alignment - np.uint64(1)) & ~(alignment - np.uint64(1))
-            bad = _first((c.offset != canonical) | (ends > index_offset))
-            if bad is None:
-                last = fmt.align_up(int(ends[-1]), self.alignment)
-                if last != index_offset:
-                    raise FormatError(f"index offset {index_offset} does not follow the last tensor (expected {last})",
-                                      offset=index_offset)
-                return c
-        self._raise_layout(bad, c, index_offset, record_at(bad, 0))
-
-    def _raise_layout(self, i: int, c: "_Columns", index_offset: int, at: int) -> None:
-        offset, nbytes = int(c.offset[i]), int(c.nbytes[i])
-        previous_end = fmt.HEADER_SIZE if i == 0 else int(c.offset[i - 1]) + int(c.nbytes[i - 1])
-        name = self._names[i]
-        if offset + nbytes > index_offset:
-            problem = f"data [{offset}, {offset + nbytes}) runs past the tensor region, which ends at {index_offset}"
-        elif offset % self.alignment:
-            problem = f"data offset {offset} is not a multiple of the alignment {self.alignment}"
-        elif offset < previous_end:
-            problem = f"data offset {offset} overlaps the previous tensor, which ends at {previous_end}"
-        else:
-            problem = f"data offset {offset} leaves a gap after the previous tensor (expected {fmt.align_up(previous_end, self.alignment)})"
-        raise FormatError(problem, offset=at, tensor=name)
+        self._bytes = np.frombuffer(buffer, np.uint8)      # writable (copy-on-write): torch tensors
+        self._readonly = memoryview(buffer).toreadonly()    # numpy arrays
+        self.version, self.alignment = layout.version, layout.alignment
+        self._names = layout.names
+        self._index = layout.positions
+        self._columns = layout.columns
+        self._offsets = layout.columns.offset.tolist()
+        self._nbytes = layout.columns.nbytes.tolist()
+        self._dtypes = layout.columns.dtype.tolist()
+        self._crcs = layout.columns.crc32c.tolist()
+        self._ndims = layout.columns.ndim.tolist()
+        self._shape_blocks: dict[int, list[int]] = {}
+        self._checked = bytearray(len(layout.names))
+        self._metadata_raw: bytes | None = layout.metadata
+        self._metadata_at = layout.metadata_at
+        self._metadata: dict | None = None
 
     # ---- access --------------------------------------------------------------------------
 
@@ -286,43 +118,55 @@ class Reader:
         except (KeyError, TypeError):
             raise TensorNotFoundError(str(name), self.path) from None
 
+    def _check_crc(self, i: int, actual: int) -> None:
+        expected = self._crcs[i]
+        if actual != expected:
+            raise ChecksumError("data", self._offsets[i], expected, actual, tensor=self._names[i])
+        self._checked[i] = 1
+
+    def _check_bools(self, i: int, raw: np.ndarray, at: int) -> None:
+        """Bool tensors hold bytes 0 and 1 only; `raw` [k] uint8 are bool tensor i's bytes from file offset `at`."""
+        if raw.size and raw.max() > 1:
+            bad = int(np.argmax(raw > 1))
+            raise FormatError(f"bool byte {int(raw[bad])} is not 0 or 1", offset=at + bad, tensor=self._names[i])
+
     def _raw_checked(self, i: int) -> np.ndarray:
-        c = self._columns
-        offset, nbytes = int(c.offset[i]), int(c.nbytes[i])
-        raw = self._bytes[offset : offset + nbytes]
+        offset = self._offsets[i]
+        raw = self._bytes[offset : offset + self._nbytes[i]]
         if not self._checked[i]:
-            expected = int(c.crc32c[i])
-            actual = crc32c(raw)
-            if actual != expected:
-                raise ChecksumError("data", offset, expected, actual, tensor=self._names[i])
-            self._checked[i] = True
+            if self._dtypes[i] == _BOOL.code:
+                self._check_bools(i, raw, offset)
+            self._check_crc(i, crc32c(raw))
         return raw
 
-    @staticmethod
-    def _shape_of(c: "_Columns", i: int) -> tuple[int, ...]:
-        return tuple(c.shape[i, : c.ndim[i]].tolist())
-
     def _shape(self, i: int) -> tuple[int, ...]:
-        return self._shape_of(self._columns, i)
+        # Shapes become Python ints a block of 4096 tensors at a time, as one flat list: cheap to
+        # open, cheap to scan, and one object for the garbage collector per block, not per tensor.
+        block = self._shape_blocks.get(i >> _SHAPE_BLOCK_BITS)
+        if block is None:
+            start = i >> _SHAPE_BLOCK_BITS << _SHAPE_BLOCK_BITS
+            rows = self._columns.shape[start : start + (1 << _SHAPE_BLOCK_BITS)]
+            block = self._shape_blocks[i >> _SHAPE_BLOCK_BITS] = rows.reshape(-1).tolist()
+        at = (i & ((1 << _SHAPE_BLOCK_BITS) - 1)) * fmt.MAX_NDIM
+        return tuple(block[at : at + self._ndims[i]])
 
     def __getitem__(self, name: str) -> np.ndarray:
         """Read-only numpy array of a tensor, zero-copy over the mapping (int4: an unpacked copy)."""
         i = self._position(name)
         raw = self._raw_checked(i)
-        dtype = fmt.DTYPE_BY_CODE[int(self._columns.dtype[i])]
+        dtype = fmt.DTYPE_BY_CODE[self._dtypes[i]]
         shape = self._shape(i)
-        if dtype.name == "int4":
+        if dtype is _INT4:
             array = fmt.unpack_int4(raw, int(np.prod(shape, dtype=np.int64))).reshape(shape)
-        else:
-            array = raw.view(dtype.numpy).reshape(shape)
-        array.flags.writeable = False
-        return array
+            array.flags.writeable = False
+            return array
+        return np.frombuffer(self._readonly, dtype.numpy, raw.size // dtype.itemsize, self._offsets[i]).reshape(shape)
 
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes of a tensor as a read-only uint8 [nbytes] view (int4 stays packed)."""
-        raw = self._raw_checked(self._position(name))[:]
-        raw.flags.writeable = False
-        return raw
+        i = self._position(name)
+        self._raw_checked(i)
+        return np.frombuffer(self._readonly, np.uint8, self._nbytes[i], self._offsets[i])
 
     def torch(self, name: str) -> Any:
         """A torch tensor sharing the copy-on-write mapping (int4: an int8 copy; torch has no int4)."""
@@ -330,17 +174,15 @@ class Reader:
 
         i = self._position(name)
         raw = self._raw_checked(i)
-        dtype = fmt.DTYPE_BY_CODE[int(self._columns.dtype[i])]
-        shape = self._shape(i)
-        if dtype.name == "int4":
+        dtype = fmt.DTYPE_BY_CODE[self._dtypes[i]]
+        if dtype is _INT4:
             return torch.from_numpy(self[name].astype(np.int8))
-        return torch.from_numpy(raw).view(getattr(torch, dtype.name)).reshape(shape)
+        return torch.from_numpy(raw).view(getattr(torch, dtype.name)).reshape(self._shape(i))
 
     def info(self, name: str) -> TensorInfo:
         i = self._position(name)
-        c = self._columns
-        return TensorInfo(name, fmt.DTYPE_BY_CODE[int(c.dtype[i])].name, self._shape(i), int(c.offset[i]),
-                          int(c.nbytes[i]), int(c.crc32c[i]))
+        return TensorInfo(name, fmt.DTYPE_BY_CODE[self._dtypes[i]].name, self._shape(i), self._offsets[i],
+                          self._nbytes[i], self._crcs[i])
 
     def names(self, prefix: str | None = None) -> list[str]:
         """Tensor names in file order; with `prefix`, those that start with it (plain string prefix)."""
@@ -350,31 +192,38 @@ class Reader:
 
     @property
     def metadata(self) -> dict:
-        """The metadata JSON object as Python objects (parsed and checked at open)."""
+        """The metadata JSON object as Python objects, parsed on first use (FormatError if it is not valid JSON)."""
+        if self._metadata is None:
+            self._metadata = md.parse(self._metadata_raw, self._metadata_at)
+            self._metadata_raw = None
         return self._metadata
 
-    def verify(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Check every tensor's CRC32C; ChecksumError names the first bad tensor.
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Check the metadata JSON and every tensor's CRC32C and bool values; the error names the
+        first bad tensor; returns the tensor bytes checked. Reads through the file descriptor, so
+        a file that shrank since it was opened is a FormatError, not a fault.
 
         `progress(done_bytes, total_bytes)` is called as the check advances."""
-        c = self._columns
-        total = int(c.nbytes.sum(dtype=np.uint64))
-        done = 0
+        self.metadata
+        total = sum(self._nbytes)
+        done = reported = 0
+        window = _Window(self)
         for i in range(len(self._names)):
-            offset, size = int(c.offset[i]), int(c.nbytes[i])
+            offset, size = self._offsets[i], self._nbytes[i]
             crc = 0
             for start in range(offset, offset + size, _VERIFY_CHUNK):
-                stop = min(start + _VERIFY_CHUNK, offset + size)
-                crc = crc32c(self._bytes[start:stop], crc)
-                done += stop - start
-                if progress is not None:
+                piece = window.read(start, min(_VERIFY_CHUNK, offset + size - start), i)
+                if self._dtypes[i] == _BOOL.code:
+                    self._check_bools(i, piece, start)
+                crc = crc32c(piece, crc)
+                done += piece.size
+                if progress is not None and done - reported >= 1 << 20:
                     progress(done, total)
-            expected = int(c.crc32c[i])
-            if crc != expected:
-                raise ChecksumError("data", offset, expected, crc, tensor=self._names[i])
-            self._checked[i] = True
+                    reported = done
+            self._check_crc(i, crc)
         if progress is not None:
             progress(done, total)
+        return done
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self._index
@@ -387,16 +236,23 @@ class Reader:
 
     def close(self) -> None:
         """Drop the mapping; arrays handed out keep it alive until they are gone."""
-        mm = getattr(self, "_mm", None)
-        if mm is None:
-            return
-        self._bytes = None
-        self._mm = None
+        for name in ("_readonly", "_bytes"):
+            view = getattr(self, name, None)
+            setattr(self, name, None)
+            if isinstance(view, memoryview):
+                try:
+                    view.release()
+                except BufferError:
+                    pass
+        mm, self._mm = getattr(self, "_mm", None), None
         if isinstance(mm, mmap.mmap):
             try:
                 mm.close()
             except BufferError:
                 pass
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> "Reader":
         return self
@@ -406,6 +262,32 @@ class Reader:
 
     def __repr__(self) -> str:
         return f"<kdtr_format.Reader {self.path!r}: {len(self)} tensors>"
+
+
+class _Window:
+    """Reads of the tensor region for `verify()`, up to 16 MiB at a time: through the file descriptor
+    (a short read means the file shrank) or, for an image in memory, straight from it."""
+
+    def __init__(self, reader: Reader):
+        self.reader = reader
+        self.storage = np.empty(0, np.uint8)    # [<= 16 MiB] uint8, allocated on the first read
+        self.start = self.stop = 0              # the file bytes storage[: stop - start] holds
+
+    def read(self, start: int, length: int, i: int) -> np.ndarray:
+        """[length] uint8: the file's bytes from `start` (length <= 16 MiB), for tensor i."""
+        r = self.reader
+        if r._fd is None:
+            return r._bytes[start : start + length]
+        if not (self.start <= start and start + length <= self.stop):
+            if self.storage.size == 0:
+                self.storage = np.empty(min(_VERIFY_CHUNK, r._size), np.uint8)
+            got = os.preadv(r._fd, [self.storage], start)
+            if got < length:
+                size = os.fstat(r._fd).st_size
+                raise FormatError(f"the file is {size} bytes now, {r._size} when it was opened (changed while open?)",
+                                  offset=start + got, tensor=r._names[i])
+            self.start, self.stop = start, start + got
+        return self.storage[start - self.start : start - self.start + length]
 
 
 def open(path: str | os.PathLike) -> Reader:

@@ -1,9 +1,15 @@
 """Streaming KDTR writer: tensors go to disk one at a time, the index follows at commit.
 
-The file is built under a temporary name in the destination's directory and
-renamed over the final name only after everything is written and fsynced, so
-a crash, an exception or a kill never leaves a partial file under that name
-(a killed process may leave its `.<name>.*.tmp` behind; an exception removes it).
+The file is built under a temporary name beside the destination and renamed over it only after
+everything is written and fsynced (`atomic`: name within NAME_MAX, the user's umask, symbolic links
+written through), so a crash, an exception or a kill never leaves a partial file under that name
+(a killed process may leave its `.<name>.*.tmp` behind; an exception, a failing flush included,
+removes it).
+
+The writer writes only what both readers accept: every problem with a tensor or the metadata is a
+WriterError naming the tensor or the metadata field (a name that is not UTF-8, a dtype KDTR lacks, a
+torch tensor that is not a dense tensor in memory, a shape over the 2**62-byte cap even when empty,
+bool bytes other than 0 and 1, metadata a reader would refuse or not give back unchanged).
 
 `durable=False` skips the fsyncs: the commit stays atomic against a crash of
 the process, not against a power loss (for scratch files and tests). Durable
@@ -14,14 +20,16 @@ writers on Linux start the disk writeback of every 32 MiB as they go
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
-import tempfile
 from typing import Any, Mapping
 
 import numpy as np
 
+from . import atomic
 from . import format as fmt
+from . import metadata as md
 from ._crc32c import crc32c
 from .errors import WriterError
 
@@ -59,26 +67,49 @@ def check_name(name: object) -> bytes:
     return raw
 
 
-def to_raw(array: Any) -> tuple[fmt.DType, tuple[int, ...], np.ndarray]:
-    """(dtype, shape, stored bytes as a contiguous uint8 [nbytes]) of a numpy array or torch tensor."""
+def to_raw(array: Any, name: str) -> tuple[fmt.DType, tuple[int, ...], np.ndarray]:
+    """(dtype, shape, stored bytes as a contiguous uint8 [nbytes]) of a numpy array or torch tensor
+    to be stored as tensor `name`; WriterError naming it when KDTR cannot hold it exactly."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(array, torch.Tensor):
-        name = str(array.dtype).removeprefix("torch.")
-        if name not in _TORCH_DTYPE_NAMES:
-            raise WriterError(f"unsupported torch dtype {array.dtype}; KDTR stores {', '.join(fmt.DTYPE_BY_NAME)}")
-        tensor = array.detach().to("cpu").contiguous()
-        raw = tensor.reshape(-1).view(torch.uint8).numpy()
-        return fmt.DTYPE_BY_NAME[name], tuple(tensor.shape), raw
-    if not isinstance(array, np.ndarray):
+        dtype, shape, raw = _torch_raw(torch, array, name)
+    else:
         if isinstance(array, (np.generic, int, float, bool)):
             array = np.asarray(array)
+        if not isinstance(array, np.ndarray):
+            raise WriterError(f"tensor {name!r}: expected a numpy array or torch tensor, got {type(array).__name__}")
+        try:
+            dtype = fmt.dtype_of_numpy(array.dtype)
+        except WriterError as e:
+            raise WriterError(f"tensor {name!r}: {e}") from None
+        shape = tuple(int(d) for d in array.shape)
+        if dtype.name == "int4":
+            raw = fmt.pack_int4(np.ascontiguousarray(array))
         else:
-            raise WriterError(f"expected a numpy array or torch tensor, got {type(array).__name__}")
-    dtype = fmt.dtype_of_numpy(array.dtype)
-    if dtype.name == "int4":
-        return dtype, array.shape, fmt.pack_int4(np.ascontiguousarray(array))
-    contiguous = np.ascontiguousarray(array, dtype=dtype.numpy)
-    return dtype, array.shape, contiguous.reshape(-1).view(np.uint8)
+            raw = np.ascontiguousarray(array, dtype=dtype.numpy).reshape(-1).view(np.uint8)
+    if len(shape) > fmt.MAX_NDIM:
+        raise WriterError(f"tensor {name!r} has {len(shape)} dimensions; KDTR allows at most {fmt.MAX_NDIM}")
+    if math.prod(d for d in shape if d) * dtype.itemsize > fmt.MAX_ELEMENT_BYTES:
+        raise WriterError(f"tensor {name!r}: shape {list(shape)} is over the 2**62-byte cap (zero dimensions aside)")
+    if dtype.name == "bool" and raw.size and raw.max() > 1:
+        raise WriterError(f"tensor {name!r}: a bool byte is {int(raw.max())}; KDTR bools are bytes 0 and 1")
+    return dtype, shape, raw
+
+
+def _torch_raw(torch: Any, tensor: Any, name: str) -> tuple[fmt.DType, tuple[int, ...], np.ndarray]:
+    dtype_name = str(tensor.dtype).removeprefix("torch.")
+    if dtype_name not in _TORCH_DTYPE_NAMES:
+        raise WriterError(f"tensor {name!r}: unsupported torch dtype {tensor.dtype}; KDTR stores {', '.join(fmt.DTYPE_BY_NAME)}")
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        kind = "quantized" if tensor.is_quantized else "nested" if tensor.is_nested else str(tensor.layout)
+        raise WriterError(f"tensor {name!r}: a {kind} torch tensor; store a dense one (.to_dense())")
+    if tensor.device.type == "meta":
+        raise WriterError(f"tensor {name!r}: a meta-device torch tensor has no data")
+    try:
+        dense = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    except (RuntimeError, NotImplementedError) as e:
+        raise WriterError(f"tensor {name!r}: cannot copy a {tensor.device} tensor to the CPU: {e}") from None
+    return fmt.DTYPE_BY_NAME[dtype_name], tuple(dense.shape), dense.reshape(-1).view(torch.uint8).numpy()
 
 
 class Writer:
@@ -88,6 +119,8 @@ class Writer:
             w.add("weights/embed_tokens", embed)      # [V, D] float32, written now
             w.metadata = {"preset": "tiny"}
         # committed here; on an exception nothing appears under "fixture.kdtr"
+
+    Used without `with`, call `commit()` or `abort()`; either removes the temporary file.
     """
 
     def __init__(self, path: str | os.PathLike, alignment: int = fmt.DEFAULT_ALIGNMENT, metadata: Mapping | None = None,
@@ -98,16 +131,25 @@ class Writer:
         self.durable = durable
         self._metadata: dict = {}
         self.set_metadata(metadata)
-        directory, base = os.path.split(os.path.abspath(self.path))
-        fd, self._tmp_path = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
-        self._file = os.fdopen(fd, "wb")
         self._header = fmt.pack_header(alignment)
-        self._file.write(self._header)
+        fd, self._tmp_path = atomic.create_beside(self.path)
+        self._file = os.fdopen(fd, "wb")
+        self._done = False
+        try:
+            self._file.write(self._header)
+        except BaseException:
+            self.abort()
+            raise
         self._position = len(self._header)
         self._written_back = 0
-        self._records: list[tuple[int, int, int, fmt.DType, tuple[int, ...], bytes]] = []
+        self._offsets: list[int] = []
+        self._nbytes: list[int] = []
+        self._crcs: list[int] = []
+        self._dtypes: list[int] = []
+        self._shapes: list[tuple[int, ...]] = []
+        self._name_bytes: list[bytes] = []
         self._names: set[str] = set()
-        self._done = False
+        self._index_size = 0
 
     @property
     def metadata(self) -> dict:
@@ -122,7 +164,7 @@ class Writer:
         if value is not None and not isinstance(value, Mapping):
             raise WriterError(f"metadata must be a dict (a JSON object), got {type(value).__name__}")
         metadata = dict(value) if value is not None else {}
-        fmt.encode_metadata(metadata)
+        md.encode(metadata)
         self._metadata = metadata
 
     def _write_padding(self, target: int) -> None:
@@ -136,70 +178,76 @@ class Writer:
         name_raw = check_name(name)
         if name in self._names:
             raise WriterError(f"duplicate tensor name {name!r}")
-        dtype, shape, raw = to_raw(array)
-        if len(shape) > fmt.MAX_NDIM:
-            raise WriterError(f"tensor {name!r} has {len(shape)} dimensions; KDTR allows at most {fmt.MAX_NDIM}")
-        if len(self._records) >= fmt.MAX_TENSORS:
-            raise WriterError(f"more than {fmt.MAX_TENSORS} tensors")
+        if len(self._offsets) >= fmt.MAX_TENSORS:
+            raise WriterError(f"tensor {name!r}: more than {fmt.MAX_TENSORS} tensors")
+        index_size = self._index_size + fmt.RECORD_SIZE + len(name_raw) + 1
+        if index_size > fmt.MAX_INDEX_BYTES:
+            raise WriterError(f"tensor {name!r}: the index would pass its {fmt.MAX_INDEX_BYTES}-byte cap")
+        dtype, shape, raw = to_raw(array, name)
         self._write_padding(fmt.align_up(self._position, self.alignment))
-        offset = self._position
+        self._offsets.append(self._position)
         self._file.write(memoryview(raw))
         self._position += raw.nbytes
-        self._records.append((offset, raw.nbytes, crc32c(raw), dtype, tuple(int(d) for d in shape), name_raw))
+        self._nbytes.append(raw.nbytes)
+        self._crcs.append(crc32c(raw))
+        self._dtypes.append(dtype.code)
+        self._shapes.append(shape)
+        self._name_bytes.append(name_raw)
         self._names.add(name)
+        self._index_size = index_size
         if self.durable and _sync_file_range is not None and self._position - self._written_back >= _WRITEBACK_EVERY:
             self._file.flush()
             _sync_file_range(self._file.fileno(), self._written_back, self._position - self._written_back, _SYNC_FILE_RANGE_WRITE)
             self._written_back = self._position
 
-    def _index(self) -> tuple[bytes, bytes]:
-        records = np.zeros(len(self._records), fmt.RECORD)
-        name_offset = 0
-        for i, (offset, nbytes, crc, dtype, shape, name_raw) in enumerate(self._records):
-            record = records[i]
-            record["offset"], record["nbytes"], record["crc32c"] = offset, nbytes, crc
-            record["name_offset"], record["name_len"] = name_offset, len(name_raw)
-            record["dtype"], record["ndim"] = dtype.code, len(shape)
-            record["shape"][: len(shape)] = shape
-            name_offset += len(name_raw) + 1
-        names = b"".join(name_raw + b"\0" for *_, name_raw in self._records)
-        return records.tobytes(), names
+    def _index(self) -> bytes:
+        """The index records followed by the names block."""
+        records = np.zeros(len(self._offsets), fmt.RECORD)
+        lengths = np.array([len(n) for n in self._name_bytes], np.uint64)
+        records["offset"], records["nbytes"], records["crc32c"] = self._offsets, self._nbytes, self._crcs
+        records["name_offset"] = np.cumsum(lengths + 1, dtype=np.uint64) - lengths - 1
+        records["name_len"], records["dtype"] = lengths, self._dtypes
+        records["ndim"] = [len(shape) for shape in self._shapes]
+        shapes = np.zeros((len(self._shapes), fmt.MAX_NDIM), np.uint64)
+        for i, shape in enumerate(self._shapes):
+            shapes[i, : len(shape)] = shape
+        records["shape"] = shapes
+        return records.tobytes() + b"".join(name + b"\0" for name in self._name_bytes)
 
     def commit(self) -> None:
         """Write index, metadata and trailer, fsync, and rename onto the final path."""
         if self._done:
             raise WriterError(f"writer for {self.path} is already closed")
         try:
-            metadata = fmt.encode_metadata(self._metadata)
-            records, names = self._index()
-            if len(records) + len(names) > fmt.MAX_INDEX_BYTES:
-                raise WriterError(f"index is {len(records) + len(names)} bytes, over the {fmt.MAX_INDEX_BYTES}-byte cap")
+            metadata = md.encode(self._metadata)
+            index = self._index()
             self._write_padding(fmt.align_up(self._position, self.alignment))
             index_offset = self._position
-            trailer = fmt.pack_trailer(
-                self._header, index_offset, len(self._records), len(names), len(metadata),
-                crc32c(records + names), crc32c(metadata), crc32c,
-            )
-            self._file.write(records + names + metadata + trailer)
+            names_size = self._index_size - fmt.RECORD_SIZE * len(self._offsets)
+            trailer = fmt.pack_trailer(self._header, index_offset, len(self._offsets), names_size, len(metadata),
+                                       crc32c(index), crc32c(metadata), crc32c)
+            self._file.write(index + metadata + trailer)
             self._file.flush()
-            os.fchmod(self._file.fileno(), 0o666 & ~_umask())
             if self.durable:
                 os.fsync(self._file.fileno())
             self._file.close()
-            os.replace(self._tmp_path, self.path)
+            atomic.rename_over(self._tmp_path, self.path)
             self._done = True
         except BaseException:
             self.abort()
             raise
         if self.durable:
-            _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+            _fsync_directory(os.path.dirname(atomic.target_of(self.path)))
 
     def abort(self) -> None:
-        """Drop everything written so far; the final path is left untouched."""
+        """Drop everything written so far; the final path is left untouched. Never raises."""
         self._done = True
-        self._file.close()
-        if os.path.exists(self._tmp_path):
-            os.unlink(self._tmp_path)
+        try:
+            self._file.close()
+        except Exception:        # a flush that fails again (a full disk): the descriptor is closed all the same
+            pass
+        finally:
+            atomic.remove(self._tmp_path)
 
     def __enter__(self) -> "Writer":
         return self
@@ -211,12 +259,6 @@ class Writer:
             self.commit()
         else:
             self.abort()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _fsync_directory(directory: str) -> None:

@@ -46,7 +46,10 @@ import numpy as np
 import kdtr_format
 from kdtr_format import DDTreeConfig, ModelConfig
 
+from kdtr_format.precision import bf16_bounds
+
 from . import __version__
+from .bf16 import bf16_weights, routing_tensors
 from .decode import ARResult, Round, ar_greedy, ddtree_decode
 from .drafters import OracleDrafter, RandomDrafter, TargetDrafter
 from .model import KVCache, Model
@@ -143,22 +146,33 @@ DEFAULT_PLAN = FixturePlan(
 )
 
 
-def tolerances(logit_scale: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Per tensor kind (docs/fixtures.md), for float32 and for bf16 engines:
+# The bf16 cases (docs/fixtures.md "bf16 cases"): short prompts, so that many rows are out of
+# reach of every routing near-tie and checked at the rounding tolerance.
+BF16_PLAN = FixturePlan(
+    prompt_lengths=(4, 7, 10),
+    ar_new_tokens=10,
+    traces=(
+        TraceSpec("t0", 0, "oracle", 0.9, DDTreeConfig(block_size=4, budget=8), 10),
+        TraceSpec("t1", 1, "oracle", 0.6, DDTreeConfig(block_size=6, budget=16), 8),
+        TraceSpec("t2", 2, "random", None, DDTreeConfig(block_size=3, budget=6), 6),
+        TraceSpec("t3", 0, "oracle", 1.0, DDTreeConfig(block_size=8, budget=12), 10),
+    ),
+)
+
+
+def tolerances(logit_scale: float) -> dict[str, Any]:
+    """Per tensor kind (docs/fixtures.md), for float32 engines:
     |actual - expected| <= atol + rtol * |expected|.
 
     logits: prefill_logits, verify_logits (margin_threshold exceeds twice the
     float32 tolerance, so an error inside it cannot flip a decision above the
     threshold); logprobs: topk_lp; scores: tree scores (bit-exact when built from
     the fixture's topk_lp; the tolerance covers top-k recomputed from draft logits).
+    The bf16 cases' logits tolerance is kdtr_format.precision's.
     """
-    f32 = {"logits": {"rtol": 1e-5, "atol": 1e-4 * logit_scale},
-           "logprobs": {"rtol": 0.0, "atol": 1e-5},
-           "scores": {"rtol": 0.0, "atol": 1e-4}}
-    bf16 = {"logits": {"rtol": 2e-2, "atol": 5e-2 * logit_scale},
-            "logprobs": {"rtol": 0.0, "atol": 5e-2},
-            "scores": {"rtol": 0.0, "atol": 5e-1}}
-    return f32, bf16
+    return {"logits": {"rtol": 1e-5, "atol": 1e-4 * logit_scale},
+            "logprobs": {"rtol": 0.0, "atol": 1e-5},
+            "scores": {"rtol": 0.0, "atol": 1e-4}}
 
 
 # ---------------------------------------------------------------------------- near-tie measures
@@ -220,13 +234,43 @@ def check_plan(cfg: ModelConfig, plan: FixturePlan) -> None:
 
 
 def model_fixture(cfg: ModelConfig, preset: str, seed: int = 0, plan: FixturePlan = DEFAULT_PLAN,
-                  progress: Progress | None = None, source: str = "preset") -> Fixture:
+                  progress: Progress | None = None, source: str = "preset",
+                  weights: Mapping[str, np.ndarray] | None = None,
+                  bf16_plan: FixturePlan | None = BF16_PLAN) -> Fixture:
     """The model fixture of `cfg` named `preset` from `seed`: weights, prompts, AR
-    runs and DDTree traces as docs/fixtures.md lays them out. `source` says where
-    the config came from: "preset" (kdtr_format.PRESETS) or "config-file"."""
+    runs and DDTree traces as docs/fixtures.md lays them out, and the bf16 cases
+    (`bf16/...`: `bf16_plan` on the same weights rounded to bf16; None: none). `source`
+    says where the config came from: "preset" (kdtr_format.PRESETS), "config-file", or
+    "checkpoint" (then `weights` are the checkpoint's, else `init_weights(cfg, seed)`)."""
     step = progress or (lambda steps: None)
     check_plan(cfg, plan)
-    weights = init_weights(cfg, seed)
+    if bf16_plan is not None:
+        check_plan(cfg, bf16_plan)
+    weights = init_weights(cfg, seed) if weights is None else weights
+    tensors, metadata = _cases(cfg, weights, seed, plan, step)
+    cases, metadata["sample_cases"] = sample_cases(cfg.vocab_size)
+    tensors.update(cases)
+    if bf16_plan is not None:
+        bf16_tensors, bf16_metadata = _cases(cfg, bf16_weights(weights), seed, bf16_plan, lambda steps: None,
+                                             bf16=True)
+        tensors.update({f"bf16/{name}": array for name, array in bf16_tensors.items()})
+        metadata["bf16"] = {"weights_dtype": "bfloat16", **bf16_metadata}
+    metadata = {
+        "kdtree_fixture": FIXTURE_FORMAT,
+        "kind": "model",
+        "preset": preset,
+        "source": source,
+        "config": cfg.to_dict(),
+        "generator": generator_info(seed),
+        **metadata,
+    }
+    return Fixture(tensors, metadata)
+
+
+def _cases(cfg: ModelConfig, weights: Mapping[str, np.ndarray], seed: int, plan: FixturePlan, step: Progress,
+           bf16: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One set of cases on `weights`: tensors and metadata (docs/fixtures.md). bf16 adds the
+    reference's routing of every compared row and the bf16 bounds (kdtr_format.precision)."""
     model = Model(cfg, weights)
     probe = np.random.default_rng(sub_seed(seed, _PROBE, 0, 0)).integers(
         0, cfg.vocab_size, size=PROBE_LENGTH, dtype=np.int64)
@@ -243,18 +287,8 @@ def model_fixture(cfg: ModelConfig, preset: str, seed: int = 0, plan: FixturePla
         traces.extend(block.traces)
         margins.append(block.min_margin)
 
-    cases, cases_meta = sample_cases(cfg.vocab_size)
-    tensors.update(cases)
-    f32, bf16 = tolerances(logit_scale)
     metadata = {
-        "kdtree_fixture": FIXTURE_FORMAT,
-        "kind": "model",
-        "preset": preset,
-        "source": source,
-        "config": cfg.to_dict(),
-        "generator": generator_info(seed),
-        "tolerances": f32,
-        "tolerances_bf16": bf16,
+        "tolerances": tolerances(logit_scale),
         "logit_scale": logit_scale,
         "margin_threshold": threshold,
         "min_margin": min(margins),
@@ -263,9 +297,25 @@ def model_fixture(cfg: ModelConfig, preset: str, seed: int = 0, plan: FixturePla
                                   *(t["min_topk_boundary_gap"] for t in traces)),
         "prompts": prompts,
         "traces": sorted(traces, key=lambda t: t["name"]),
-        "sample_cases": cases_meta,
     }
-    return Fixture(tensors, metadata)
+    if bf16:
+        for p in prompts:
+            tensors.update(routing_tensors(model, tensors, p["name"], [t for t in traces if t["prompt"] == p["name"]]))
+        metadata.update(_bf16_bounds(cfg, tensors, logit_scale))
+    return tensors, metadata
+
+
+def _bf16_bounds(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], logit_scale: float) -> dict[str, Any]:
+    """The bf16 cases' tolerances and thresholds, and how many of their routing decisions are near-ties."""
+    logits = [t for name, t in tensors.items() if name.endswith(("prefill_logits", "verify_logits"))]
+    bounds = bf16_bounds(logit_scale, cfg.num_hidden_layers, max(float(np.abs(t).max()) for t in logits))
+    margins = np.concatenate([t.reshape(-1) for name, t in tensors.items() if name.endswith("router_margins")])
+    return {"tolerances_bf16": {**tolerances(logit_scale),
+                                "logits": {"rtol": bounds.logits_rtol, "atol": bounds.logits_atol}},
+            "bf16_margin_threshold": bounds.margin_threshold,
+            "routing_threshold": bounds.routing_threshold,
+            "routing_decisions": len(margins),
+            "routing_near_ties": int((margins < bounds.routing_threshold).sum())}
 
 
 def _prompt_block(model: Model, plan: FixturePlan, seed: int, index: int, threshold: float,
@@ -401,29 +451,46 @@ def _round_tensors(prefix: str, r: Round) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------------------- files
 
-def _little_endian_bytes(array: np.ndarray) -> bytes:
+def _little_endian_bytes(array: np.ndarray) -> memoryview:
+    """The array's little-endian C-order bytes (a view when it is already so laid out)."""
     array = np.ascontiguousarray(array)
-    return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+    return memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8))
+
+
+def _metadata_digest(metadata: Mapping[str, Any]) -> Any:
+    """sha256 fed with the canonical metadata JSON (content_hash removed)."""
+    digest = hashlib.sha256()
+    body = {k: v for k, v in metadata.items() if k != "content_hash"}
+    digest.update(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                             allow_nan=False).encode("ascii"))
+    return digest
+
+
+def _sorted_names(tensors: Mapping[str, np.ndarray]) -> list[str]:
+    return sorted(tensors, key=lambda n: n.encode("utf-8"))
 
 
 def content_hash(metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> str:
     """sha256 hex of the canonical metadata JSON (content_hash removed, keys sorted,
     no spaces, ASCII) followed by every tensor's little-endian C-order bytes in
     name order (sorted by UTF-8 bytes)."""
-    digest = hashlib.sha256()
-    body = {k: v for k, v in metadata.items() if k != "content_hash"}
-    digest.update(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                             allow_nan=False).encode("ascii"))
-    for name in sorted(tensors, key=lambda n: n.encode("utf-8")):
+    digest = _metadata_digest(metadata)
+    for name in _sorted_names(tensors):
         digest.update(_little_endian_bytes(np.asarray(tensors[name])))
     return digest.hexdigest()
 
 
 def write_fixture(path: str | os.PathLike, fixture: Fixture) -> None:
-    """Write a fixture atomically (tensors in name order), content_hash added."""
-    names = sorted(fixture.tensors, key=lambda n: n.encode("utf-8"))
-    metadata = {**fixture.metadata, "content_hash": content_hash(fixture.metadata, fixture.tensors)}
-    kdtr_format.write(path, {name: fixture.tensors[name] for name in names}, metadata)
+    """Write a fixture atomically (tensors in name order), content_hash added. Each tensor
+    is read from `fixture.tensors` once, hashed and written, so a mapping that makes its
+    tensors on demand keeps one in memory at a time."""
+    digest = _metadata_digest(fixture.metadata)
+    with kdtr_format.Writer(path, metadata=fixture.metadata) as writer:
+        for name in _sorted_names(fixture.tensors):
+            array = np.asarray(fixture.tensors[name])
+            digest.update(_little_endian_bytes(array))
+            writer.add(name, array)
+        writer.metadata = {**fixture.metadata, "content_hash": digest.hexdigest()}
 
 
 def stored_hash_problem(reader: Any) -> str | None:

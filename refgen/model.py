@@ -5,7 +5,11 @@ serves prefill, autoregressive decode and tree verify: it takes the new tokens,
 their positions, a visibility mask over every cache slot up to the last new
 token, and the cache slot where the first new token goes.
 
-Everything runs in float64 from float32-stored weights. Shapes: n new tokens,
+Everything runs in float64 from the stored weights (float32, or the bf16 / float16 /
+float32 a checkpoint holds; widening is exact): `Float64Weights` widens small
+tensors once and large ones (K2-sized projections, experts, embedding, head) where
+they are used, a block of rows at a time, so memory stays that of the stored form
+(the numbers: those of widening up front, to BLAS rounding). Shapes: n new tokens,
 S = start + n keys, D hidden, H heads, R = kv_lora_rank, dn / dr / dv the nope /
 rope / value head dims, E routed experts, k experts per token, V vocab.
 """
@@ -14,8 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from kdtr_format import ModelConfig
@@ -146,6 +151,25 @@ def _check_visibility(visibility: np.ndarray, shape: tuple[int, int]) -> None:
         raise ValueError(f"visibility: row {blind[0]} sees no key")
 
 
+def _selection(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray,
+               bias: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """-> scores s [n, E], the selection scores [n, E] (s + bias, dropped groups -inf) and the
+    group scores [n, G] (None without groups); see `route`."""
+    x, gate, bias = (np.asarray(a, dtype=np.float64) for a in (x, gate, bias))
+    n = x.shape[0]
+    E, G = cfg.n_routed_experts, cfg.n_group
+    s = np.exp(-np.logaddexp(0.0, -(x @ gate.T)))
+    s_sel = s + bias
+    if G == 1:
+        return s, s_sel, None
+    grouped = s_sel.reshape(n, G, E // G)
+    group_score = -np.sort(-grouped, axis=-1)[..., :2].sum(axis=-1)
+    kept = np.argsort(-group_score, axis=-1, kind="stable")[:, :cfg.topk_group]
+    keep = np.zeros((n, G), dtype=bool)
+    np.put_along_axis(keep, kept, True, axis=-1)
+    return s, np.where(keep[:, :, None], grouped, -np.inf).reshape(n, E), group_score
+
+
 def route(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray,
           bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sigmoid noaux_tc routing. x [n, D], gate [E, D], bias [E] -> idx [n, k] int64,
@@ -157,29 +181,41 @@ def route(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray,
     the lower index; groups likewise), in descending order. weight = s[idx],
     divided by its sum when norm_topk_prob, times routed_scaling_factor.
     """
-    x, gate, bias = (np.asarray(a, dtype=np.float64) for a in (x, gate, bias))
-    n = x.shape[0]
-    E, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
-    s = np.exp(-np.logaddexp(0.0, -(x @ gate.T)))
-    s_sel = s + bias
-    if G > 1:
-        grouped = s_sel.reshape(n, G, E // G)
-        group_score = -np.sort(-grouped, axis=-1)[..., :2].sum(axis=-1)
-        kept = np.argsort(-group_score, axis=-1, kind="stable")[:, :cfg.topk_group]
-        keep = np.zeros((n, G), dtype=bool)
-        np.put_along_axis(keep, kept, True, axis=-1)
-        s_sel = np.where(keep[:, :, None], grouped, -np.inf).reshape(n, E)
-    idx = np.argsort(-s_sel, axis=-1, kind="stable")[:, :k]
+    s, s_sel, _ = _selection(cfg, x, gate, bias)
+    idx = np.argsort(-s_sel, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]
     weight = np.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob:
         weight = weight / weight.sum(axis=-1, keepdims=True)
     return idx.astype(np.int64), weight * cfg.routed_scaling_factor
 
 
-def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """x [n, D], w_gate / w_up [I, D], w_down [D, I] -> [n, D]: W_down (silu(W_gate x) * W_up x)."""
-    g = x @ w_gate.T
-    return (g / (1.0 + np.exp(-g)) * (x @ w_up.T)) @ w_down.T
+def router_margins(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """x [n, D] -> [n] float64: how far each token's routing is from changing, the smallest
+    of the gap between the k-th and (k+1)-th selection score among the kept groups and, with
+    n_group > 1, the gap between the topk_group-th and next group score (inf when no
+    such pair exists). A rounding error below half of it cannot change the chosen experts."""
+    _, s_sel, group_score = _selection(cfg, x, gate, bias)
+    k = cfg.num_experts_per_tok
+    margins = _boundary_gap(s_sel, k)
+    if group_score is not None:
+        margins = np.minimum(margins, _boundary_gap(group_score, cfg.topk_group))
+    return margins
+
+
+def _boundary_gap(values: np.ndarray, k: int) -> np.ndarray:
+    """[n, m] -> [n]: the k-th largest minus the (k+1)-th (inf when there is no finite (k+1)-th)."""
+    if values.shape[1] <= k:
+        return np.full(len(values), np.inf)
+    top = -np.sort(-values, axis=-1)
+    gap = top[:, k - 1] - top[:, k]
+    return np.where(np.isfinite(top[:, k]), gap, np.inf)
+
+
+def swiglu(x: np.ndarray, project: Callable[[np.ndarray, str], np.ndarray]) -> np.ndarray:
+    """x [n, D] -> [n, D]: W_down (silu(W_gate x) * W_up x), w_gate / w_up [I, D], w_down [D, I],
+    where project(v, "w_gate") = v @ w_gate.T (and so for "w_up", "w_down")."""
+    g = project(x, "w_gate")
+    return project(g / (1.0 + np.exp(-g)) * project(x, "w_up"), "w_down")
 
 
 def causal_visibility(n: int, start: int) -> np.ndarray:
@@ -210,15 +246,68 @@ class KVCache:
         return self.c_kv[0].shape[0]
 
 
+# ---------------------------------------------------------------------------- weights
+
+WIDEN_ONCE = 1 << 24            # tensors up to this many elements (128 MiB in float64) are widened once
+SCRATCH_ELEMENTS = 1 << 24      # `project` widens a larger one into a scratch block of this size
+NARROW = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16))
+
+
+class Float64Weights:
+    """Weights as the reference reads them, always float64. A tensor of at most `widen_once`
+    elements is widened once; a larger one of a narrow float dtype stays as given (a
+    memory map, say) and is widened where it is used: by rows (`rows`, an embedding row or
+    an expert), or a block of rows at a time into one reused scratch block (`project`,
+    every matrix product with it). Widening is exact, so `rows` and `w[name]` give the
+    numbers of widening up front bit for bit; a product by blocks differs from the whole
+    product only as BLAS rounds blocks of other shapes (about 1e-15 relative, inside a
+    regeneration's 1e-12). Tensors within `widen_once` take the whole-product path, so the
+    committed presets' fixtures are unchanged."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], widen_once: int = WIDEN_ONCE) -> None:
+        self._stored = {}
+        for name, value in weights.items():
+            value = np.asarray(value)
+            large = value.size > widen_once and value.dtype in NARROW
+            self._stored[name] = value if large else np.asarray(value, dtype=np.float64)
+        self._scratch: np.ndarray | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(self._stored[name], dtype=np.float64)
+
+    def rows(self, name: str, index) -> np.ndarray:
+        """w[name][index] in float64 (an embedding row, one expert of a stacked tensor)."""
+        return np.asarray(self._stored[name][index], dtype=np.float64)
+
+    def project(self, x: np.ndarray, name: str, index: int | None = None) -> np.ndarray:
+        """x [n, d], W = w[name] (or w[name][index]) [m, d] -> x @ W.T [n, m]."""
+        w = self._stored[name] if index is None else self._stored[name][index]
+        if w.dtype == np.float64:
+            return x @ w.T
+        if self._scratch is None:
+            self._scratch = np.empty(SCRATCH_ELEMENTS)
+        m, d = w.shape
+        step = max(1, min(m, self._scratch.size // d))
+        out = np.empty((x.shape[0], m))
+        for r in range(0, m, step):
+            block = self._scratch[:min(step, m - r) * d].reshape(-1, d)
+            np.copyto(block, w[r:r + len(block)], casting="unsafe")
+            out[:, r:r + len(block)] = x @ block.T
+        return out
+
+
 # ---------------------------------------------------------------------------- model
 
 class Model:
     """The reference model. `attention` picks the MLA form: "absorbed" (what engines
     run: queries folded into the latent space) or "naive" (keys and values expanded
-    per head); the two agree to rounding."""
+    per head); the two agree to rounding. `capture`, None by default, is called as
+    capture("ffn_in", layer, y) with every layer's FFN input y [n, D] (the normed
+    residual; bf16 fixtures take the router margins from it)."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray],
-                 attention: Attention = "absorbed") -> None:
+                 attention: Attention = "absorbed", widen_once: int = WIDEN_ONCE,
+                 capture: Callable[[str, int, np.ndarray], None] | None = None) -> None:
         if attention not in ("absorbed", "naive"):
             raise ValueError(f"attention: must be 'absorbed' or 'naive', got {attention!r}")
         shapes = weight_shapes(cfg)
@@ -234,7 +323,8 @@ class Model:
                                  f"expected {shape}")
         self.cfg = cfg
         self.attention = attention
-        self.w = {name: np.asarray(weights[name], dtype=np.float64) for name in shapes}
+        self.capture = capture
+        self.w = Float64Weights({name: weights[name] for name in shapes}, widen_once)
         self.scale = softmax_scale(cfg)
         H, dn, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)
@@ -255,7 +345,7 @@ class Model:
         (one token, all slots visible) and tree verify (ancestors only) are all this.
         """
         hidden = self.hidden_states(tokens, positions, visibility, cache, start)[-1]
-        return rms_norm(hidden, self.w["norm"], self.cfg.rms_norm_eps) @ self.w["lm_head"].T
+        return self.w.project(rms_norm(hidden, self.w["norm"], self.cfg.rms_norm_eps), "lm_head")
 
     def prefill(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         """tokens [m] -> logits [m, V]: causal, positions 0 .. m-1, cache slots 0 .. m-1."""
@@ -267,7 +357,7 @@ class Model:
         """Same inputs and cache writes as `forward` -> the residual stream [n, D] after
         the embedding and after each layer (num_hidden_layers + 1 arrays)."""
         tokens, positions = self._check_inputs(tokens, positions, visibility, cache, start)
-        x = self.w["embed_tokens"][tokens]
+        x = self.w.rows("embed_tokens", tokens)
         stream = [x]
         for i in range(self.cfg.num_hidden_layers):
             x = self._layer(i, x, positions, visibility, cache, start)
@@ -283,9 +373,10 @@ class Model:
         h = x + self._attention(i, rms_norm(x, self.w[p + "input_layernorm"], eps),
                                 positions, visibility, cache, start)
         y = rms_norm(h, self.w[p + "post_attention_layernorm"], eps)
+        if self.capture is not None:
+            self.capture("ffn_in", i, y)
         if self.cfg.is_dense_layer(i):
-            return h + swiglu(y, self.w[p + "mlp.w_gate"], self.w[p + "mlp.w_up"],
-                              self.w[p + "mlp.w_down"])
+            return h + swiglu(y, lambda v, name: self.w.project(v, p + "mlp." + name))
         return h + self._moe(i, y)
 
     def _attention(self, i: int, x: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
@@ -294,13 +385,14 @@ class Model:
         cfg, w, p = self.cfg, self.w, f"layers.{i}.attn."
         n, H, dn, R = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
-            q = x @ w[p + "wq"].T
+            q = w.project(x, p + "wq")
         else:
-            q = rms_norm(x @ w[p + "wq_a"].T, w[p + "q_a_norm"], cfg.latent_norm_eps) @ w[p + "wq_b"].T
+            q = w.project(rms_norm(w.project(x, p + "wq_a"), w[p + "q_a_norm"], cfg.latent_norm_eps),
+                          p + "wq_b")
         q = q.reshape(n, H, cfg.qk_head_dim)
         q_nope = q[..., :dn]                                                   # [n, H, dn]
         q_pe = apply_rope(q[..., dn:].transpose(1, 0, 2), positions, cfg).transpose(1, 0, 2)
-        kv_a = x @ w[p + "wkv_a"].T                                            # [n, R + dr]
+        kv_a = w.project(x, p + "wkv_a")                                       # [n, R + dr]
         cache.c_kv[i][start:start + n] = rms_norm(kv_a[:, :R], w[p + "kv_a_norm"],
                                                   cfg.latent_norm_eps)
         cache.k_pe[i][start:start + n] = apply_rope(kv_a[:, R:], positions, cfg)
@@ -316,7 +408,7 @@ class Model:
             scores = (q_nope.transpose(1, 0, 2) @ k_nope).transpose(1, 0, 2) + q_pe @ k_pe.T
             probs, _ = _masked_softmax(scores * self.scale, visibility)        # [n, H, S]
             o = (probs.transpose(1, 0, 2) @ v).transpose(1, 0, 2)              # [n, H, dv]
-        return o.reshape(n, -1) @ w[p + "wo"].T
+        return w.project(o.reshape(n, -1), p + "wo")
 
     def _moe(self, i: int, x: np.ndarray) -> np.ndarray:
         """x [n, D] (normed) -> [n, D]: sum_k weight_k Expert_idx_k(x) + SharedExpert(x)."""
@@ -326,10 +418,9 @@ class Model:
         for e in np.unique(idx):
             rows, slot = np.nonzero(idx == e)          # each expert at most once per token
             out[rows] += weight[rows, slot, None] * swiglu(
-                x[rows], w[p + "experts.w_gate"][e], w[p + "experts.w_up"][e],
-                w[p + "experts.w_down"][e])
+                x[rows], lambda v, name: w.project(v, p + "experts." + name, e))
         if self.cfg.n_shared_experts > 0:
-            out += swiglu(x, w[p + "shared.w_gate"], w[p + "shared.w_up"], w[p + "shared.w_down"])
+            out += swiglu(x, lambda v, name: w.project(v, p + "shared." + name))
         return out
 
     # -------------------------------------------------------------- input checks

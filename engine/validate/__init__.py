@@ -34,9 +34,15 @@ checks into "skipped (not implemented by adapter)"; a required capability
 it implements) that is skipped or that no fixture exercised is a FAIL. The
 report fails when any row is FAIL or when no row ran.
 
+`validate(..., dtype="bfloat16")` tells the adapter its dtype (`set_dtype`) and
+checks the model fixtures' bf16 cases in the bf16 regime: tolerances and near-tie
+thresholds from the measured bf16 error model, and routing flips told apart from
+routing bugs (regime.py, docs/precision.md). Every row names its regime.
+
 Modules, one job each: `protocol` (what an adapter implements, each method's
 outputs, capability declarations), `checked` (the checking proxy), `report`
-(rows, the report, JSON), `compare` (one comparison -> one row), `fixtures`
+(rows, the report, JSON), `compare` (one comparison -> one row), `regime` (how a
+dtype judges rows, the routing watch), `fixtures`
 (finding them), `model_checks`, `kernel_checks` and `invariant` (the sections
 above), `deviations` (what an adapter declares about where it differs from the
 reference, noted on the rows it affects), `runner` (all of them in order, then

@@ -66,10 +66,13 @@ def compare_close(section: str, name: str, actual: Any, expected: Any, rtol: flo
 
 
 def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins: Any,
-                   threshold: float, where: str = "", locate: Locate | None = None) -> Check:
+                   threshold: float, where: str = "", locate: Locate | None = None, tied: Any = None,
+                   sequence: bool = False) -> Check:
     """Token decisions, whole sequences: equal, or the divergence that decides the status
     (the worst by the reference's margin there), its margin in the margin column; the first
-    divergence described by `locate` when given."""
+    divergence described by `locate` when given. tied [decisions] bool: near-ties whatever
+    their margin (rows a routing flip reaches, in bf16). sequence: the tokens follow each
+    other, so only the first divergence is judged (the later ones follow another prefix)."""
     actual, expected = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
     at = f" ({where})" if where else ""
     n = min(len(actual), len(expected))
@@ -80,12 +83,15 @@ def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins:
                          detail=f"{len(actual)} tokens, expected {len(expected)}{at}")
         return Check(section, name, Status.EXACT)
     margins = np.asarray(margins, dtype=np.float64).reshape(-1)
-    statuses = [classify_divergence(float(margins[i]), threshold) for i in differ]
-    worst = max(range(len(differ)), key=lambda k: _SEVERITY[statuses[k]])
-    i = int(differ[worst])
+    tied = np.zeros(len(margins), dtype=bool) if tied is None else np.asarray(tied, dtype=bool).reshape(-1)
+    judged = differ[:1] if sequence else differ
+    statuses = [Status.NEAR_TIE if tied[i] else classify_divergence(float(margins[i]), threshold) for i in judged]
+    worst = max(range(len(judged)), key=lambda k: _SEVERITY[statuses[k]])
+    i = int(judged[worst])
     first = locate(int(differ[0])) if locate else f"at {int(differ[0])}"
+    routing = ", reached by a routing flip" if tied[i] else ""
     return Check(section, name, statuses[worst], margin=float(margins[i]), tolerance=threshold,
-                 detail=f"first divergence {first}; at {i}: got {actual[i]}, expected {expected[i]}{at}")
+                 detail=f"first divergence {first}; at {i}: got {actual[i]}, expected {expected[i]}{routing}{at}")
 
 
 def merge(section: str, name: str, checks: Iterable[Check], needs: Iterable[str] = ()) -> Check:
@@ -99,8 +105,9 @@ def merge(section: str, name: str, checks: Iterable[Check], needs: Iterable[str]
         telling = next(c for c in checks if c.status is status)
     else:
         telling = max(checks, key=lambda c: c.ratio)
+    regime = " | ".join(dict.fromkeys(c.regime for c in checks if c.regime))
     return Check(section, name, status, telling.error, telling.tolerance, telling.margin,
-                 telling.detail if status is not Status.EXACT else "", needs, dict(telling.tables))
+                 telling.detail if status is not Status.EXACT else "", needs, dict(telling.tables), regime=regime)
 
 
 def skipped(section: str, name: str, needs: Iterable[str] = ()) -> Check:

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from kdtr_format import PRESETS, DDTreeConfig, ModelConfig
+from kdtr_format.precision import bf16_bounds
 
 from ..adapter import TorchAdapter
 from ..decode import ar_decode, ddtree_decode
@@ -25,9 +26,10 @@ INVARIANT_ROWS = tuple(f"invariant DDTree == AR ({name})" for name in DRAFTERS)
 
 
 def invariant_checks(adapter: TorchAdapter, prompts: list[np.ndarray], threshold: float,
-                     section: str) -> list[Check]:
+                     section: str, regime: str = "") -> list[Check]:
     """DDTree greedy == AR greedy on the adapter's loaded weights and these prompts, per drafter.
-    A divergence is judged by AR's margin there against `threshold`."""
+    A divergence is judged by AR's margin there against `threshold` (the first divergence of
+    each request: the tokens after it follow another prefix); `regime` labels the rows."""
     model, stages, cfg = adapter.model, adapter.stages, adapter.model.cfg
     ar = ar_decode(model, prompts, INVARIANT_TOKENS, stages=stages)
     truth = [np.concatenate([p, r.tokens]) for p, r in zip(prompts, ar.requests)]
@@ -39,9 +41,11 @@ def invariant_checks(adapter: TorchAdapter, prompts: list[np.ndarray], threshold
     for name, row_name, drafter in zip(DRAFTERS, INVARIANT_ROWS, drafters):
         result = ddtree_decode(model, drafter, prompts, INVARIANT_DDTREE, INVARIANT_TOKENS, stages=stages,
                                record=True)
-        rows = [compare_tokens(section, name, got.tokens, want.tokens, want.margins, threshold, f"prompt {i}")
+        rows = [compare_tokens(section, name, got.tokens, want.tokens, want.margins, threshold, f"prompt {i}",
+                               sequence=True)
                 for i, (got, want) in enumerate(zip(result.requests, ar.requests))]
         check = merge(section, row_name, rows)
+        check.regime = regime
         forwards = (f"tau {result.metrics.mean_acceptance:.2f}, target forwards "
                     f"{result.metrics.target_forwards} vs AR {ar.metrics.target_forwards}")
         check.detail = f"{check.detail}; {forwards}" if check.detail else forwards
@@ -69,13 +73,21 @@ def random_weights(cfg: ModelConfig, seed: int = 0, device: str | torch.device =
 
 def preset_invariant_checks(adapter: TorchAdapter, preset: str) -> list[Check]:
     """The invariant for a preset without a model fixture: random weights and prompts;
-    near-tie threshold MARGIN_REL x the logits' standard deviation (as refgen's fixtures)."""
+    near-tie threshold MARGIN_REL x the logits' standard deviation (as refgen's fixtures),
+    or in bfloat16 the bf16 error model's margin threshold (kdtr_format.precision)."""
     cfg = PRESETS[preset]
     adapter.load_weights(cfg, random_weights(cfg, seed=0))
     generator = np.random.default_rng(0)
     prompts = [generator.integers(0, cfg.vocab_size, size=n) for n in (4, 9, 17)]
     probe = adapter.model.forward(*_causal_batch(prompts[-1], adapter.model.device), adapter.model.new_cache(1, 17))
-    return invariant_checks(adapter, prompts, MARGIN_REL * float(probe.double().std()), f"{preset} (random weights)")
+    scale = float(probe.double().std())
+    if adapter.model.dtype == torch.bfloat16:
+        threshold = bf16_bounds(scale, cfg.num_hidden_layers, float(probe.abs().max())).margin_threshold
+        regime = f"bf16: near-tie below margin {threshold:.2g}"
+    else:
+        threshold = MARGIN_REL * scale
+        regime = f"float32: near-tie below margin {threshold:.2g}"
+    return invariant_checks(adapter, prompts, threshold, f"{preset} (random weights)", regime)
 
 
 def _causal_batch(prompt: np.ndarray, device: torch.device) -> tuple[torch.Tensor, ...]:

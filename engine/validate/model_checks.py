@@ -24,10 +24,10 @@ from ..decode import DecodeResult, ar_decode, ddtree_decode
 from ..drafters import ReplayDrafter
 from .acceptance import engine_acceptance, with_acceptance
 from .checked import fault_into
-from .compare import _int, _words, compare_close, compare_exact, compare_tokens, compare_tree, merge, row, \
-    unpack_bits
+from .compare import _int, _words, compare_exact, compare_tree, merge, row, unpack_bits
 from .fixtures import model_fixture_config
 from .invariant import invariant_checks
+from .regime import Regime, RoutingWatch, reached_rows, sequence_reached
 from .report import Check, Status
 
 # The report's rows for a model fixture, and the adapter capabilities each needs.
@@ -50,17 +50,23 @@ ENGINE_AR, ENGINE_REPLAY = "engine AR decode (batched)", "engine DDTree replay (
 DIVERGE_HINT = "`kdtree diverge` finds the first op where verify and decode differ"
 
 
-def _model_fixture(adapter: Any, caps: set[str], reader, section: str, builtin: bool) -> list[Check]:
+def _model_fixture(adapter: Any, caps: set[str], reader, section: str, builtin: bool,
+                   dtype: str = "float32") -> list[Check]:
     cfg = model_fixture_config(reader, Path(section))
-    metadata = reader.metadata
-    fixture = _Fixture(reader, cfg, metadata["tolerances"], float(metadata["margin_threshold"]))
+    regime = Regime.of(reader.metadata, dtype)
+    if regime is None:
+        return [Check(section, f"{dtype} cases", Status.SKIPPED,
+                      detail=f"the fixture holds no {dtype} cases (regenerate it with `refgen generate`)")]
+    metadata = regime.metadata
+    fixture = _Fixture(reader, cfg, regime, exact=callable(getattr(adapter, "intermediates", None)))
     found: dict[str, list[Check]] = {name: [] for name in ROWS}
     model = "model" in caps
     if model:
         loading: list[Check] = []
+        prefix = regime.prefix + "weights/"
         with fault_into(loading, section, "model") as load:
-            adapter.load_weights(cfg, {name[len("weights/"):]: np.array(reader[name])
-                                       for name in reader.names("weights/")})
+            adapter.load_weights(cfg, {name[len(prefix):]: np.array(reader[name], dtype=np.float32)
+                                       for name in reader.names(prefix)})
         if load.fault:                 # no weights: every row that needs the model carries the fault
             for name, needs in ROWS.items():
                 if "model" in needs:
@@ -74,31 +80,65 @@ def _model_fixture(adapter: Any, caps: set[str], reader, section: str, builtin: 
     if "sample_accept" in caps:
         fixture.sample_case_checks(adapter, section, found["sample accept"])
     checks = [row(section, name, needs, caps, found[name]) for name, needs in ROWS.items()]
+    if regime.routing_threshold is not None and model:
+        checks.append(fixture.routing.check(section))
     if builtin:
         checks += fixture.engine_decode_checks(adapter, section)
         checks += invariant_checks(adapter, [fixture[f"prompts/{p['name']}/tokens"] for p in metadata["prompts"]],
-                                   fixture.threshold, section)
+                                   fixture.threshold, section, regime.label("tokens"))
     return checks
 
 
 class _Fixture:
-    """A model fixture's tensors, read lazily, and the checks over them."""
+    """A model fixture's cases for one regime (its tensors, read lazily) and the checks over them."""
 
-    def __init__(self, reader, cfg: ModelConfig, tolerances: Mapping[str, Any], threshold: float) -> None:
-        self.reader, self.cfg, self.tol, self.threshold = reader, cfg, tolerances, threshold
-        self.traces = reader.metadata["traces"]
+    def __init__(self, reader, cfg: ModelConfig, regime: Regime, exact: bool) -> None:
+        self.reader, self.cfg, self.regime = reader, cfg, regime
+        self.threshold = regime.margin_threshold
+        self.prompts, self.traces = regime.metadata["prompts"], regime.metadata["traces"]
+        self.routing = RoutingWatch(regime, cfg, exact)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return np.asarray(self.reader[name])
+        return np.asarray(self.reader[self.regime.prefix + name])
 
-    def close(self, section: str, name: str, actual, expected, kind: str, where: str, locate=None) -> Check:
-        rule = self.tol[kind]
-        return compare_close(section, name, actual, expected, rule["rtol"], rule["atol"], where, locate)
+    def close(self, section: str, name: str, actual, expected, kind: str, where: str, locate=None,
+              reached: np.ndarray | None = None) -> Check:
+        return self.regime.close(section, name, actual, expected, kind, where, locate, reached)
+
+    def tokens(self, section: str, name: str, actual, expected, margins, where: str, locate=None,
+               reached: np.ndarray | None = None, sequence: bool = False) -> Check:
+        return self.regime.tokens(section, name, actual, expected, margins, where, locate, reached, sequence)
+
+    def route(self, where: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The reference's routing of the rows at `where` (bf16 cases), else None."""
+        if self.regime.routing_threshold is None:
+            return None
+        return self[f"{where}/router_experts"], self[f"{where}/router_margins"]
+
+    def ar_reached(self, prompt: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The prompt's AR decisions a possible routing flip reaches [N], and the cached keys it
+        moved [m + N - 1] (every near-tie a suspect: the engine's own loops report no experts);
+        (None, None) outside bf16."""
+        if self.regime.routing_threshold is None:
+            return None, None
+        margins = np.concatenate([self[f"prompts/{prompt}/router_margins"][:-1],
+                                  self[f"prompts/{prompt}/ar/router_margins"]])
+        reached, taints = sequence_reached(margins, self.regime.routing_threshold, self.routing.reach)
+        return reached[len(self[f"prompts/{prompt}/tokens"]) - 1:], taints
+
+    def tree_reached(self, rp: str, taints: np.ndarray | None) -> np.ndarray | None:
+        """A round's nodes a possible routing flip reaches (bf16 cases), from the round's own routing and
+        the prompt's AR keys cached before it (`taints` of ar_reached)."""
+        if taints is None:
+            return None
+        visibility = unpack_bits(self[f"{rp}/visibility_bits"], len(self[f"{rp}/parents"]))
+        suspects = self[f"{rp}/router_margins"] < self.regime.routing_threshold
+        return reached_rows(suspects, self.routing.reach, visibility, bool(taints[:_int(self[f"{rp}/start"])].any()))[0]
 
     def max_len(self) -> int:
-        longest = max(p["length"] for p in self.reader.metadata["prompts"])
+        longest = max(p["length"] for p in self.prompts)
         most = max((t["max_new_tokens"] for t in self.traces), default=0)
-        ar_tokens = max(len(self[f"prompts/{p['name']}/ar/tokens"]) for p in self.reader.metadata["prompts"])
+        ar_tokens = max(len(self[f"prompts/{p['name']}/ar/tokens"]) for p in self.prompts)
         budget = max((t["ddtree"]["budget"] for t in self.traces), default=0)
         return longest + max(most, ar_tokens) + budget + 2
 
@@ -109,23 +149,30 @@ class _Fixture:
         m = len(prompt)
         with fault_into(found["prefill logits"], section, "prefill logits", f"prompt {name}") as prefill:
             adapter.reset(self.max_len())
-            logits = adapter.forward(prompt, np.arange(m), np.tri(m, dtype=bool), 0)
+            self.routing.reset()
+            logits, reached = self.routing.forward(adapter, prompt, np.arange(m), np.tri(m, dtype=bool), 0,
+                                                   self.route(f"prompts/{name}"), f"prompt {name} prefill")
             found["prefill logits"].append(self.close(section, "prefill logits", logits,
                                                       self[f"prompts/{name}/prefill_logits"], "logits",
-                                                      f"prompt {name}"))
+                                                      f"prompt {name}", reached=reached))
         if prefill.fault:
             return
         tokens = [int(np.argmax(logits[-1]))]
+        decisions = [reached is not None and bool(reached[-1])]        # reached by a routing flip
+        ar_route = self.route(f"prompts/{name}/ar")
         with fault_into(found["AR tokens"], section, "AR tokens", f"prompt {name}") as loop:
             while len(tokens) < len(expected) and tokens[-1] == expected[len(tokens) - 1]:
                 start = m + len(tokens) - 1
-                step = adapter.forward(np.array([tokens[-1]]), np.array([start]),
-                                       np.ones((1, start + 1), dtype=bool), start)
+                rows = None if ar_route is None else tuple(a[len(tokens):len(tokens) + 1] for a in ar_route)
+                step, reached = self.routing.forward(adapter, np.array([tokens[-1]]), np.array([start]),
+                                                     np.ones((1, start + 1), dtype=bool), start, rows,
+                                                     f"prompt {name} AR token {len(tokens)}")
                 tokens.append(int(np.argmax(step[-1])))
+                decisions.append(reached is not None and bool(reached[0]))
         if loop.fault:
             return
-        ar = compare_tokens(section, "AR tokens", tokens, expected[:len(tokens)],
-                            self[f"prompts/{name}/ar/margins"], self.threshold, f"prompt {name}")
+        ar = self.tokens(section, "AR tokens", tokens, expected[:len(tokens)], self[f"prompts/{name}/ar/margins"],
+                         f"prompt {name}", reached=np.array(decisions), sequence=True)
         if ar.status is Status.EXACT and len(tokens) != len(expected):
             ar = Check(section, "AR tokens", Status.FAIL, detail=f"prompt {name}: stopped early")
         found["AR tokens"].append(ar)
@@ -139,52 +186,60 @@ class _Fixture:
         sampled = temperature > 0
         commits = "sample_accept" if sampled else "accept"
         committed: list[int] | None = None            # the adapter's own: its first token, then its rounds
+        reached: list[bool] = []                       # per committed token: reached by a routing flip (bf16)
         if model:
-            model, first = self._first_token(adapter, caps, section, trace, found)
+            model, first, first_reached = self._first_token(adapter, caps, section, trace, found)
             committed = [first] if first is not None and commits in caps else None
+            reached.append(first_reached)
         for r in range(int(trace["rounds"])):
             rp, where = f"{prefix}/rounds/{r}", f"trace {name} round {r}"
             self._stage_checks(adapter, caps, section, rp, where, int(trace["ddtree"]["budget"]), temperature,
                                found)
             if not model:
                 continue
-            logits = self._verify(adapter, section, rp, where, found)
+            logits, nodes_reached = self._verify(adapter, section, rp, where, found)
             if logits is None:
                 model, committed = False, None
                 continue
-            commit = self._own_choices(adapter, caps, section, rp, where, logits, temperature, found)
+            commit = self._own_choices(adapter, caps, section, rp, where, logits, nodes_reached, temperature, found)
             if commit is None or committed is None:
                 committed = None
             else:
-                committed += commit
+                committed += commit[0]
+                reached += commit[1]
         if committed is not None:
             expected = self[f"{prefix}/tokens"]
             margins = self[f"{prefix}/margins"] if sampled else self[f"prompts/{trace['prompt']}/ar/margins"]
             rowname = "sampled DDTree tokens" if sampled else "DDTree tokens"
-            found[rowname].append(compare_tokens(section, rowname, committed[:len(expected)], expected, margins,
-                                                 self.threshold, f"trace {name}"))
+            found[rowname].append(self.tokens(section, rowname, committed[:len(expected)], expected, margins,
+                                              f"trace {name}", reached=np.array(reached[:len(expected)]),
+                                              sequence=True))
 
     def _first_token(self, adapter, caps: set[str], section: str, trace: Mapping[str, Any],
-                     found: dict[str, list[Check]]) -> tuple[bool, int | None]:
-        """The adapter's prefill of the trace's prompt -> (it ran, the first token): greedy, the
-        argmax; sampled, its sample_accept of the root-only tree with the trace's prefill uniform
-        (None without sample_accept, or when that faulted)."""
+                     found: dict[str, list[Check]]) -> tuple[bool, int | None, bool]:
+        """The adapter's prefill of the trace's prompt -> (it ran, the first token, whether a routing
+        flip reached its row): greedy, the argmax; sampled, its sample_accept of the root-only tree with
+        the trace's prefill uniform (None without sample_accept, or when that faulted)."""
         prompt = self[f"prompts/{trace['prompt']}/tokens"]
         m, where = len(prompt), f"trace {trace['name']} prefill"
         with fault_into(found["verify logits"], section, "verify logits", where) as prefill:
             adapter.reset(self.max_len())
-            last = adapter.forward(prompt, np.arange(m), np.tri(m, dtype=bool), 0)[-1:]
+            self.routing.reset()
+            logits, reached = self.routing.forward(adapter, prompt, np.arange(m), np.tri(m, dtype=bool), 0,
+                                                   self.route(f"prompts/{trace['prompt']}"), where)
+            last = logits[-1:]
         if prefill.fault:
-            return False, None
+            return False, None, False
+        last_reached = reached is not None and bool(reached[-1])
         temperature = float(trace["ddtree"].get("temperature", 0.0))
         if temperature == 0:
-            return True, int(np.argmax(last[0]))
+            return True, int(np.argmax(last[0])), last_reached
         if "sample_accept" not in caps:
-            return True, None
+            return True, None, last_reached
         with fault_into(found["sampled choices"], section, "sampled choices", where) as first:
             _, _, token = adapter.sample_accept(np.array([-1]), np.array([-1]), last.astype(np.float64), temperature,
                                                 self[f"traces/{trace['name']}/prefill_uniform"].reshape(1))
-        return True, None if first.fault else token
+        return True, None if first.fault else token, last_reached
 
     def _stage_checks(self, adapter, caps: set[str], section: str, rp: str, where: str, budget: int,
                       temperature: float, found: dict[str, list[Check]]) -> None:
@@ -225,42 +280,49 @@ class _Fixture:
                 compare_exact(section, "next root", next_root, _int(self[f"{rp}/next_root"]), where)]
 
     def _verify(self, adapter, section: str, rp: str, where: str,
-                found: dict[str, list[Check]]) -> np.ndarray | None:
+                found: dict[str, list[Check]]) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The round's tree verify through the adapter's forward, then the accepted path restated
         causally at slots start .. start + a - 1; both against the fixture's verify logits.
-        -> the verify logits [n+1, V], None when the forward faulted."""
+        -> (the verify logits [n+1, V], None when the forward faulted; the nodes a routing flip
+        reached [n+1], bf16 only)."""
         start, tokens, accepted = _int(self[f"{rp}/start"]), self[f"{rp}/tokens"], self[f"{rp}/accepted"]
         expected = self[f"{rp}/verify_logits"]
         n, a = len(tokens), len(accepted)
         with fault_into(found["verify logits"], section, "verify logits", where) as verify:
             visibility = np.concatenate([np.ones((n, start), dtype=bool),
                                          unpack_bits(self[f"{rp}/visibility_bits"], n)], axis=1)
-            logits = adapter.forward(tokens, self[f"{rp}/positions"], visibility, start)
+            route = self.route(rp)
+            logits, reached = self.routing.forward(adapter, tokens, self[f"{rp}/positions"], visibility, start,
+                                                   route, where, commit=False)
             node = _Nodes(self, rp)
             found["verify logits"].append(node.hinted(self.close(section, "verify logits", logits, expected, "logits",
-                                                                 where, lambda i: f"first wrong {node(i)}")))
-            restated = adapter.forward(tokens[accepted], start + np.arange(a),
-                                       np.concatenate([np.ones((a, start), dtype=bool), np.tri(a, dtype=bool)],
-                                                      axis=1), start)
+                                                                 where, lambda i: f"first wrong {node(i)}", reached)))
+            path_route = None if route is None else tuple(x[accepted] for x in route)
+            restated, restated_reached = self.routing.forward(
+                adapter, tokens[accepted], start + np.arange(a),
+                np.concatenate([np.ones((a, start), dtype=bool), np.tri(a, dtype=bool)], axis=1), start,
+                path_route, f"{where}, accepted path restated")
             node = _Nodes(self, rp)
             found["verify logits"].append(node.hinted(self.close(
                 section, "verify logits", restated, expected[accepted], "logits",
-                f"{where}, accepted path restated causally", lambda k: f"first wrong {node(int(accepted[k]))}")))
-        return None if verify.fault else logits
+                f"{where}, accepted path restated causally", lambda k: f"first wrong {node(int(accepted[k]))}",
+                restated_reached)))
+        return (None, None) if verify.fault else (logits, reached)
 
     def _own_choices(self, adapter, caps: set[str], section: str, rp: str, where: str, logits: np.ndarray,
-                     temperature: float, found: dict[str, list[Check]]) -> list[int] | None:
+                     reached: np.ndarray | None, temperature: float,
+                     found: dict[str, list[Check]]) -> tuple[list[int], list[bool]] | None:
         """The adapter's choices from its own verify logits (greedy: the argmax; sampled: its
         sample_accept with the fixture's uniforms) against the fixture's, and the tokens the
-        adapter commits with them. None when it cannot commit them itself."""
+        adapter commits with them, with whether a routing flip reached the node behind each
+        (`reached`, bf16). None when it cannot commit them itself."""
         parents, tokens = self[f"{rp}/parents"], self[f"{rp}/tokens"]
         expected, margins = self[f"{rp}/choices"], self[f"{rp}/margins"]
         node = _Nodes(self, rp)
         if temperature == 0:
             choices = np.argmax(logits, axis=-1)
-            found["target choices"].append(node.hinted(compare_tokens(section, "target choices", choices, expected,
-                                                                      margins, self.threshold, where,
-                                                                      lambda i: f"at {node(i)}")))
+            found["target choices"].append(node.hinted(self.tokens(section, "target choices", choices, expected,
+                                                                   margins, where, lambda i: f"at {node(i)}", reached)))
             if "accept" not in caps:
                 return None
             with fault_into(found["DDTree tokens"], section, "DDTree tokens", where) as walk:
@@ -271,38 +333,43 @@ class _Fixture:
             with fault_into(found["sampled choices"], section, "sampled choices", where) as walk:
                 choices, path, bonus = adapter.sample_accept(parents, tokens, logits.astype(np.float64), temperature,
                                                              self[f"{rp}/uniforms"])
-                found["sampled choices"].append(node.hinted(compare_tokens(section, "sampled choices", choices,
-                                                                           expected, margins, self.threshold, where,
-                                                                           lambda i: f"at {node(i)}")))
+                found["sampled choices"].append(node.hinted(self.tokens(section, "sampled choices", choices,
+                                                                        expected, margins, where,
+                                                                        lambda i: f"at {node(i)}", reached)))
         if walk.fault or len(path) == 0 or path.max(initial=0) >= len(tokens) or path.min(initial=0) < 0:
             return None
-        return [int(t) for t in tokens[path[1:]]] + [bonus]
+        flags = [reached is not None and bool(reached[i]) for i in path]     # the nodes behind the commits
+        return [int(t) for t in tokens[path[1:]]] + [bonus], flags
 
     def sample_case_checks(self, adapter, section: str, rows: list[Check]) -> None:
         """The fixture's adversarial sampling cases (uniform exactly 0, exactly on a CDF boundary,
         1 - 2^-53; tokens of probability 0 beside them): choices, accepted, next root exact."""
-        for case in self.reader.metadata.get("sample_cases", []):
-            p, where = f"sample_cases/{case['name']}/", f"case {case['name']}"
+        def case(name: str) -> np.ndarray:             # the cases are the fixture's, whatever the regime
+            return np.asarray(self.reader[name])
+
+        for spec in self.reader.metadata.get("sample_cases", []):
+            p, where = f"sample_cases/{spec['name']}/", f"case {spec['name']}"
             with fault_into(rows, section, "sample accept", where):
                 choices, accepted, next_root = adapter.sample_accept(
-                    self[p + "parents"], self[p + "tokens"], self[p + "logits"], float(case["temperature"]),
-                    self[p + "uniforms"])
-                rows += [compare_exact(section, "choices", choices, self[p + "choices"], where),
-                         compare_exact(section, "accepted", accepted, self[p + "accepted"], where),
-                         compare_exact(section, "next root", next_root, _int(self[p + "next_root"]), where)]
+                    case(p + "parents"), case(p + "tokens"), case(p + "logits"), float(spec["temperature"]),
+                    case(p + "uniforms"))
+                rows += [compare_exact(section, "choices", choices, case(p + "choices"), where),
+                         compare_exact(section, "accepted", accepted, case(p + "accepted"), where),
+                         compare_exact(section, "next root", next_root, _int(case(p + "next_root")), where)]
 
     def engine_decode_checks(self, adapter: TorchAdapter, section: str) -> list[Check]:
         """The built-in engine's own batched decode loops against the fixture; an exception
         in one is that row's FAIL."""
         model, stages = adapter.model, adapter.stages
-        prompts = [p["name"] for p in self.reader.metadata["prompts"]]
+        prompts = [p["name"] for p in self.prompts]
 
         def ar_rows() -> list[Check]:
             expected = [self[f"prompts/{p}/ar/tokens"] for p in prompts]
             ar = ar_decode(model, [self[f"prompts/{p}/tokens"] for p in prompts], [len(e) for e in expected],
                            stages=stages)
-            return [compare_tokens(section, "engine AR decode", got.tokens, want, self[f"prompts/{p}/ar/margins"],
-                                   self.threshold, f"prompt {p}") for p, got, want in zip(prompts, ar.requests, expected)]
+            return [self.tokens(section, "engine AR decode", got.tokens, want, self[f"prompts/{p}/ar/margins"],
+                                f"prompt {p}", reached=self.ar_reached(p)[0], sequence=True)
+                    for p, got, want in zip(prompts, ar.requests, expected)]
 
         greedy: list[DecodeResult] = []           # the greedy traces' own requests, for the acceptance table
 
@@ -343,10 +410,11 @@ class _Fixture:
             name = t["name"]
             margins = self[f"traces/{name}/margins"] if ddtree.temperature > 0 else \
                 self[f"prompts/{t['prompt']}/ar/margins"]
-            rows.append(compare_tokens(section, "tokens", request.tokens, self[f"traces/{name}/tokens"], margins,
-                                       self.threshold, f"trace {name}"))
-            rows.append(compare_exact(section, "acceptance lengths", request.acceptance_lengths,
-                                      self[f"traces/{name}/acceptance_lengths"], f"trace {name}"))
+            ar_reached, taints = self.ar_reached(t["prompt"])
+            trace_rows = [self.tokens(section, "tokens", request.tokens, self[f"traces/{name}/tokens"], margins,
+                                      f"trace {name}", reached=ar_reached, sequence=True)]
+            lengths = compare_exact(section, "acceptance lengths", request.acceptance_lengths,
+                                    self[f"traces/{name}/acceptance_lengths"], f"trace {name}")
             for r, got in enumerate(request.rounds[:t["rounds"]]):
                 rp, where = f"traces/{name}/rounds/{r}", f"trace {name} round {r}"
                 # The engine computed its own top-k from the draft logits here, and the contract lets
@@ -358,16 +426,23 @@ class _Fixture:
                                             where) for what in ("parents", "tokens", "depths", "accepted")]
                 round_rows += [
                     self.close(section, "scores", got.scores.numpy(), self[f"{rp}/scores"], "logprobs", where),
-                    compare_tokens(section, "choices", got.choices.numpy(), self[f"{rp}/choices"],
-                                   self[f"{rp}/margins"], self.threshold, where),
+                    self.tokens(section, "choices", got.choices.numpy(), self[f"{rp}/choices"],
+                                self[f"{rp}/margins"], where, reached=self.tree_reached(rp, taints)),
                     compare_exact(section, "next root", got.next_root, _int(self[f"{rp}/next_root"]), where)]
-                rows += replayed_round(round_rows, tree_rows=3,
-                                       same_topk=np.array_equal(got.topk_lp.numpy(), self[f"{rp}/topk_lp"]))
+                round_rows = replayed_round(round_rows, tree_rows=3,
+                                            same_topk=np.array_equal(got.topk_lp.numpy(), self[f"{rp}/topk_lp"]))
+                choices_tied = any(row.name == "choices" and row.status is Status.NEAR_TIE for row in round_rows)
+                trace_rows += follow_near_tie(round_rows, choices_tied, ("accepted", "next root"))
+                if any(row.status is Status.NEAR_TIE for row in round_rows):
+                    break                       # the request left the recorded path: later rounds are not comparable
+            tied = any(row.status is Status.NEAR_TIE for row in trace_rows)
+            rows += trace_rows + follow_near_tie([lengths], tied, ("acceptance lengths",))
         beside = ", ".join(t["name"] for t in traces)
         for p, request in zip(companions, result.requests[len(traces):]):
-            rows.append(compare_tokens(section, "tokens", request.tokens, self[f"prompts/{p}/ar/tokens"],
-                                       self[f"prompts/{p}/ar/margins"], self.threshold,
-                                       f"prompt {p} with flat drafts, batched with trace {beside}"))
+            rows.append(self.tokens(section, "tokens", request.tokens, self[f"prompts/{p}/ar/tokens"],
+                                    self[f"prompts/{p}/ar/margins"],
+                                    f"prompt {p} with flat drafts, batched with trace {beside}",
+                                    reached=self.ar_reached(p)[0], sequence=True))
         return rows, result
 
     def _uniforms(self, traces: list[Mapping[str, Any]], width: int) -> list[torch.Tensor]:
@@ -424,6 +499,16 @@ class _Nodes:
                 "position": int(f[f"{self.rp}/positions"][i]), "parents": f[f"{self.rp}/parents"].tolist(),
                 "accepted": f[f"{self.rp}/accepted"].tolist()}
         return dataclasses.replace(check, detail=f"{check.detail}; {DIVERGE_HINT}", tables=tables)
+
+
+def follow_near_tie(rows: list[Check], tied: bool, names: tuple[str, ...]) -> list[Check]:
+    """When `tied` (a near-tie decided what these rows depend on: a round's choices for its accept
+    path and next root, any of a trace's decisions for its acceptance lengths), the FAIL rows of
+    `names` are near-ties: they follow the near-tie, they do not add a failure of their own."""
+    if not tied:
+        return rows
+    return [dataclasses.replace(row, status=Status.NEAR_TIE, detail=f"{row.detail}; follows a near-tie decision")
+            if row.status is Status.FAIL and row.name in names else row for row in rows]
 
 
 def replayed_round(rows: list[Check], tree_rows: int, same_topk: bool) -> list[Check]:

@@ -38,6 +38,23 @@ R kv_lora, dr d_rope, a accepted nodes):
 - known deviations (optional, any adapter): ``deviations() -> list[Deviation]``, where the
   engine differs from the reference on purpose; noted on the rows named, never changing a
   verdict (deviations.py).
+- intermediates (optional, any adapter with a model): ``intermediates(tokens, positions,
+  visibility, start) -> dict[str, array]``: everything `forward` does (the same cache
+  writes), returning per new token the values at the capture points (engine/model.py
+  CAPTURE_POINTS), keyed ``"layers.{i}.{point}"`` ([n, ...], one row per token: attn_input,
+  q_lat, c_kv, k_pe, o_lat, attn_output, attn_residual, router_scores, experts (int, [n, k]),
+  ffn_output, layer_output) and ``"logits"`` [n, V], in the compute dtype (bfloat16 as
+  ml_dtypes.bfloat16); optionally ``"layers.{i}.expert_counts"`` [E] (rows each expert
+  computed in this call). Any subset of points may be given; ``logits`` is required.
+  `kdtree diverge` compares them point by point; `kdtree validate --dtype bfloat16` reads
+  ``logits`` and ``layers.{i}.experts`` to tell routing flips at a near-tie from routing
+  bugs (docs/precision.md).
+- precision (optional): ``set_dtype(dtype: str)`` with "float32" or "bfloat16", called once
+  before `load_weights` whenever the adapter defines it: the adapter computes in that dtype
+  from then on (weights still arrive as float32 arrays; for the bf16 cases they hold bf16
+  values exactly). `kdtree validate --dtype bfloat16` needs it; an adapter that cannot
+  compute in the dtype raises ValueError (reported as one line). Without it an adapter is
+  validated in float32.
 
 Declaring capabilities. An adapter may say what it implements with a
 ``capabilities`` attribute (a collection of the names above); validate then
@@ -182,6 +199,11 @@ class EngineAdapter(Protocol):
 
     def attention(self, q_lat: np.ndarray, q_pe: np.ndarray, c_kv: np.ndarray, k_pe: np.ndarray,
                   visibility: np.ndarray, scale: float) -> np.ndarray: ...
+
+    def intermediates(self, tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
+                      start: int) -> dict[str, np.ndarray]: ...
+
+    def set_dtype(self, dtype: str) -> None: ...
 
 
 def capabilities(adapter: Any) -> set[str]:

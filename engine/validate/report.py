@@ -39,7 +39,8 @@ class Check:
     reports; margin: the reference's margin at the decision the row reports (a token
     divergence), shown only here, never in the detail; needs: the adapter capabilities
     the row exercises (empty for the built-in engine's own rows); tables: JSON-ready
-    detail too large for the row's text (acceptance.py's tables)."""
+    detail too large for the row's text (acceptance.py's tables); regime: the tolerance
+    regime that judged it and its numbers (regime.py)."""
 
     section: str
     name: str
@@ -50,6 +51,7 @@ class Check:
     detail: str = ""
     needs: tuple[str, ...] = ()
     tables: dict[str, Any] = field(default_factory=dict)
+    regime: str = ""
 
     @property
     def ratio(self) -> float:
@@ -58,13 +60,16 @@ class Check:
         return self.error / self.tolerance
 
     def numbers(self) -> str:
-        """The row's worst error against its tolerance, or its margin against the threshold."""
+        """The row's worst error against its tolerance, or its margin against the threshold; then
+        [its regime]."""
         if self.margin is not None:
-            return f"margin {self.margin:.2e} vs {self.tolerance:.2e}" if self.tolerance else \
+            numbers = f"margin {self.margin:.2e} vs {self.tolerance:.2e}" if self.tolerance else \
                 f"margin {self.margin:.2e}"
-        if self.error is not None and self.tolerance is not None:
-            return f"{self.error:.2e} {'>' if self.error > self.tolerance else '<='} {self.tolerance:.2e}"
-        return "" if self.error is None else f"{self.error:.2e}"
+        elif self.error is not None and self.tolerance is not None:
+            numbers = f"{self.error:.2e} {'>' if self.error > self.tolerance else '<='} {self.tolerance:.2e}"
+        else:
+            numbers = "" if self.error is None else f"{self.error:.2e}"
+        return " ".join(filter(None, [numbers, f"[{self.regime}]" if self.regime else ""]))
 
     def text(self) -> str:
         """The row in one line, as `kdtree validate` prints it: status, section::name, numbers, detail."""
@@ -122,7 +127,8 @@ class Report:
                 "deviations": {f: [d.to_dict() for d in ds] for f, ds in self.deviations.items()}}
 
 
-def write_json(report: Report, path: str | os.PathLike) -> None:
-    """The report as JSON, written all or nothing with the user's umask."""
+def write_json(report: Any, path: str | os.PathLike) -> None:
+    """A Report (or anything with to_dict(), e.g. a divergence) as JSON, written all or nothing
+    with the user's umask."""
     with atomic_output(path) as file:
         file.write(json.dumps(report.to_dict(), indent=2, allow_nan=True).encode())

@@ -45,22 +45,27 @@ from .invariant import INVARIANT_ROWS, preset_invariant_checks
 from .kernel_checks import KERNEL_KINDS, KERNEL_ROWS, kernel_checks
 from .model_checks import ENGINE_AR, ENGINE_REPLAY, ROWS, _model_fixture
 from .protocol import CAPABILITIES, resolve_capabilities
+from .regime import DTYPES, CasesView, Regime
 from .report import Check, Report, Status, ValidateError
 
 REQUIREMENTS = "validate"                 # the section of the run's own requirement cases
 ANY_CHECK_RAN = "any check ran"
 BUILTIN_ONLY = "skipped (the built-in engine's own check: not run for an adapter)"
+NO_ROUTING = "skipped (the model did not run: no routing to watch)"
 
 
 @dataclass(frozen=True)
 class Case:
     """One row of the report, before it runs. builtin_only: a check of the built-in engine's
-    own decode loops or invariant, skipped for any other adapter."""
+    own decode loops or invariant, skipped for any other adapter; absent: the detail of its
+    skipped row when its section's checks return no such row (a row that exists only when
+    the adapter's model ran; empty: they always return it)."""
 
     section: str
     name: str
     needs: tuple[str, ...] = ()
     builtin_only: bool = False
+    absent: str = ""
 
     @property
     def id(self) -> str:
@@ -77,19 +82,20 @@ class _Section:
     preset: str | None = None
 
 
-def plan(fixtures: str | os.PathLike | None = None) -> list[Case]:
-    """Every case of a run over these fixtures (find_fixtures' default when None), in report order."""
+def plan(fixtures: str | os.PathLike | None = None, dtype: str = "float32") -> list[Case]:
+    """Every case of a run over these fixtures (find_fixtures' default when None) in `dtype`'s
+    regime, in report order."""
+    _check_dtype(dtype)
     directory = find_fixtures(fixtures)
-    return [case for section in _sections(directory) for case in section.cases] + _requirement_cases()
+    return [case for section in _sections(directory, dtype) for case in section.cases] + _requirement_cases()
 
 
-def _sections(directory: Path) -> list[_Section]:
+def _sections(directory: Path, dtype: str) -> list[_Section]:
     root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
     sections = []
     for path in _kdtr_files(directory):
         name = str(path.relative_to(root))
-        sections.append(_Section(name, tuple(Case(name, row, tuple(sorted(needs)), builtin)
-                                             for row, needs, builtin in _fixture_rows(path)), path=path))
+        sections.append(_Section(name, _fixture_cases(path, name, dtype), path=path))
     if directory.is_dir():
         for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
             name = f"{preset} (random weights)"
@@ -97,20 +103,24 @@ def _sections(directory: Path) -> list[_Section]:
     return sections
 
 
-def _fixture_rows(path: Path) -> list[tuple[str, set[str], bool]]:
-    """A fixture's rows as its checks return them: (name, needs, built-in engine only)."""
+def _fixture_cases(path: Path, section: str, dtype: str) -> tuple[Case, ...]:
+    """A fixture's cases as its checks return their rows."""
     try:
         with kdtr_format.open(path) as reader:
             kind = reader.metadata.get("kind")
             if kind == "model":
-                engine_rows = (ENGINE_AR, ENGINE_REPLAY, *INVARIANT_ROWS)
-                return [(name, needs, False) for name, needs in ROWS.items()] + \
-                    [(name, set(), True) for name in engine_rows]
+                regime = Regime.of(reader.metadata, dtype)
+                if regime is None:                   # _model_fixture's one skipped row
+                    return (Case(section, f"{dtype} cases"),)
+                cases = [Case(section, name, tuple(sorted(needs))) for name, needs in ROWS.items()]
+                if regime.routing_threshold is not None:
+                    cases.append(Case(section, "routing", absent=NO_ROUTING))
+                return (*cases, *(Case(section, name, (), True) for name in (ENGINE_AR, ENGINE_REPLAY, *INVARIANT_ROWS)))
             if kind == "corpus":
-                return [(name, needs, False) for name, needs in corpus_rows(reader)]
+                return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in corpus_rows(reader))
             if kind in KERNEL_ROWS:
-                return [(name, needs, False) for name, needs in KERNEL_ROWS[kind].items()]
-            return [("fixture", set(), False)]
+                return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in KERNEL_ROWS[kind].items())
+            return (Case(section, "fixture"),)
     except KdtrError as exc:
         raise ValidateError(f"{path}: {exc}") from None
 
@@ -123,20 +133,27 @@ def _requirement_cases() -> list[Case]:
 class Validation:
     """One validation run (module docstring). adapter None = the built-in engine; require: the
     capabilities whose checks must run (protocol.resolve_capabilities; None = what the adapter
-    declares, else what it implements; when `fixtures` is one file, only those of them that the
-    file has checks for); invariant: the built-in engine in batch-invariant mode; log: told
-    each section as it starts. ValidateError for an adapter or fixtures that cannot be checked."""
+    declares, else what it implements; under the declaration, only those of them that the
+    fixtures have checks for: a declared capability without any is a skipped "validate" row);
+    invariant: the built-in engine in batch-invariant mode; dtype: the compute dtype the
+    adapter is told (`set_dtype`) and judged in (regime.py); log: told each section as it
+    starts. ValidateError for an adapter or fixtures that cannot be checked."""
 
     def __init__(self, adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
                  log: Callable[[str], None] = lambda line: None, require: str | Collection[str] | None = None,
-                 invariant: bool = False) -> None:
+                 invariant: bool = False, dtype: str = "float32") -> None:
+        _check_dtype(dtype)
         self.builtin = adapter is None
         self.adapter = TorchAdapter(device, invariant=invariant) if self.builtin else adapter
+        _set_dtype(self.adapter, dtype)
+        self.dtype = dtype
         self.caps, self.required = resolve_capabilities(self.adapter, require)
         directory = find_fixtures(fixtures)
-        self.sections = {s.name: s for s in _sections(directory)}
-        if directory.is_file() and require in (None, "declared"):   # one file named: what it can check
-            self.required &= {cap for s in self.sections.values() for c in s.cases for cap in c.needs}
+        self.sections = {s.name: s for s in _sections(directory, dtype)}
+        self.unchecked: set[str] = set()
+        if require in (None, "declared"):      # the declaration is required where these fixtures can check it
+            checkable = {cap for s in self.sections.values() for c in s.cases for cap in c.needs}
+            self.unchecked, self.required = self.required - checkable, self.required & checkable
         self.log = log
         self.fixtures = str(directory)
         self._report = Report(implementation=getattr(self.adapter, "name", type(self.adapter).__name__),
@@ -153,11 +170,13 @@ class Validation:
             return Check(case.section, case.name, Status.SKIPPED, detail=BUILTIN_ONLY)
         rows = self.rows(case.section)
         found = next((c for c in rows if c.name == case.name), None)
-        if found is None:                        # the fixture's checks stopped: its one FAIL row says why
-            stopped = next((c for c in rows if c.name == "fixture"), None)
-            if stopped is None:
-                raise LookupError(f"{case.id}: the fixture's checks returned no such row (plan and checks disagree)")
+        stopped = next((c for c in rows if c.name == "fixture"), None)
+        if found is None and stopped is not None:    # the fixture's checks stopped: its one FAIL row says why
             found = dataclasses.replace(stopped, name=case.name, needs=case.needs)
+        elif found is None and case.absent:
+            found = Check(case.section, case.name, Status.SKIPPED, detail=case.absent, needs=case.needs)
+        elif found is None:
+            raise LookupError(f"{case.id}: the fixture's checks returned no such row (plan and checks disagree)")
         return requirements([found], self.caps, self.required, self.fixtures, exercised=False)[0]
 
     def rows(self, section: str) -> list[Check]:
@@ -169,9 +188,11 @@ class Validation:
         return self._rows[section]
 
     def report(self) -> Report:
-        """Every section's rows in plan order, then the requirements."""
+        """Every section's rows in plan order, then the requirements, then a skipped row for
+        each declared capability that no fixture has checks for."""
         checks = [c for s in self.sections.values() if self.builtin or s.preset is None for c in self.rows(s.name)]
-        self._report.checks = requirements(checks, self.caps, self.required, self.fixtures)
+        self._report.checks = requirements(checks, self.caps, self.required, self.fixtures) + \
+            [self._unchecked(cap) for cap in sorted(self.unchecked)]
         return self._report
 
     def _run(self, section: _Section) -> list[Check]:
@@ -183,11 +204,14 @@ class Validation:
             with kdtr_format.open(section.path) as reader:
                 kind = reader.metadata.get("kind")
                 if kind == "model":
-                    checks = with_trace_acceptance(
-                        _model_fixture(self._checked, self.caps, reader, section.name, self.builtin), reader)
-                    return with_deviations(self._report, self.adapter, checks, section.name)
+                    checks = _model_fixture(self._checked, self.caps, reader, section.name, self.builtin, self.dtype)
+                    regime = Regime.of(reader.metadata, self.dtype)
+                    if regime is not None:
+                        checks = with_trace_acceptance(checks, CasesView(reader, regime))
+                    return _stamped(with_deviations(self._report, self.adapter, checks, section.name), "exact")
                 if kind in KERNEL_KINDS:
-                    return kernel_checks(kind, self._checked, self.caps, reader, section.name)
+                    return _stamped(kernel_checks(kind, self._checked, self.caps, reader, section.name),
+                                    "float32: the kernel case's tolerance (float32 inputs)")
                 return [Check(section.name, "fixture", Status.FAIL, detail=f"unknown fixture kind {kind!r}")]
         except KdtrError as exc:
             raise ValidateError(f"{section.path}: {exc}") from None
@@ -197,6 +221,11 @@ class Validation:
             return [Check(section.name, "fixture", Status.FAIL,
                           detail=f"checking stopped: {type(exc).__name__}: {exc}")]
 
+    def _unchecked(self, cap: str) -> Check:
+        return Check(REQUIREMENTS, f"capability {cap}", Status.SKIPPED, needs=(cap,),
+                     detail=f"declared, but no fixture in {self.fixtures} has checks for it "
+                            f"(--require {cap} makes this a FAIL)")
+
     def _requirement(self, case: Case) -> Check:
         """A "validate" case: FAIL as the report's rule has it, else what satisfied it."""
         report = self.report()
@@ -205,6 +234,8 @@ class Validation:
                 return Check(case.section, case.name, Status.FAIL, detail="no check ran: every row was skipped")
             return Check(case.section, case.name, Status.EXACT, detail=f"{report.executed} rows ran")
         (cap,) = case.needs
+        if cap in self.unchecked:
+            return self._unchecked(cap)
         if cap not in self.required:
             return Check(case.section, case.name, Status.SKIPPED, detail=f"capability {cap} is not required",
                          needs=case.needs)
@@ -218,9 +249,10 @@ class Validation:
 
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
              log: Callable[[str], None] = lambda line: None,
-             require: str | Collection[str] | None = None, invariant: bool = False) -> Report:
+             require: str | Collection[str] | None = None, invariant: bool = False,
+             dtype: str = "float32") -> Report:
     """Run every check (package docstring) and return the report (Validation's arguments)."""
-    return Validation(adapter, fixtures, device, log, require, invariant).report()
+    return Validation(adapter, fixtures, device, log, require, invariant, dtype).report()
 
 
 def requirements(checks: list[Check], caps: set[str], required: set[str], fixtures: str,
@@ -248,3 +280,29 @@ def unmet(cap: str, checks: list[Check], caps: set[str], fixtures: str) -> str |
     if any(cap in c.needs and c.status is not Status.SKIPPED for c in checks):
         return None
     return f"required, but no check of {fixtures} exercised it"
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValidateError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def _set_dtype(adapter: Any, dtype: str) -> None:
+    """Tell the adapter its compute dtype (protocol: `set_dtype`); bfloat16 needs it."""
+    set_dtype = getattr(adapter, "set_dtype", None)
+    if not callable(set_dtype):
+        if dtype != "float32":
+            raise ValidateError(f"--dtype {dtype}: the adapter has no set_dtype method to be told its dtype")
+        return
+    try:
+        set_dtype(dtype)
+    except (ValueError, TypeError) as exc:
+        raise ValidateError(f"--dtype {dtype}: the adapter refuses it ({exc})") from None
+
+
+def _stamped(checks: list[Check], default: str) -> list[Check]:
+    """Rows without a regime get `default` for float comparisons, "exact" for exact ones."""
+    for check in checks:
+        if not check.regime and check.status is not Status.SKIPPED:
+            check.regime = default if check.tolerance is not None else "exact"
+    return checks

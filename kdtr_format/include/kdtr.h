@@ -11,13 +11,18 @@
  *     if (kdtr_verify(&f) != 0) { fprintf(stderr, "%s\n", f.error); }
  *     kdtr_close(&f);
  *
- * kdtr_open validates the whole layout (the same rules as the Python reader: magic, version,
- * byte order, trailer/index/metadata checksums, caps, canonical offsets, shapes, unique UTF-8
- * names, metadata UTF-8 and nesting depth). It does not parse the metadata JSON: `metadata`
- * points at the raw UTF-8 text (not NUL-terminated; use `metadata_len`). Tensor checksums are
- * checked by kdtr_verify / kdtr_verify_tensor. Every failure returns non-zero and leaves a
- * one-line message naming the problem and the offset or tensor in `error`.
- * POSIX (open/mmap) for kdtr_open; kdtr_open_memory works anywhere.
+ * kdtr_open validates the whole layout (the same rules, and the same messages, as the Python
+ * reader when it opens a file: magic, version, byte order, trailer/index/metadata checksums, caps,
+ * canonical offsets, shapes, unique UTF-8 names; metadata UTF-8, no NUL or byte-order mark, a
+ * leading '{', nesting depth, integers within [-2**63, 2**64 - 1]). It does not parse the metadata
+ * JSON: `metadata` points at the raw UTF-8 text (not NUL-terminated; use `metadata_len`). Tensor
+ * checksums, and bool bytes being 0 or 1, are checked by kdtr_verify / kdtr_verify_tensor. Every
+ * failure returns non-zero and leaves a one-line message naming the problem and the offset or
+ * tensor in `error`.
+ *
+ * A file truncated while it is open: kdtr_verify checks the file's size first and fails cleanly;
+ * touching data past the new end of file through kdtr_data is a bus error (SIGBUS), as with any
+ * mmap. POSIX (open/mmap) for kdtr_open; kdtr_open_memory works anywhere.
  */
 #ifndef KDTR_H
 #define KDTR_H
@@ -60,6 +65,7 @@ typedef struct kdtr_file {
     const uint8_t *data;           /* the whole file */
     size_t size;
     int mapped;                    /* data came from mmap and is unmapped by kdtr_close */
+    int fd;                        /* the open file when mapped (kdtr_verify checks its size), else -1 */
     uint16_t version_major, version_minor;
     uint32_t alignment;
     size_t count;
@@ -197,28 +203,61 @@ static int kdtr__name_cmp(const void *a, const void *b) {
     return strcmp(x->name, y->name);
 }
 
+/* An integer of metadata: the digit run m[start, end) outside strings, with no fraction or exponent,
+ * must lie in [-2**63, 2**64 - 1] (the Python reader's rule, byte for byte). */
+static int kdtr__check_integer(kdtr_file *f, const uint8_t *m, size_t n, size_t start, size_t end, uint64_t at) {
+    uint8_t prev = m[start - 1], prev2 = start >= 2 ? m[start - 2] : 0, next = end < n ? m[end] : 0;
+    int negative = prev == '-';
+    size_t len = end - start, begin = start - (size_t)negative;
+    if (prev == '.' || prev == 'e' || prev == 'E' || prev == '+' || (negative && (prev2 == 'e' || prev2 == 'E')) ||
+        next == '.' || next == 'e' || next == 'E' || len < 19)
+        return 0;
+    if (len > 20 || (len == 20 && (negative || memcmp(m + start, "18446744073709551615", 20) > 0)) ||
+        (len == 19 && negative && memcmp(m + start, "9223372036854775808", 19) > 0))
+        return kdtr__fail(f, "metadata integer %.*s%s is outside [-2**63, 2**64 - 1] (offset %llu)",
+                          (int)(end - begin < 40 ? end - begin : 40), (const char *)(m + begin), end - begin > 40 ? "..." : "",
+                          (unsigned long long)(at + begin));
+    return 0;
+}
+
+/* A byte is escaped when an odd run of backslashes precedes it (inside strings or not); unescaped
+ * quotes open and close strings; brackets and digits outside strings are structure. */
 static int kdtr__check_metadata(kdtr_file *f, const uint8_t *m, size_t n, uint64_t at) {
-    size_t bad = kdtr__utf8_error(m, n), i = 0;
-    int depth = 0, in_string = 0;
+    size_t bad = kdtr__utf8_error(m, n), i = 0, run_start = 0;
+    int depth = 0, in_string = 0, odd_backslashes = 0, in_run = 0;
     if (bad != n) return kdtr__fail(f, "metadata is not valid UTF-8 (offset %llu)", (unsigned long long)(at + bad));
-    if (memchr(m, 0, n)) return kdtr__fail(f, "metadata contains a NUL or a byte-order mark (offset %llu)", (unsigned long long)at);
+    {
+        const uint8_t *nul = (const uint8_t *)memchr(m, 0, n);
+        if (nul || (n >= 3 && m[0] == 0xEF && m[1] == 0xBB && m[2] == 0xBF))
+            return kdtr__fail(f, "metadata contains a NUL or a byte-order mark (offset %llu)",
+                              (unsigned long long)(at + (nul ? (size_t)(nul - m) : 0)));
+    }
     while (i < n && (m[i] == ' ' || m[i] == '\t' || m[i] == '\r' || m[i] == '\n')) i++;
-    if (i == n || m[i] != '{') return kdtr__fail(f, "metadata must be a JSON object (offset %llu)", (unsigned long long)at);
-    for (; i < n; i++) {
+    if (i == n || m[i] != '{')
+        return kdtr__fail(f, "metadata must be a JSON object (text starting with '{') (offset %llu)", (unsigned long long)(at + i));
+    for (i = 0; i < n; i++) {
         uint8_t c = m[i];
-        if (in_string) {
-            if (c == '\\') i++;
-            else if (c == '"') in_string = 0;
-        } else if (c == '"') {
-            in_string = 1;
-        } else if (c == '{' || c == '[') {
+        int quote = c == '"' && !odd_backslashes, structural = !in_string && !quote;
+        int digit = structural && c >= '0' && c <= '9';
+        odd_backslashes = c == '\\' ? !odd_backslashes : 0;
+        if (in_run && !digit) {
+            if (kdtr__check_integer(f, m, n, run_start, i, at) != 0) return -1;
+            in_run = 0;
+        }
+        if (digit && !in_run) {
+            in_run = 1;
+            run_start = i;
+        }
+        if (quote) in_string = !in_string;
+        if (!structural) continue;
+        if (c == '{' || c == '[') {
             if (++depth > KDTR_MAX_JSON_DEPTH)
-                return kdtr__fail(f, "metadata nests deeper than %d levels (offset %llu)", KDTR_MAX_JSON_DEPTH, (unsigned long long)at);
+                return kdtr__fail(f, "metadata nests deeper than %d levels (offset %llu)", KDTR_MAX_JSON_DEPTH, (unsigned long long)(at + i));
         } else if (c == '}' || c == ']') {
             depth--;
         }
     }
-    return 0;
+    return in_run ? kdtr__check_integer(f, m, n, run_start, n, at) : 0;
 }
 
 static int kdtr__check_records(kdtr_file *f, const uint8_t *records, uint64_t index_offset) {
@@ -261,11 +300,16 @@ static int kdtr__check_records(kdtr_file *f, const uint8_t *records, uint64_t in
         if (t->offset > index_offset || t->nbytes > index_offset - t->offset)
             return kdtr__fail(f, "data runs past the tensor region, which ends at %llu (tensor '%s', offset %llu)",
                               (unsigned long long)index_offset, t->name, at);
+        if (t->offset % a)
+            return kdtr__fail(f, "data offset %llu is not a multiple of the alignment %llu (tensor '%s', offset %llu)",
+                              (unsigned long long)t->offset, (unsigned long long)a, t->name, at);
+        if (t->offset < previous_end)
+            return kdtr__fail(f, "data offset %llu overlaps %s, which ends at %llu (tensor '%s', offset %llu)",
+                              (unsigned long long)t->offset, i == 0 ? "the header" : "the previous tensor",
+                              (unsigned long long)previous_end, t->name, at);
         if (t->offset != canonical)
-            return kdtr__fail(f, "data offset %llu is %s (expected %llu) (tensor '%s', offset %llu)",
-                              (unsigned long long)t->offset,
-                              t->offset % a ? "not a multiple of the alignment" : t->offset < previous_end ? "overlapping the previous tensor" : "leaving a gap",
-                              (unsigned long long)canonical, t->name, at);
+            return kdtr__fail(f, "data offset %llu leaves a gap after the previous tensor (expected %llu) (tensor '%s', offset %llu)",
+                              (unsigned long long)t->offset, (unsigned long long)canonical, t->name, at);
         previous_end = t->offset + t->nbytes;
     }
     if (((previous_end + a - 1) & ~(a - 1)) != index_offset)
@@ -376,6 +420,7 @@ static int kdtr__parse(kdtr_file *f) {
 
 int kdtr_open_memory(kdtr_file *f, const void *data, size_t size) {
     memset(f, 0, sizeof *f);
+    f->fd = -1;
     f->data = (const uint8_t *)data;
     f->size = size;
     if (kdtr__parse(f) != 0) {
@@ -395,12 +440,12 @@ int kdtr_open(kdtr_file *f, const char *path) {
 #else
     struct stat st;
     void *map;
-    int fd = open(path, O_RDONLY), status;
+    int fd = open(path, O_RDONLY | O_NONBLOCK), status;   /* a FIFO must not block the open */
     memset(f, 0, sizeof *f);
     if (fd < 0) return kdtr__fail(f, "cannot open %s", path);
-    if (fstat(fd, &st) != 0) {
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        return kdtr__fail(f, "cannot stat %s", path);
+        return kdtr__fail(f, "%s is not a regular file", path);
     }
     if (st.st_size < (off_t)(KDTR__HEADER + KDTR__TRAILER)) {
         close(fd);
@@ -408,14 +453,18 @@ int kdtr_open(kdtr_file *f, const char *path) {
                           (long long)st.st_size, (long long)st.st_size);
     }
     map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (map == MAP_FAILED) return kdtr__fail(f, "cannot map %s", path);
+    if (map == MAP_FAILED) {
+        close(fd);
+        return kdtr__fail(f, "cannot map %s", path);
+    }
     status = kdtr_open_memory(f, map, (size_t)st.st_size);
     if (status != 0) {
         munmap(map, (size_t)st.st_size);
+        close(fd);
         return status;
     }
     f->mapped = 1;
+    f->fd = fd;
     return 0;
 #endif
 }
@@ -423,6 +472,7 @@ int kdtr_open(kdtr_file *f, const char *path) {
 void kdtr_close(kdtr_file *f) {
 #if !defined(_WIN32)
     if (f->mapped && f->data) munmap((void *)f->data, f->size);
+    if (f->mapped) close(f->fd);
 #endif
     free(f->tensors);
     free((void *)f->by_name);
@@ -450,7 +500,21 @@ uint64_t kdtr_elements(const kdtr_tensor *t) {
 }
 
 int kdtr_verify_tensor(kdtr_file *f, const kdtr_tensor *t) {
-    uint32_t actual = kdtr_crc32c(0, f->data + t->offset, (size_t)t->nbytes);
+    uint32_t actual;
+#if !defined(_WIN32)
+    struct stat st;
+    if (f->mapped && fstat(f->fd, &st) != 0)
+        return kdtr__fail(f, "cannot stat the open file (tensor '%s', offset %llu)", t->name, (unsigned long long)t->offset);
+    if (f->mapped && (uint64_t)st.st_size < f->size)   /* names lie in the mapping too: number the tensor */
+        return kdtr__fail(f, "the file is %lld bytes now, %llu when it was opened (changed while open?) (tensor #%zu, offset %llu)",
+                          (long long)st.st_size, (unsigned long long)f->size, (size_t)(t - f->tensors), (unsigned long long)t->offset);
+#endif
+    if (t->dtype == KDTR_BOOL)
+        for (uint64_t k = 0; k < t->nbytes; k++)
+            if (f->data[t->offset + k] > 1)
+                return kdtr__fail(f, "bool byte %u is not 0 or 1 (tensor '%s', offset %llu)", f->data[t->offset + k], t->name,
+                                  (unsigned long long)(t->offset + k));
+    actual = kdtr_crc32c(0, f->data + t->offset, (size_t)t->nbytes);
     if (actual != t->crc32c)
         return kdtr__fail(f, "data checksum mismatch: stored crc32c 0x%08x, computed 0x%08x (tensor '%s', offset %llu)",
                           t->crc32c, actual, t->name, (unsigned long long)t->offset);

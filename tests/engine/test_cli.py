@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import kdtr_format
 import torch
 
 from engine.cli import main
@@ -162,7 +164,9 @@ def test_impl_module_in_the_current_directory(tmp_path, monkeypatch):
 def test_a_corrupt_model_fixture_is_named(tmp_path, capsys):
     needs("tiny2.kdtr")
     data = bytearray((GOLDEN_DIR / "tiny2.kdtr").read_bytes())
-    data[len(data) // 3] ^= 0xFF                                 # inside the weights
+    with kdtr_format.open(GOLDEN_DIR / "tiny2.kdtr") as reader:
+        embedding = reader.info("weights/embed_tokens")
+    data[embedding.offset + embedding.nbytes // 2] ^= 0xFF      # inside the weights the demo loads
     (tmp_path / "broken.kdtr").write_bytes(bytes(data))
     code, _, err = run_main(["demo", "--fixture", str(tmp_path / "broken.kdtr")], capsys)
     assert code == 2 and err.startswith(f"kdtree: error: {tmp_path / 'broken.kdtr'}: data checksum mismatch"), err

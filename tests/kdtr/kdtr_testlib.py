@@ -58,19 +58,17 @@ def every_dtype_tensors(seed: int = 0) -> dict[str, np.ndarray]:
 SMALL_METADATA = {"kind": "test", "nested": {"list": [1, 2.5, None, True, "ü"]}, "n": 3}
 
 
-def small_file(path: Path, alignment: int = 64) -> Path:
-    """A few tensors (with padding between them) and some metadata."""
-    kdtr_format.write(
-        path,
-        {
-            "a": np.arange(5, dtype=np.float32),
-            "b/c": np.array([[1, 2], [3, 4]], np.int16),
-            "q": np.array([-8, 7, 3], ml_dtypes.int4),
-            "e": np.zeros((0, 4), np.float64),
-        },
-        metadata=SMALL_METADATA,
-        alignment=alignment,
-    )
+def small_file(path: Path, alignment: int = 64, last: str = "e") -> Path:
+    """A few tensors (with padding between them) and some metadata; `last` is the tensor written last:
+    "e" (empty, the corpus's base) or "q" (2 bytes of int4, so the last tensor has data)."""
+    tensors = {
+        "a": np.arange(5, dtype=np.float32),
+        "b/c": np.array([[1, 2], [3, 4]], np.int16),
+        "q": np.array([-8, 7, 3], ml_dtypes.int4),
+        "e": np.zeros((0, 4), np.float64),
+    }
+    tensors[last] = tensors.pop(last)
+    kdtr_format.write(path, tensors, metadata=SMALL_METADATA, alignment=alignment)
     return path
 
 
@@ -160,6 +158,33 @@ def _trailer(fix_counts: bool = False, **fields) -> Callable[[Parts], None]:
     return apply
 
 
+def _grow_last_into_index(p: Parts) -> None:
+    """The last tensor (empty, ending at the index) gets a row of data: its bytes would be the index's."""
+    record = p.records[-1]
+    record["shape"][0] = 1
+    record["nbytes"] = 4 * 8
+
+
+def _first_tensor_in_header(p: Parts) -> None:
+    """Tensor 0 at offset 0 (its bytes, and checksum, the header's); every later tensor and the index
+    re-packed canonically after it, so only the rule that data starts past the header is broken."""
+    records, first = p.records, int(p.records[0]["nbytes"])
+    payloads = [bytes(p.data[int(r["offset"]) - fmt.HEADER_SIZE :][: int(r["nbytes"])]) for r in records]
+    records[0]["offset"], records[0]["crc32c"] = 0, crc32c(bytes(p.header[:first]))
+    data, end = bytearray(), first
+    for record, payload in zip(records[1:], payloads[1:]):
+        offset = fmt.align_up(end, 64)
+        data += bytes(offset - fmt.HEADER_SIZE - len(data)) + payload
+        record["offset"], end = offset, offset + len(payload)
+    p.data[:] = data + bytes(fmt.align_up(end, 64) - fmt.HEADER_SIZE - len(data))
+
+
+def _bool_byte_2(p: Parts) -> None:
+    """Tensor "b/c" (int16 [[1, 2], [3, 4]]) relabelled bool [8]: same bytes and checksum, a byte 2 in them."""
+    record = p.records[1]
+    record["dtype"], record["ndim"], record["shape"][:2] = fmt.DTYPE_BY_NAME["bool"].code, 1, (8, 0)
+
+
 def _huge_shape(p: Parts) -> None:
     p.records[0]["ndim"] = 3
     p.records[0]["shape"][:3] = 2**40
@@ -212,6 +237,14 @@ CORRUPTIONS: list[Corruption] = [
     Corruption("metadata_bad_json", _metadata(b'{"a": }'), "not valid JSON", c=False),
     Corruption("metadata_nan", _metadata(b'{"a": NaN}'), "not valid JSON", c=False),
     Corruption("metadata_duplicate_key", _metadata(b'{"a": 1, "a": 2}'), "duplicate key", c=False),
+    Corruption("metadata_bom", _metadata(b'\xef\xbb\xbf{"a": 1}'), "byte-order mark"),
+    Corruption("metadata_int_over_u64", _metadata(b'{"a": [0, 18446744073709551616]}'), "is outside [-2**63, 2**64 - 1]"),
+    Corruption("metadata_int_under_i64", _metadata(b'{"a": -9223372036854775809}'), "is outside [-2**63, 2**64 - 1]"),
+    Corruption("metadata_int_5000_digits", _metadata(b'{"a": ' + b"7" * 5000 + b"}"), "is outside [-2**63, 2**64 - 1]"),
+    Corruption("metadata_float_overflow", _metadata(b'{"a": 1e400}'), "overflows binary64", c=False),
+    Corruption("last_tensor_into_index", _grow_last_into_index, "runs past the tensor region"),
+    Corruption("first_tensor_in_header", _first_tensor_in_header, "overlaps the header"),
+    Corruption("bool_byte_2", _bool_byte_2, "bool byte 2 is not 0 or 1"),
     Corruption("huge_tensor_count", _trailer(tensor_count=2**62), "tensor count"),
     Corruption("huge_names_size", _trailer(names_size=2**63), "exceeds the cap"),
     Corruption("huge_metadata_size", _trailer(metadata_size=2**64 - 1), "exceeds the cap"),
@@ -236,3 +269,73 @@ def read_everything(source: Path | bytes) -> tuple[dict, dict[str, bytes]]:
     with reader as f:
         f.verify()
         return f.metadata, {name: f.raw(name).tobytes() for name in f.names()}
+
+
+# ---- metadata texts: a generator and a byte-at-a-time reference of the open-time rules -----------
+
+METADATA_TOKENS = [b"{", b"}", b"[", b"]", b'"', b"\\", b"\\\\", b'\\"', b",", b":", b" ", b"\n", b"-", b"+", b".", b"e",
+                   b"E", b"0", b"7", b"42", b"1e5", b"-0.5", b"true", b"null", b"x", "ü".encode(), "🌲".encode(),
+                   b"18446744073709551615", b"18446744073709551616", b"9223372036854775808", b"-9223372036854775808",
+                   b"-9223372036854775809", b"00000000000000000000001", b"-0000000000000000001", b"1" * 25]
+
+
+def metadata_text(rng: np.random.Generator, size: int = 40) -> bytes:
+    """A random byte string made of JSON-ish tokens, most of them starting with '{'."""
+    tokens = [METADATA_TOKENS[k] for k in rng.integers(0, len(METADATA_TOKENS), rng.integers(0, size))]
+    return (b"{" if rng.random() < 0.9 else b"") + b"".join(tokens)
+
+
+def _integer_beyond_64_bits(text: bytes, start: int, end: int) -> bool:
+    prev, prev2 = text[start - 1 : start], text[start - 2 : start - 1] if start >= 2 else b""
+    after = text[end : end + 1]
+    negative = prev == b"-"
+    if prev in (b".", b"e", b"E", b"+") or (negative and prev2 in (b"e", b"E")) or after in (b".", b"e", b"E"):
+        return False
+    digits = end - start
+    value = -int(text[start:end]) if negative else int(text[start:end])
+    return digits > (19 if negative else 20) or not -(2**63) <= value <= 2**64 - 1
+
+
+def reference_metadata_rule(text: bytes) -> str | None:
+    """The rule of SPEC §5 a reader checks at open that `text` breaks ("utf8", "nul", "object", "depth",
+    "integer"), or None; computed one byte at a time, as the C header does, independently of the
+    vectorized Python scanner."""
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return "utf8"
+    if b"\0" in text or text.startswith(b"\xef\xbb\xbf"):
+        return "nul"
+    if not text.lstrip(b" \t\r\n").startswith(b"{"):
+        return "object"
+    depth, in_string, odd_backslashes, run = 0, False, False, None
+    for i, c in enumerate(text):
+        quote = c == ord('"') and not odd_backslashes
+        structural = not in_string and not quote
+        digit = structural and ord("0") <= c <= ord("9")
+        odd_backslashes = (not odd_backslashes) if c == ord("\\") else False
+        if run is not None and not digit:
+            if _integer_beyond_64_bits(text, run, i):
+                return "integer"
+            run = None
+        if digit and run is None:
+            run = i
+        in_string ^= quote
+        if structural and c in b"{[":
+            depth += 1
+            if depth > fmt.MAX_JSON_DEPTH:
+                return "depth"
+        elif structural and c in b"}]":
+            depth -= 1
+    return "integer" if run is not None and _integer_beyond_64_bits(text, run, len(text)) else None
+
+
+RULE_MESSAGES = {"utf8": "not valid UTF-8", "nul": "NUL or a byte-order mark", "object": "must be a JSON object",
+                 "depth": "nests deeper", "integer": "is outside [-2**63, 2**64 - 1]"}
+
+
+def with_metadata(valid: bytes, text: bytes) -> bytes:
+    """A copy of the KDTR image `valid` whose metadata is `text` (checksums recomputed)."""
+    parts = Parts.of(valid)
+    parts.metadata[:] = text
+    return parts.assemble()

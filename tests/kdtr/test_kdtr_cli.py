@@ -1,209 +1,278 @@
-"""The `kdtr` CLI: exit codes, one-line errors, diff tolerances, lossless conversions."""
+"""`kdtr` the way people run it: in an 80-column terminal (a pty), piped, and with hostile arguments.
+
+Every bad input gets one error line and a non-zero exit, never a traceback, and leaves no file
+behind; output fits 80 columns, uses a wider terminal, and prints names and metadata verbatim.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 import kdtr_format
 from kdtr_format.cli import main
-from kdtr_testlib import SMALL_METADATA, every_dtype_tensors, read_everything, small_file
+from kdtr_format.listing import LIST_AT_MOST
+from kdtr_testlib import small_file, with_metadata
+from terminal import REPO, assert_clean_error, command, environment, in_terminal, piped
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def kdtr(*args: str):
-    return CliRunner().invoke(main, [str(a) for a in args])
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def _one_line_error(result) -> str:
-    err = result.stderr
-    assert err.startswith("kdtr: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in result.output + err
-    return err
+def screen_lines(output: str) -> list[str]:
+    """What a terminal shows, line by line: escape sequences dropped, carriage returns overwrite."""
+    lines = []
+    for line in _ANSI.sub("", output).replace("\r\n", "\n").split("\n"):
+        lines.append(line.split("\r")[-1])
+    return [line for line in lines if line.strip()]
 
 
 @pytest.fixture
-def sample(tmp_path) -> Path:
-    return small_file(tmp_path / "sample.kdtr")
-
-
-def test_verify_good_file(sample):
-    result = kdtr("verify", sample)
-    assert result.exit_code == 0 and result.stdout.startswith("ok: ")
-
-
-def test_verify_corrupt_file_names_the_tensor(corpus_dir):
-    result = kdtr("verify", corpus_dir / "data_checksum.kdtr")
-    assert result.exit_code == 1
-    assert "tensor 'a'" in _one_line_error(result)
-
-
-def test_verify_malformed_file_names_the_offset(corpus_dir):
-    result = kdtr("verify", corpus_dir / "overlapping_offsets.kdtr")
-    assert result.exit_code == 1
-    assert "overlaps" in _one_line_error(result)
-
-
-def test_inspect_lists_tensors_and_metadata(sample):
-    result = kdtr("inspect", sample)
-    assert result.exit_code == 0
-    for text in ["b/c", "int16", "[2, 2]", "int4", "nested", "'ü'"]:
-        assert text in result.stdout
-    assert "b/c" not in kdtr("inspect", sample, "--prefix", "a").stdout
-
-
-def test_cat_values_and_summary(sample):
-    result = kdtr("cat", sample, "b/c")
-    assert result.exit_code == 0 and "[[1 2]\n [3 4]]" in result.stdout
-    summary = kdtr("cat", sample, "a", "--summary")
-    assert "min 0  max 4  mean 2" in summary.stdout
-    assert "[-8  7  3]" in kdtr("cat", sample, "q").stdout
-
-
-def _pair(tmp_path, b_values, metadata_b=None):
-    a, b = tmp_path / "a.kdtr", tmp_path / "b.kdtr"
-    base = {"x": np.array([1.0, 2.0, 3.0], np.float32), "n": np.arange(4)}
-    kdtr_format.write(a, base, metadata={"tol": 1e-3})
-    kdtr_format.write(b, {**base, "x": np.array(b_values, np.float32)}, metadata=metadata_b or {"tol": 1e-3})
-    return a, b
-
-
-def test_diff_equal_files(tmp_path):
-    a, b = _pair(tmp_path, [1.0, 2.0, 3.0])
-    result = kdtr("diff", a, b)
-    assert result.exit_code == 0 and result.stdout.startswith("same")
-
-
-def test_diff_reports_max_abs_rel_ulp_and_first_index(tmp_path):
-    one_ulp_above_2 = float(np.nextafter(np.float32(2.0), np.float32(3.0)))
-    a, b = _pair(tmp_path, [1.0, one_ulp_above_2, 3.5])
-    result = kdtr("diff", a, b)
-    assert result.exit_code == 1
-    line = next(l for l in result.stdout.splitlines() if l.startswith("x:"))
-    assert "max abs 0.5" in line and "max rel 0.142857" in line
-    assert "2 outside tolerance, first at [1]" in line
-    # the largest ulp distance: float32 steps are 2**-22 in [2, 4), so 3.0 -> 3.5 is 2**21 of them
-    assert f"max ulp {2**21}" in line
-
-
-def test_diff_tolerances_decide_the_exit_status(tmp_path):
-    a, b = _pair(tmp_path, [1.0, 2.0, 3.003])
-    assert kdtr("diff", a, b).exit_code == 1
-    assert kdtr("diff", a, b, "--atol", "0.01").exit_code == 0
-    assert kdtr("diff", a, b, "--rtol", "1e-3").exit_code == 0
-    assert kdtr("diff", a, b, "--rtol", "1e-4").exit_code == 1
-    close = kdtr("diff", a, b, "--atol", "0.01")
-    assert "x: close" in close.stdout
-
-
-def test_diff_reports_metadata_and_missing_tensors(tmp_path):
-    a, b = _pair(tmp_path, [1.0, 2.0, 3.0], metadata_b={"tol": 1e-4, "extra": True})
-    kdtr_format.write(b, {"x": np.array([1.0, 2.0, 3.0], np.float32)}, metadata={"tol": 1e-4, "extra": True})
-    result = kdtr("diff", a, b, "--atol", "1")
-    assert result.exit_code == 1
-    assert "n: only in A" in result.stdout
-    assert "metadata.tol: 0.001 != 0.0001" in result.stdout
-    assert "metadata.extra: only in B" in result.stdout
-
-
-def test_diff_dtype_and_shape_mismatch(tmp_path):
-    a, b = tmp_path / "a.kdtr", tmp_path / "b.kdtr"
-    kdtr_format.write(a, {"x": np.zeros(3, np.float32), "y": np.zeros(3)})
-    kdtr_format.write(b, {"x": np.zeros(3, np.float64), "y": np.zeros(4)})
-    result = kdtr("diff", a, b)
-    assert result.exit_code == 1
-    assert "x: dtype differs: float32[3] vs float64[3]" in result.stdout
-    assert "y: shape differs" in result.stdout
-
-
-@pytest.mark.parametrize("extension", [".h5", ".hdf5", ".npz", ".safetensors", ".kdtr"])
-def test_convert_round_trips_bit_exact_with_metadata(tmp_path, extension):
-    if extension == ".safetensors":
-        pytest.importorskip("safetensors", reason="safetensors is not installed")
-    source = tmp_path / "source.kdtr"
-    kdtr_format.write(source, every_dtype_tensors(), metadata=SMALL_METADATA)
-    middle, back = tmp_path / f"middle{extension}", tmp_path / "back.kdtr"
-    assert kdtr("convert", source, middle, "--alignment", "256").exit_code == 0
-    assert kdtr("convert", middle, back).exit_code == 0
-    assert read_everything(back) == read_everything(source)
-    with kdtr_format.open(back) as f, kdtr_format.open(source) as g:
-        assert f.names() == g.names()
-        assert [f.info(n).dtype for n in f] == [g.info(n).dtype for n in g]
-
-
-def test_convert_reads_foreign_npz_and_h5(tmp_path):
-    import h5py
-
-    np.savez(tmp_path / "plain.npz", w=np.eye(2), i=np.arange(3))
-    with h5py.File(tmp_path / "plain.h5", "w") as f:
-        f["group/w"] = np.ones((2, 2), np.float32)
-    for name in ["plain.npz", "plain.h5"]:
-        assert kdtr("convert", tmp_path / name, tmp_path / f"{name}.kdtr").exit_code == 0
-    with kdtr_format.open(tmp_path / "plain.npz.kdtr") as f:
-        assert f.names() == ["w", "i"] and f.metadata == {}
-    with kdtr_format.open(tmp_path / "plain.h5.kdtr") as f:
-        assert f.names() == ["group/w"] and f["group/w"].dtype == np.float32
-
-
-@pytest.mark.parametrize(
-    "args, status, text",
-    [
-        (["verify", "{tmp}/missing.kdtr"], 2, "No such file"),
-        (["cat", "{sample}", "nope"], 2, "no tensor named 'nope'"),
-        (["convert", "{sample}", "{tmp}/out.txt"], 2, "unsupported extension '.txt'"),
-        (["convert", "{tmp}/in.csv", "{tmp}/out.kdtr"], 2, "unsupported extension '.csv'"),
-        (["verify", "{tmp}"], 2, "directory"),
-        (["verify", "{tmp}/garbage.kdtr"], 1, "not a KDTR file"),
-        (["diff", "{sample}"], 2, "Missing argument"),
-        (["diff", "{sample}", "{sample}", "--rtol", "-1"], 2, "tolerances"),
-        (["frobnicate"], 2, "No such command"),
-    ],
-)
-def test_bad_input_is_one_line_and_non_zero(tmp_path, sample, args, status, text):
+def files(tmp_path) -> dict[str, Path]:
+    """A small file, a second one that differs, and an input for each hostile case."""
+    sample = small_file(tmp_path / "sample.kdtr")
+    other = tmp_path / "other.kdtr"
+    kdtr_format.write(other, {"a": np.arange(5, dtype=np.float32) + 0.5, "wide": np.linspace(0, 1, 40)},
+                      metadata={"kind": "other"})
     (tmp_path / "garbage.kdtr").write_bytes(b"not a kdtr file at all" * 10)
-    result = kdtr(*[a.format(tmp=tmp_path, sample=sample) for a in args])
-    assert result.exit_code == status
-    assert text in _one_line_error(result)
+    (tmp_path / "empty.kdtr").write_bytes(b"")
+    (tmp_path / "garbage.h5").write_bytes(b"not hdf5" * 100)
+    os.mkfifo(tmp_path / "fifo.kdtr")
+    (tmp_path / "directory.h5").mkdir()
+    np.savez(tmp_path / "pickled.npz", objects=np.array([{"a": 1}], dtype=object))
+    with h5py.File(tmp_path / "strings.h5", "w") as f:
+        f["names"] = np.array([b"ab", b"cd"])
+    return {"sample": sample, "other": other, "tmp": tmp_path}
 
 
-def test_failed_convert_leaves_no_output(tmp_path):
-    source = tmp_path / "clash.kdtr"
-    kdtr_format.write(source, {"a": np.zeros(1), "a/b": np.zeros(1)})
-    result = kdtr("convert", source, tmp_path / "out.h5")
-    assert result.exit_code == 2 and "cannot store tensor 'a/b' in HDF5" in _one_line_error(result)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["clash.kdtr"]
+# ---- help, version ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command_name", ["", "inspect", "verify", "diff", "cat", "convert"])
+def test_every_command_prints_help_with_no_arguments_and_with_h(command_name):
+    args = [command_name] if command_name else []
+    bare = piped(["kdtr", *args])
+    assert bare.returncode == 0 and not bare.stderr, bare.output
+    assert bare.stdout.startswith(f"Usage: kdtr {command_name}".rstrip())
+    for flag in ("-h", "--help"):
+        asked = CliRunner().invoke(main, [*args, flag], prog_name="kdtr")
+        assert asked.exit_code == 0 and asked.stdout.splitlines()[0] == bare.stdout.splitlines()[0]
+        assert "Options:" in asked.stdout and "-h, --help" in asked.stdout
 
 
-def test_entry_point_module_runs_as_a_process(sample):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    ok = subprocess.run([sys.executable, "-m", "kdtr_format", "verify", str(sample)], capture_output=True, text=True, env=env)
-    assert ok.returncode == 0 and ok.stdout.startswith("ok: ")
-    bad = subprocess.run([sys.executable, "-m", "kdtr_format", "cat", str(sample), "zzz"], capture_output=True, text=True, env=env)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+def test_version_names_the_package_and_the_format():
+    result = piped(["kdtr", "--version"])
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"kdtr, version {kdtr_format.__version__} (KDTR format 1.0)"
 
 
-def _nextafter_steps(a, b) -> int:
-    """Reference ulp distance: walk from a to b one representable value at a time."""
-    steps, x = 0, a
-    while x != b:
-        x = np.nextafter(x, b)
-        steps += 1
-    return steps
+# ---- a real terminal ---------------------------------------------------------------------------------
+
+EVERY_COMMAND = [  # run in the files' directory, by name, as a person would
+    (["kdtr", "inspect", "sample.kdtr"], 0),
+    (["kdtr", "verify", "sample.kdtr"], 0),
+    (["kdtr", "diff", "sample.kdtr", "other.kdtr"], 1),
+    (["kdtr", "cat", "sample.kdtr", "a"], 0),
+    (["kdtr", "cat", "other.kdtr", "wide"], 0),
+    (["kdtr", "cat", "sample.kdtr", "b/c", "--summary"], 0),
+    (["kdtr", "convert", "sample.kdtr", "out.h5"], 0),
+    (["kdtr", "convert", "out.h5", "back.kdtr"], 0),
+    (["kdtr", "convert", "sample.kdtr", "out.npz"], 0),
+    (["kdtr", "convert", "sample.kdtr", "out.safetensors"], 0),
+    (["kdtr", "-h"], 0),
+    (["kdtr", "inspect", "-h"], 0),
+]
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-@pytest.mark.parametrize("a_steps, b_steps", [(-2, 1), (0, 5), (-7, -3), (3, -4)])
-def test_ulp_distance_matches_stepping_across_zero(dtype, a_steps, b_steps):
-    from kdtr_format.compare import compare_arrays
+def test_every_command_works_in_an_80_column_terminal(files):
+    for argv, status in EVERY_COMMAND:
+        result = in_terminal(argv, columns=80, cwd=files["tmp"])
+        assert result.returncode == status, f"{argv}: exit {result.returncode}\n{result.output}"
+        assert "Traceback" not in result.output and "error" not in result.output.lower(), result.output
+        too_wide = [line for line in screen_lines(result.output) if len(line) > 80]
+        assert not too_wide, f"{argv}: lines wider than 80 columns:\n" + "\n".join(too_wide)
 
-    tiny = np.finfo(dtype).smallest_subnormal
-    a, b = np.array([a_steps * tiny], dtype), np.array([b_steps * tiny], dtype)
-    result = compare_arrays(a, b)
-    assert result.max_ulp == _nextafter_steps(a[0], b[0]) == abs(a_steps - b_steps)
+
+def test_values_use_a_wider_terminal(files):
+    narrow = screen_lines(in_terminal(["kdtr", "cat", str(files["other"]), "wide"], columns=80).output)
+    wide = screen_lines(in_terminal(["kdtr", "cat", str(files["other"]), "wide"], columns=200).output)
+    assert max(map(len, narrow)) <= 80 < max(map(len, wide)) <= 200
+    assert len(wide) < len(narrow)
+
+
+def test_convert_and_verify_show_progress_on_a_terminal_and_finish(tmp_path):
+    source = tmp_path / "many.kdtr"
+    kdtr_format.write(source, {f"t/{i}": np.full(64, i, np.float32) for i in range(2000)}, durable=False)
+    result = in_terminal(["kdtr", "convert", str(source), str(tmp_path / "many.npz")], columns=80)
+    assert result.returncode == 0 and "wrote" in result.output, result.output
+    result = in_terminal(["kdtr", "verify", str(source)], columns=80)
+    assert result.returncode == 0 and "ok:" in result.output, result.output
+
+
+def test_ctrl_c_during_convert_is_one_line_and_leaves_nothing(tmp_path):
+    source = tmp_path / "many.kdtr"
+    kdtr_format.write(source, {f"t/{i}": np.full(256, i, np.float32) for i in range(20000)}, durable=False)
+    result = in_terminal(["kdtr", "convert", str(source), str(tmp_path / "many.h5")], columns=80,
+                         interrupt_on="/20000")          # the bar counts written tensors: writing has begun
+    assert result.returncode == 130, result.output
+    assert "Traceback" not in result.output
+    assert [line for line in screen_lines(result.output) if "error" in line] == ["kdtr: error: interrupted"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.kdtr"]
+
+
+# ---- names and metadata verbatim -------------------------------------------------------------------------
+
+HOSTILE_NAMES = ["[/x]", "[bold]x[/bold]", "a\x1b[31mred", "tab\tname", "new\nline", "\u202eevil", "ok/ü/🌲"]
+
+
+@pytest.fixture
+def hostile(tmp_path) -> Path:
+    path = tmp_path / "hostile.kdtr"
+    kdtr_format.write(path, {name: np.zeros(1, np.int8) for name in HOSTILE_NAMES})
+    blob = with_metadata(path.read_bytes(), '{"\\ud800": "[red]v[/red]", "k\\u001b": "\\u202e", "ü": 1}'.encode())
+    path.write_bytes(blob)
+    return path
+
+
+@pytest.mark.parametrize("run", [lambda argv: in_terminal(argv, columns=80), piped], ids=["terminal", "piped"])
+def test_inspect_prints_names_and_metadata_verbatim_and_safely(hostile, run):
+    result = run(["kdtr", "inspect", str(hostile)])
+    assert result.returncode == 0, result.output
+    out = result.output
+    for name in ["[/x]", "[bold]x[/bold]", "ok/ü/🌲", "'a\\x1b[31mred'", "'tab\\tname'", "'new\\nline'", "'\\u202eevil'"]:
+        assert name in out, name
+    assert "\x1b[31m" not in out and "\u202e" not in out, "a control character reached the terminal"
+    text = out.replace("\r\n", "\n")
+    metadata = json.loads(text[text.index("metadata:\n") + len("metadata:\n") :])
+    assert metadata == {"\ud800": "[red]v[/red]", "k\x1b": "\u202e", "ü": 1}
+
+
+def test_inspect_piped_prints_every_long_name_in_full(tmp_path):
+    names = [f"weights/model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight_scale_inv" for i in range(732)]
+    path = tmp_path / "long.kdtr"
+    kdtr_format.write(path, {n: np.zeros(1, np.float32) for n in names}, durable=False)
+    result = piped(["kdtr", "inspect", str(path), "--no-metadata"])
+    assert result.returncode == 0
+    listed = [line.split()[-1] for line in result.stdout.splitlines()[3:]]
+    assert listed == names
+    assert "…" not in result.stdout
+
+
+def test_inspect_summarizes_many_tensors_by_prefix_and_lists_them_with_all(tmp_path):
+    path = tmp_path / "many.kdtr"
+    names = [f"cases/{i}/x" for i in range(LIST_AT_MOST + 5)] + [f"weights/w{i}" for i in range(10)]
+    kdtr_format.write(path, {n: np.zeros(2, np.float32) for n in names}, durable=False)
+    runner = CliRunner()
+    summary = runner.invoke(main, ["inspect", str(path), "--no-metadata"]).stdout.splitlines()
+    assert summary[2].startswith(f"{len(names)} tensors in 2 groups by prefix")
+    assert [line.split() for line in summary[3:]] == [["tensors", "nbytes", "prefix"], ["1005", "8040", "cases/"],
+                                                     ["10", "80", "weights/"]]
+    one_group = runner.invoke(main, ["inspect", str(path), "--prefix", "weights/", "--no-metadata"]).stdout
+    assert [line.split()[-1] for line in one_group.splitlines()[3:]] == names[-10:]
+    paged = runner.invoke(main, ["inspect", str(path), "--prefix", "cases/", "--no-metadata"]).stdout.splitlines()
+    assert [line.split()[-1] for line in paged[3:-1]] == names[:LIST_AT_MOST]
+    assert paged[-1].startswith("... and 5 more (--all lists every tensor")
+    everything = runner.invoke(main, ["inspect", str(path), "--all", "--no-metadata"]).stdout.splitlines()
+    assert [line.split()[-1] for line in everything[3:]] == names
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    path = tmp_path / "many.kdtr"
+    kdtr_format.write(path, {f"t{i}": np.zeros(1) for i in range(5000)}, durable=False)
+    shell = f"{' '.join(command(['kdtr', 'inspect', str(path), '--all']))} | head -n 2"
+    result = subprocess.run(shell, shell=True, capture_output=True, text=True, cwd=REPO, env=environment(), timeout=120)
+    assert len(result.stdout.splitlines()) == 2
+    assert result.stderr == "", result.stderr
+
+
+# ---- hostile arguments -----------------------------------------------------------------------------------
+
+HOSTILE = [
+    # (argv with {sample} / {other} / {tmp}, exit status, text the error must contain)
+    (["cat", "{sample}", "a", "--threshold", "-1"], 2, "--threshold"),
+    (["cat", "{sample}", "a", "--threshold", "1e3"], 2, "--threshold"),
+    (["diff", "{sample}", "{other}", "--rtol", "nan"], 2, "'nan' is not a finite number"),
+    (["diff", "{sample}", "{other}", "--atol", "inf"], 2, "'inf' is not a finite number"),
+    (["diff", "{sample}", "{other}", "--rtol", "-1"], 2, "-1.0 is not in the range x>=0"),
+    (["diff", "{sample}", "{other}", "--atol", "1e400"], 2, "--atol"),
+    (["diff", "{sample}"], 2, "Missing argument"),
+    (["convert", "{sample}", "{tmp}/out.kdtr", "--alignment", "100"], 2, "'100' is not a power of two from 64 to 4096"),
+    (["convert", "{sample}", "{tmp}/out.kdtr", "--alignment", "99999999999999999999999"], 2, "--alignment"),
+    (["convert", "{sample}", "{tmp}/out.txt"], 2, "unsupported extension '.txt'"),
+    (["convert", "{tmp}/in.csv", "{tmp}/out.kdtr"], 2, "unsupported extension '.csv'"),
+    (["convert", "{tmp}/missing.kdtr", "{tmp}/out.h5"], 2, "{tmp}/missing.kdtr: No such file or directory"),
+    (["convert", "{sample}", "{tmp}/no/such/dir/out.h5"], 2, "directory '{tmp}/no/such/dir' does not exist"),
+    (["convert", "{sample}", "{tmp}/directory.h5"], 2, "'{tmp}/directory.h5' is a directory"),
+    (["convert", "{sample}", ""], 2, "an empty path"),
+    (["convert", "{tmp}/garbage.h5", "{tmp}/out.kdtr"], 2, "cannot read {tmp}/garbage.h5 as hdf5"),
+    (["convert", "{tmp}/pickled.npz", "{tmp}/out.kdtr"], 2, "cannot read tensor 'objects'"),
+    (["convert", "{tmp}/strings.h5", "{tmp}/out.kdtr"], 2, "tensor 'names': unsupported dtype |S2"),
+    (["verify", "{tmp}/missing.kdtr"], 2, "No such file or directory"),
+    (["verify", "{tmp}"], 2, "Is a directory"),
+    (["verify", "{tmp}/fifo.kdtr"], 2, "Not a regular file"),
+    (["verify", "{tmp}/garbage.kdtr"], 1, "not a KDTR file"),
+    (["verify", "{tmp}/empty.kdtr"], 1, "smaller than header plus trailer"),
+    (["verify", "{tmp}/\udcff\udcfe.kdtr"], 2, "No such file or directory"),
+    (["cat", "{sample}", "nope"], 2, "no tensor named 'nope'"),
+    (["cat", "{sample}", "\udcff"], 2, "no tensor named '\\udcff'"),
+    (["inspect", "{sample}", "--prefix"], 2, "--prefix"),
+    (["inspect", "{sample}", "--bogus"], 2, "No such option '--bogus'"),
+    (["frobnicate"], 2, "No such command 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize("argv, status, mentions", HOSTILE, ids=[" ".join(a)[:60] for a, _, _ in HOSTILE])
+def test_hostile_arguments_get_one_error_line_and_leave_nothing_behind(files, argv, status, mentions):
+    fill = {k: str(v) for k, v in files.items()}
+    before = sorted(p.name for p in files["tmp"].iterdir())
+    result = piped(["kdtr", *(a.format(**fill) for a in argv)], timeout=60)
+    assert_clean_error(result, mentions.format(**fill))
+    assert result.returncode == status, result.output
+    assert result.stderr.startswith("kdtr: error: ") and not result.stdout
+    assert ".tmp" not in result.output, "an error names a temporary file"
+    assert sorted(p.name for p in files["tmp"].iterdir()) == before, "something was left behind"
+
+
+@pytest.mark.parametrize("extension", [".kdtr", ".h5", ".npz", ".safetensors"])
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_convert_writes_with_the_users_umask(files, extension, umask):
+    target = files["tmp"] / f"out{extension}"
+    old = os.umask(umask)
+    try:
+        result = CliRunner().invoke(main, ["convert", str(files["sample"]), str(target)])
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_verify_names_the_bad_tensor_and_inspect_the_layout(corpus_dir):
+    result = piped(["kdtr", "verify", str(corpus_dir / "data_checksum.kdtr")])
+    assert_clean_error(result, "tensor 'a'")
+    assert result.returncode == 1
+    result = piped(["kdtr", "inspect", str(corpus_dir / "overlapping_offsets.kdtr")])
+    assert_clean_error(result, "overlaps the previous tensor")
+
+
+def test_an_internal_error_is_still_one_line(files, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("kdtr_format.cli.listing", broken)
+    result = CliRunner().invoke(main, ["inspect", str(files["sample"])], prog_name="kdtr")
+    assert result.exit_code == 3 and "Traceback" not in result.output
+    assert result.stderr == ("kdtr: error: internal error: RuntimeError: boom "
+                             "(a bug; set KDTREE_TRACEBACK=1 to see where)\n")
+
+
+def test_the_console_script_entry_point_runs(files):
+    result = subprocess.run([sys.executable, "-c", "import sys; from kdtr_format.cli import main; sys.argv[0] = 'kdtr'; main()",
+                             "verify", str(files["sample"])], capture_output=True, text=True, env=environment(), cwd=REPO)
+    assert result.returncode == 0 and result.stdout.startswith("ok: ")

@@ -6,7 +6,11 @@ overwrites (hypothesis), and the hand-made corruption corpus (kdtr_testlib).
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
+import textwrap
 import tracemalloc
 from pathlib import Path
 
@@ -18,6 +22,8 @@ from hypothesis import strategies as st
 import kdtr_format
 from kdtr_format import format as fmt
 from kdtr_testlib import CORRUPTIONS, SMALL_METADATA, Parts, every_dtype_tensors, read_everything, small_file
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _outcome(source: Path | bytes, original: tuple[dict, dict[str, bytes]]) -> str:
@@ -40,9 +46,9 @@ def _padding(blob: bytes) -> set[int]:
     return {i for i in range(fmt.HEADER_SIZE, fmt.HEADER_SIZE + len(parts.data)) if not covered[i]}
 
 
-@pytest.fixture(scope="module")
-def valid(tmp_path_factory) -> tuple[bytes, tuple[dict, dict[str, bytes]]]:
-    path = small_file(tmp_path_factory.mktemp("valid") / "valid.kdtr")
+@pytest.fixture(scope="module", params=["e", "q"], ids=["last_tensor_empty", "last_tensor_with_data"])
+def valid(request, tmp_path_factory) -> tuple[bytes, tuple[dict, dict[str, bytes]]]:
+    path = small_file(tmp_path_factory.mktemp("valid") / "valid.kdtr", last=request.param)
     return path.read_bytes(), read_everything(path)
 
 
@@ -165,4 +171,43 @@ def test_data_corruption_is_caught_lazily_and_by_verify(corpus_dir):
     with kdtr_format.open(corpus_dir / "data_checksum.kdtr") as f:
         assert f["b/c"].tolist() == [[1, 2], [3, 4]]
         with pytest.raises(kdtr_format.ChecksumError, match="tensor 'a', offset 64"):
+            f.verify()
+
+
+def test_a_file_truncated_while_open_fails_verify_with_an_error_not_a_bus_error(tmp_path):
+    """Run apart: a reader that touched the mapping past the new end of file would die of SIGBUS."""
+    path = tmp_path / "shrinking.kdtr"
+    kdtr_format.write(path, {"big": np.arange(1 << 20, dtype=np.float64), "after": np.ones(3)})
+    script = textwrap.dedent(f"""
+        import os, kdtr_format
+        f = kdtr_format.open({str(path)!r})
+        os.truncate({str(path)!r}, os.path.getsize({str(path)!r}) // 2)
+        try:
+            f.verify()
+        except kdtr_format.FormatError as e:
+            print(e)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr}"
+    assert "changed while open" in result.stdout and "tensor 'big'" in result.stdout
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe.kdtr"
+    os.mkfifo(fifo)
+    script = f"import kdtr_format; kdtr_format.open({str(fifo)!r})"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "OSError" in result.stderr and "Not a regular file" in result.stderr
+
+
+def test_bool_bytes_other_than_0_and_1_are_refused_on_access_and_by_verify(corpus_dir):
+    with kdtr_format.open(corpus_dir / "bool_byte_2.kdtr") as f:
+        assert f["a"].tolist() == [0, 1, 2, 3, 4]
+        for access in (f.__getitem__, f.raw, f.torch):
+            with pytest.raises(kdtr_format.FormatError, match=r"bool byte 2 is not 0 or 1 \(tensor 'b/c', offset 130\)"):
+                access("b/c")
+    with kdtr_format.open(corpus_dir / "bool_byte_2.kdtr") as f:
+        with pytest.raises(kdtr_format.FormatError, match="bool byte 2"):
             f.verify()

@@ -157,7 +157,7 @@ def test_model_fixture_matches_its_preset_and_margins(open_golden, preset):
     assert min(decisions) >= threshold
     assert meta["min_margin"] == pytest.approx(min(decisions), rel=1e-12)
     kinds = {"logits", "logprobs", "scores"}
-    assert set(meta["tolerances"]) == kinds and set(meta["tolerances_bf16"]) == kinds
+    assert set(meta["tolerances"]) == kinds and set(meta["bf16"]["tolerances_bf16"]) == kinds
 
 
 @pytest.mark.parametrize("preset", MODEL_FIXTURES)
@@ -366,12 +366,12 @@ def smallest_margins(fixture) -> tuple[float, float]:
 
 def test_a_prompt_whose_margin_is_too_small_is_redrawn(monkeypatch):
     cfg = PRESETS["tiny2"]
-    first = model_fixture(cfg, "tiny2", seed=5, plan=AR_ONLY)
+    first = model_fixture(cfg, "tiny2", seed=5, plan=AR_ONLY, bf16_plan=None)
     assert first.metadata["prompts"][0]["draw"] == 0
     # Demand a margin just above what draw 0 reached: draw 0 is refused, a later draw kept.
     ar_margin, _ = smallest_margins(first)
     monkeypatch.setattr(refgen.fixtures, "MARGIN_REL", ar_margin * 1.0001 / first.metadata["logit_scale"])
-    redrawn = model_fixture(cfg, "tiny2", seed=5, plan=AR_ONLY).metadata
+    redrawn = model_fixture(cfg, "tiny2", seed=5, plan=AR_ONLY, bf16_plan=None).metadata
     assert redrawn["prompts"][0]["draw"] >= 1
     assert redrawn["prompts"][0]["seed"] != first.metadata["prompts"][0]["seed"]
     assert redrawn["min_margin"] >= redrawn["margin_threshold"] > ar_margin
@@ -379,11 +379,11 @@ def test_a_prompt_whose_margin_is_too_small_is_redrawn(monkeypatch):
 
 def test_a_drafter_whose_tree_has_a_near_tie_is_redrawn(monkeypatch):
     cfg = PRESETS["tiny2"]
-    first = model_fixture(cfg, "tiny2", seed=3, plan=SMALL_PLAN)
+    first = model_fixture(cfg, "tiny2", seed=3, plan=SMALL_PLAN, bf16_plan=None)
     ar_margin, tree_margin = smallest_margins(first)
     assert tree_margin < ar_margin            # seed 3: an off-path node is the closest call
     monkeypatch.setattr(refgen.fixtures, "MARGIN_REL", tree_margin * 1.0001 / first.metadata["logit_scale"])
-    redrawn = model_fixture(cfg, "tiny2", seed=3, plan=SMALL_PLAN).metadata
+    redrawn = model_fixture(cfg, "tiny2", seed=3, plan=SMALL_PLAN, bf16_plan=None).metadata
     assert redrawn["prompts"][0]["draw"] == 0 and redrawn["traces"][0]["drafter"]["draw"] >= 1
     assert redrawn["min_margin"] >= redrawn["margin_threshold"] > tree_margin
 
@@ -393,10 +393,10 @@ def test_impossible_margins_and_gaps_end_in_a_clear_error(monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(refgen.fixtures, "MARGIN_REL", 1e6)
         with pytest.raises(FixtureError, match="prompt p0: no draw out of 2"):
-            model_fixture(PRESETS["tiny2"], "tiny2", plan=SMALL_PLAN)
+            model_fixture(PRESETS["tiny2"], "tiny2", plan=SMALL_PLAN, bf16_plan=None)
     monkeypatch.setattr(refgen.fixtures, "TOPK_GAP_MIN", 1e3)
     with pytest.raises(FixtureError, match="trace t0: no drafter seed"):
-        model_fixture(PRESETS["tiny2"], "tiny2", plan=SMALL_PLAN)
+        model_fixture(PRESETS["tiny2"], "tiny2", plan=SMALL_PLAN, bf16_plan=None)
 
 
 def test_a_trace_that_breaks_the_invariant_is_refused(monkeypatch):
@@ -409,13 +409,13 @@ def test_a_trace_that_breaks_the_invariant_is_refused(monkeypatch):
 
     monkeypatch.setattr(refgen.fixtures, "ddtree_decode", off_by_one)
     with pytest.raises(FixtureError, match="trace t0: DDTree tokens .* refusing"):
-        model_fixture(PRESETS["tiny2"], "tiny2", plan=SMALL_PLAN)
+        model_fixture(PRESETS["tiny2"], "tiny2", plan=SMALL_PLAN, bf16_plan=None)
 
 
 def test_a_plan_beyond_max_position_embeddings_names_the_field():
     plan = FixturePlan(prompt_lengths=(600,), ar_new_tokens=4, traces=())
     with pytest.raises(FixtureError, match="max_position_embeddings"):
-        model_fixture(PRESETS["tiny2"], "tiny2", plan=plan)
+        model_fixture(PRESETS["tiny2"], "tiny2", plan=plan, bf16_plan=None)
 
 
 # ---------------------------------------------------------------------------- planted bugs
@@ -432,7 +432,7 @@ def test_planted_routing_bug_drifts_from_the_golden_logits(golden, tmp_path, mon
     ar_only = FixturePlan(prompt_lengths=(5,), ar_new_tokens=2, traces=())   # p0 as committed, shorter
 
     def drift() -> list[str]:
-        fixture = model_fixture(PRESETS["tiny"], "tiny", plan=ar_only)
+        fixture = model_fixture(PRESETS["tiny"], "tiny", plan=ar_only, bf16_plan=None)
         return regenerate_and_compare(fixture, golden("tiny.kdtr"), tmp_path)
 
     drift_line = "prompts/p0/prefill_logits:"

@@ -4,15 +4,18 @@
  *                                name \t dtype \t shape (a,b,..) \t offset \t nbytes \t crc32c \t byte sum
  *   kdtr_dump --flips FILE       for every single-bit flip of FILE: '1' if rejected, '0' if accepted
  *   kdtr_dump --truncations FILE for every proper prefix of FILE: '1' if rejected, '0' if accepted
+ *   kdtr_dump --shrink FILE      open FILE, truncate it to half its size, then verify (which must fail cleanly)
  *
  * Exit 1 with "error: <message>" on stderr when FILE is rejected.
  */
+#define _POSIX_C_SOURCE 200809L
 #define KDTR_IMPLEMENTATION
 #include "kdtr.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int rejected(const uint8_t *data, size_t size) {
     kdtr_file f;
@@ -59,8 +62,22 @@ static int mutations(const char *mode, const char *path) {
     return 0;
 }
 
+static int shrink_then_verify(const char *path) {
+    kdtr_file f;
+    int status;
+    if (kdtr_open(&f, path) != 0 || truncate(path, (off_t)(f.size / 2)) != 0) {
+        fprintf(stderr, "error: cannot open or truncate %s\n", path);
+        return 2;
+    }
+    status = kdtr_verify(&f);
+    if (status != 0) fprintf(stderr, "error: %s\n", f.error);
+    kdtr_close(&f);
+    return status != 0;
+}
+
 int main(int argc, char **argv) {
     kdtr_file f;
+    if (argc == 3 && strcmp(argv[1], "--shrink") == 0) return shrink_then_verify(argv[2]);
     if (argc == 3) return mutations(argv[1], argv[2]);
     if (argc != 2) {
         fprintf(stderr, "usage: kdtr_dump [--flips|--truncations] FILE\n");
