@@ -20,7 +20,9 @@ that takes `kdtree_case` runs once per case of engine.validate.runner.plan, with
   (status, check, error against tolerance or margin against threshold, where); skipped and
   near-tie rows skip the test with the row as the reason.
 - Options: `--kdtree-fixtures DIR|FILE` (default: the committed fixtures, as `kdtree
-  validate`), `--kdtree-impl`, `--kdtree-require CAPS` (as `kdtree validate --require`).
+  validate`), `--kdtree-impl`, `--kdtree-require CAPS` and `--kdtree-dtype float32|bfloat16`
+  (as `kdtree validate --require` and `--dtype`; the dtype's regime names some rows, so it
+  is part of the plan).
 
 Ids and their order come from the fixture files alone, never from the adapter or the run,
 so `-k`, `-x`, `--lf` and pytest-xdist (every worker collects the same list) behave as for
@@ -50,6 +52,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="the adapter factory kdtree_adapter returns (default: kdtree's built-in engine)")
     group.addoption("--kdtree-require", default="declared", metavar="CAPS",
                     help="capabilities whose checks must run, as `kdtree validate --require` (default: declared)")
+    group.addoption("--kdtree-dtype", default="float32", metavar="DTYPE",
+                    help="the adapter's compute dtype and its tolerance regime, as `kdtree validate --dtype` "
+                         "(default: float32)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,9 +69,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         from .validate import ValidateError, plan
 
         try:
-            config.stash[_PLAN] = plan(config.getoption("kdtree_fixtures"))
-        except ValidateError as exc:
-            raise _failure(exc) from None             # the module's collection error, in one line
+            config.stash[_PLAN] = plan(config.getoption("kdtree_fixtures"), config.getoption("kdtree_dtype"))
+        except ValidateError as exc:                  # the module's collection error, in one line
+            raise _failure(str(exc).replace("--dtype", "--kdtree-dtype", 1)) from None
     metafunc.parametrize("kdtree_case", [pytest.param(case, id=case.id, marks=pytest.mark.xdist_group(case.section))
                                          for case in config.stash[_PLAN]], indirect=True)
 
@@ -92,7 +97,7 @@ def kdtree_validation(pytestconfig: pytest.Config, kdtree_adapter: Any) -> Valid
 
     try:
         return Validation(kdtree_adapter, pytestconfig.getoption("kdtree_fixtures"),
-                          require=pytestconfig.getoption("kdtree_require"))
+                          require=pytestconfig.getoption("kdtree_require"), dtype=pytestconfig.getoption("kdtree_dtype"))
     except ValidateError as exc:
         raise _failure(exc) from None
 

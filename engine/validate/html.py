@@ -170,9 +170,9 @@ def _tolerance_figure(rows: list[Check]) -> Figure:
         if ratio is not None:
             value = max(ratio, FLOOR)
             ax.barh(i, value - FLOOR, left=FLOOR, color=COLORS[check.status], height=0.6)
-            ax.text(value * 1.3, i, check.numbers(), va="center", fontsize=8)
+            ax.text(value * 1.3, i, check.measure(), va="center", fontsize=8)
         else:
-            ax.text(FLOOR * 2, i, f"{check.status.value}{': ' + check.numbers() if check.numbers() else ''}",
+            ax.text(FLOOR * 2, i, f"{check.status.value}{': ' + check.measure() if check.measure() else ''}",
                     va="center", fontsize=8, color=COLORS[check.status])
     ax.axvline(1.0, color="#444", linestyle="--", linewidth=1)
     ax.set_xscale("log")

@@ -59,17 +59,18 @@ class Check:
             return 0.0 if not self.error else float("inf")
         return self.error / self.tolerance
 
-    def numbers(self) -> str:
-        """The row's worst error against its tolerance, or its margin against the threshold; then
-        [its regime]."""
+    def measure(self) -> str:
+        """The row's worst error against its tolerance, or its margin against the threshold."""
         if self.margin is not None:
-            numbers = f"margin {self.margin:.2e} vs {self.tolerance:.2e}" if self.tolerance else \
+            return f"margin {self.margin:.2e} vs {self.tolerance:.2e}" if self.tolerance else \
                 f"margin {self.margin:.2e}"
-        elif self.error is not None and self.tolerance is not None:
-            numbers = f"{self.error:.2e} {'>' if self.error > self.tolerance else '<='} {self.tolerance:.2e}"
-        else:
-            numbers = "" if self.error is None else f"{self.error:.2e}"
-        return " ".join(filter(None, [numbers, f"[{self.regime}]" if self.regime else ""]))
+        if self.error is not None and self.tolerance is not None:
+            return f"{self.error:.2e} {'>' if self.error > self.tolerance else '<='} {self.tolerance:.2e}"
+        return "" if self.error is None else f"{self.error:.2e}"
+
+    def numbers(self) -> str:
+        """The measure, then [the regime that judged it]."""
+        return " ".join(filter(None, [self.measure(), f"[{self.regime}]" if self.regime else ""]))
 
     def text(self) -> str:
         """The row in one line, as `kdtree validate` prints it: status, section::name, numbers, detail."""

@@ -134,7 +134,10 @@ def test_bad_options_are_one_line_without_a_traceback(project):
     bad = pytest_run(project, "-k", "accept_compact", "--kdtree-impl", "no_such_module_xyz:make")
     assert bad.returncode == 1
     assert "\nkdtree: --kdtree-impl 'no_such_module_xyz:make': cannot import" in bad.stdout, bad.stdout
-    for out in (run.stdout, bad.stdout):                        # the message alone, no traceback, no chain
+    dtype = pytest_run(project, "--kdtree-dtype", "float16")
+    assert dtype.returncode == 2
+    assert "\nkdtree: --kdtree-dtype must be one of float32, bfloat16, got 'float16'\n" in dtype.stdout, dtype.stdout
+    for out in (run.stdout, bad.stdout, dtype.stdout):          # the message alone, no traceback, no chain
         assert not re.search(r"Traceback|During handling|\.py:\d+", out.split("short test summary")[0]), out
 
 

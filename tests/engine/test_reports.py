@@ -18,7 +18,7 @@ import headless
 import kdtr_format
 from engine.adapter import TorchAdapter
 from engine.cli import main
-from engine.validate import GOLDEN_DIR, Check, Report, Status, Validation, plan
+from engine.validate import GOLDEN_DIR, Check, Report, Status, ValidateError, Validation, plan
 from engine.validate.html import acceptance_lengths, to_html
 from engine.validate.junit import to_junit, write_junit
 
@@ -136,6 +136,50 @@ def test_the_validate_cases_apply_the_requirements(tmp_path):
     skipped_all = Validation(AcceptOnly(), tmp_path / "other", require="none")
     ran = skipped_all.check(cases["any check ran"])
     assert ran.status is Status.FAIL and ran.detail == "no check ran: every row was skipped"
+
+
+class DeclaresAcceptAndTree(AcceptOnly):
+    capabilities = ("accept", "tree")
+
+    def build_tree(self, topk_lp, topk_id, budget, block_size):
+        return self.engine.build_tree(topk_lp, topk_id, budget, block_size)
+
+    def set_dtype(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+def test_a_declared_capability_no_fixture_checks_is_the_same_skipped_row_per_case(tmp_path):
+    fixture = GOLDEN_DIR / "kernels" / "accept_compact.kdtr"
+    if not fixture.exists():
+        pytest.skip(f"golden fixture {fixture} is absent")
+    fixture_dir = tmp_path / "fx"
+    (fixture_dir / "kernels").mkdir(parents=True)
+    (fixture_dir / "kernels" / "accept_compact.kdtr").symlink_to(fixture)
+    validation = Validation(DeclaresAcceptAndTree(), fixture_dir)
+    (tree,) = [c for c in plan(fixture_dir) if c.id == "validate::capability tree"]
+    got = validation.check(tree)
+    assert got.status is Status.SKIPPED and got.detail == (
+        f"declared, but no fixture in {fixture_dir} has checks for it (--require tree makes this a FAIL)")
+    assert [c for c in validation.report().checks if c.section == "validate"] == [got]
+    named = Validation(DeclaresAcceptAndTree(), fixture_dir, require="tree").check(tree)
+    assert named.status is Status.FAIL and named.detail == f"required, but no check of {fixture_dir} exercised it"
+
+
+def test_the_bf16_plan_has_the_routing_row_skipped_where_no_model_ran():
+    if not TINY.exists():
+        pytest.skip(f"golden fixture {TINY} is absent (generate it with `refgen generate`)")
+    cases = [c for c in plan(TINY, "bfloat16") if c.section == "tiny.kdtr" and not c.builtin_only]
+    assert "routing" in [c.name for c in cases] and "routing" not in [c.name for c in plan(TINY)]
+    validation = Validation(DeclaresAcceptAndTree(), TINY, dtype="bfloat16")
+    report = validation.report()
+    assert [c.name for c in report.checks if c.section == "tiny.kdtr"] == [c.name for c in cases if c.name != "routing"]
+    by_name = {c.name: c for c in report.checks}
+    for case in cases:
+        got = validation.check(case)
+        assert got == (by_name[case.name] if case.name != "routing" else
+                       Check("tiny.kdtr", "routing", Status.SKIPPED, detail=case.absent))
+    with pytest.raises(ValidateError, match="--dtype must be one of float32, bfloat16, got 'float16'"):
+        plan(TINY, "float16")
 
 
 def test_a_fixture_whose_checks_stop_fails_each_of_its_cases(tmp_path):
@@ -317,7 +361,8 @@ def test_html_page_summary_first_then_every_row_and_its_plots(failing, failing_p
 
 def test_html_page_in_headless_chromium(failing, failing_page, tmp_path):
     if not headless.CHROMIUM.exists():
-        pytest.skip(f"{headless.CHROMIUM} is absent (Debian: apt-get install -y chromium; .ci/run installs it)")
+        pytest.skip(f"{headless.CHROMIUM} is absent: the browser test runs where Chromium is already installed "
+                    f"(Debian: apt-get install -y chromium; CI does not install it, docs/ci.md says why)")
     path = tmp_path / "report.html"
     path.write_text(failing_page)
     page, close = headless.load(path.as_uri())
