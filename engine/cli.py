@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .decode import DecodeResult
     from .diverge import Divergence, Way
     from .diverge_run import Subject
-    from .validate import Check, Report
+    from .validate import Report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "bfloat16")

@@ -1,14 +1,15 @@
 """The runner: every fixture's checks through the checked adapter, as one report or case by case.
 
-A case is one row of the report, known before anything runs (`plan`): its section (a
-fixture's path in the fixture directory; "<preset> (random weights)" for the built-in
-engine's invariant on a preset without a fixture; "validate" for the run's own
-requirements), its check name and the capabilities it exercises. Its id,
-`section::name`, is the same in every run and for every adapter, because the plan does
-not depend on the adapter: the built-in engine's own rows are cases of every plan,
-skipped for any other adapter.
+A case is one row of the report, known before anything runs (`plan(fixtures, dtype)`):
+its section (a fixture's path in the fixture directory; "<preset> (random weights)" for
+the built-in engine's invariant on a preset without a fixture; "validate" for the run's
+own requirements), its check name and the capabilities it exercises. Its id,
+`section::name`, is the same in every run and for every adapter, because the plan depends
+on the fixture files and the dtype's regime alone: the built-in engine's own rows are
+cases of every plan, skipped for any other adapter, and bf16's routing row is a case,
+skipped where the adapter's model did not run.
 
-    validation = Validation(adapter, fixtures, require="declared")
+    validation = Validation(adapter, fixtures, require="declared", dtype="float32")
     row = validation.check(case)          # one case: its fixture's checks run once, then kept
     report = validation.report()          # every row, as `kdtree validate` prints it
 
@@ -19,8 +20,9 @@ required capability exercised by some row; `any check ran`) run every section. T
 report holds every section's rows in plan order, then the requirements
 (`requirements`): a row skipped for a required capability the adapter lacks is a FAIL,
 and so is a required capability no row exercised; the report shows a "validate" row only
-when it fails. `validate(...)` is `Validation(...).report()`; engine/pytest_plugin.py runs
-the cases one test each.
+when it fails, or, skipped, for a declared capability that no fixture has checks for.
+`validate(...)` is `Validation(...).report()`; engine/pytest_plugin.py runs the cases one
+test each.
 """
 
 from __future__ import annotations

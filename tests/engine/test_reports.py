@@ -17,7 +17,7 @@ import torch
 import headless
 import kdtr_format
 from engine.adapter import TorchAdapter
-from engine.cli import main
+from cli_run import run_main
 from engine.validate import GOLDEN_DIR, Check, Report, Status, ValidateError, Validation, plan
 from engine.validate.html import acceptance_lengths, to_html
 from engine.validate.junit import to_junit, write_junit
@@ -273,17 +273,6 @@ def test_junit_xml_of_a_run_in_which_nothing_ran_fails(tmp_path):
 
 
 # ---- the CLI writes both ----
-
-def run_main(args: list[str], capsys) -> tuple[int, str, str]:
-    threads = torch.get_num_threads()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main(args)
-    finally:
-        torch.set_num_threads(threads)
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
-
 
 def test_validate_writes_junit_xml_and_html(tmp_path, capsys):
     fixture = GOLDEN_DIR / "kernels" / "tree_build.kdtr"
