@@ -34,7 +34,7 @@ import torch
 
 from ..ragged import pack_visibility
 from .checked import CheckedV2, fault_into
-from .compare import _int, _words, compare_close, compare_exact, compare_tree, row, unpack_bits
+from .compare import _int, _words, compare_close, compare_exact, compare_tree, row
 from .report import Check
 
 Close = Callable[[str, str, Any, Any, str], Check]       # (section, name, actual, expected, where) -> row
@@ -306,6 +306,3 @@ def batched_checks(adapter: CheckedV2 | None, caps: set[str], reader, section: s
               "verify_attention": _verify_attention_cases}.get(reader.metadata.get("kind"))
     return checks(adapter, caps, reader, section) if checks else []
 
-
-__all__ = ["Request", "accept_rows", "at", "batched_checks", "build_rows", "compile_rows", "packed_rows", "put",
-           "sample_accept_rows", "split", "timed", "topk_rows", "unpack_bits"]

@@ -222,7 +222,7 @@ def test_a_tree_beyond_its_possible_nodes_gets_a_build_call_of_its_own():
     """Padding a request's top-k with -inf columns cannot change its tree unless its budget
     exceeds the nodes its own columns make; then the padded nodes would be popped."""
     rng = np.random.default_rng(3)
-    reader, requests, expected = {}, [], []
+    reader, requests = {}, []
     for name, (k, budget) in {"x": (2, 100), "y": (4, 5)}.items():          # x: budget > 2 + 4 possible nodes
         logits = rng.normal(size=(2, 16))
         lp, ids = refgen_topk(logits, k)
