@@ -71,30 +71,40 @@ def _one_line(exc: BaseException) -> str:
 class CheckedAdapter:
     """The adapter with every protocol method checked (module docstring)."""
 
+    methods = METHODS
+
     def __init__(self, adapter: Any) -> None:
         self.adapter = adapter
         self.vocab_size: int | None = None          # from load_weights' config: forward's V
 
     def __getattr__(self, name: str) -> Any:
+        if name == "adapter":
+            raise AttributeError(name)
         value = getattr(self.adapter, name)
-        if name in METHODS and callable(value):
+        if name in self.methods and callable(value):
             return functools.partial(self._call, name, value)
         return value
 
     def _call(self, name: str, method: Any, *args: Any) -> Any:
         try:
-            result = method(*args)
+            result = self._invoke(method, args)
         except AdapterFault:            # a v2 adapter's fault under PerRequest: already named
             raise
         except Exception as exc:
             raise AdapterFault(name, f"raised {_one_line(exc)}", raised=True) from exc
-        spec = METHODS[name]
+        spec = self.methods[name]
         if name == "load_weights":
             self.vocab_size = int(args[0].vocab_size)
         dims = spec.dims(*args)
         if name == "forward" and self.vocab_size is not None:
             dims["V"] = self.vocab_size
-        return _conform(name, spec, result, dims, _output)
+        return _conform(name, spec, result, dims, self._check)
+
+    def _invoke(self, method: Any, args: tuple) -> Any:
+        return method(*args)
+
+    def _check(self, method: str, out: Output, value: Any, dims: dict[str, int]) -> Any:
+        return _output(method, out, value, dims)
 
 
 def _conform(method: str, spec: Method, result: Any, dims: dict[str, int], check: Callable[..., Any]) -> Any:
@@ -175,25 +185,18 @@ def _check_finite(method: str, out: Output, nan: int, infinite: int) -> None:
 
 # ---- protocol v2 ----
 
-class CheckedV2:
+class CheckedV2(CheckedAdapter):
     """A protocol 2 adapter with every method held to its declaration (protocol_v2.METHODS_V2):
     outputs must be torch tensors on the adapter's device, of the declared dtype class and
     shape, ragged offsets consistent with the outputs they index, no NaN (nor infinity where
     declared finite). While `timing` is on, each call's own time is measured."""
 
-    def __init__(self, adapter: Any) -> None:
-        self.adapter = adapter
-        self.device = adapter_device(adapter)
-        self.vocab_size: int | None = None
-        self._timing: tuple[dict[str, float], str] | None = None
+    methods = METHODS_V2
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "adapter":
-            raise AttributeError(name)
-        value = getattr(self.adapter, name)
-        if name in METHODS_V2 and callable(value):
-            return functools.partial(self._call, name, value)
-        return value
+    def __init__(self, adapter: Any) -> None:
+        super().__init__(adapter)
+        self.device = adapter_device(adapter)
+        self._timing: tuple[dict[str, float], str] | None = None
 
     @contextmanager
     def timing(self, seconds: dict[str, float], stage: str) -> Iterator[None]:
@@ -210,29 +213,18 @@ class CheckedV2:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _call(self, name: str, method: Any, *args: Any) -> Any:
-        timing = self._timing
-        if timing:
-            self._synchronize()
-            began = time.perf_counter()
-        try:
-            result = method(*args)
-            if timing:
-                self._synchronize()
-        except Exception as exc:
-            raise AdapterFault(name, f"raised {_one_line(exc)}", raised=True) from exc
-        if timing:
-            seconds, stage = timing
-            seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - began
-        spec = METHODS_V2[name]
-        if name == "load_weights":
-            self.vocab_size = int(args[0].vocab_size)
-        dims = spec.dims(*args)
-        if name == "forward" and self.vocab_size is not None:
-            dims["V"] = self.vocab_size
-        return _conform(name, spec, result, dims, self._tensor)
+    def _invoke(self, method: Any, args: tuple) -> Any:
+        if self._timing is None:
+            return method(*args)
+        seconds, stage = self._timing
+        self._synchronize()
+        began = time.perf_counter()
+        result = method(*args)
+        self._synchronize()
+        seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - began
+        return result
 
-    def _tensor(self, method: str, out: Output, value: Any, dims: dict[str, int]) -> torch.Tensor:
+    def _check(self, method: str, out: Output, value: Any, dims: dict[str, int]) -> torch.Tensor:
         """One output held to its declaration (binding free dims into `dims`)."""
         what = f"output {out.name}"
         if not isinstance(value, torch.Tensor):
