@@ -12,7 +12,8 @@ from kdtr_format import PRESETS, KdtrError
 
 from ..adapter import TorchAdapter
 from .acceptance import with_trace_acceptance
-from .checked import CheckedAdapter
+from .batched import batched_checks
+from .checked import checked_views
 from .deviations import with_deviations
 from .fixtures import _kdtr_files, find_fixtures
 from .invariant import preset_invariant_checks
@@ -41,7 +42,7 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
     directory = find_fixtures(fixtures)
     report = Report(implementation=getattr(adapter, "name", type(adapter).__name__), device=device,
                     fixtures=str(directory), backends=dict(getattr(adapter, "backends", {})))
-    checked = CheckedAdapter(adapter)
+    checked, batched = checked_views(adapter)          # protocol v2: also batched, timed (batched.py)
     root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
     for path in _kdtr_files(directory):
         section = str(path.relative_to(root))
@@ -61,6 +62,7 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
                 else:
                     report.checks.append(Check(section, "fixture", Status.FAIL,
                                                detail=f"unknown fixture kind {kind!r}"))
+                report.checks += batched_checks(batched, caps, reader, section, dtype)
         except KdtrError as exc:
             raise ValidateError(f"{path}: {exc}") from None
         except ValidateError:
