@@ -17,6 +17,7 @@ import torch
 import kdtr_format
 from engine.cli import main
 from engine.model import Transformer
+from engine.validate.regime import Regime
 from engine.weights import ROUTER_WEIGHTS, load_fixture_weights
 from refgen.checkpoint import checkpoint_fixture, load, open_checkpoint, plan_import
 from refgen.fixtures import write_fixture
@@ -49,13 +50,14 @@ def test_engine_matches_the_references_in_its_dtype(fixtures, layout, dtype):
         assert w.dtype == (torch.float32 if name.endswith(ROUTER_WEIGHTS) else dtype), name
     engine = Transformer(cfg, weights, dtype=dtype)
     with kdtr_format.open(paths[layout]) as fixture:
-        tolerances = fixture.metadata["tolerances" if dtype == torch.float32 else "tolerances_bf16"]["logits"]
-        for prompt in fixture.metadata["prompts"]:
-            tokens = fixture.torch(f"prompts/{prompt['name']}/tokens")[None]
+        regime = Regime.of(fixture.metadata, str(dtype).removeprefix("torch."))
+        tolerances = regime.tolerances["logits"]
+        for prompt in regime.metadata["prompts"]:
+            tokens = fixture.torch(f"{regime.prefix}prompts/{prompt['name']}/tokens")[None]
             m = tokens.shape[1]
             logits = engine(tokens, torch.arange(m)[None], torch.ones(1, m, m, dtype=torch.bool).tril(),
                             torch.tensor([m]), torch.tensor([0]), engine.new_cache(1, m))[0].double().numpy()
-            expected = np.asarray(fixture[f"prompts/{prompt['name']}/prefill_logits"])
+            expected = np.asarray(fixture[f"{regime.prefix}prompts/{prompt['name']}/prefill_logits"])
             np.testing.assert_allclose(logits, expected, rtol=tolerances["rtol"], atol=tolerances["atol"])
 
 
