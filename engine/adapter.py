@@ -14,6 +14,7 @@ from kdtr_format import ModelConfig
 from .attention import AttentionBackend, torch_attention
 from .cache import KVCache
 from .model import Transformer
+from .parallel import World
 from .stages import Stages, TorchStages, TreeBatch
 
 
@@ -44,16 +45,18 @@ class TorchAdapter:
 
     device "cuda" takes the CUDA stages and attention kernels when they load
     (`backends` says which ran), the torch paths otherwise. invariant: the model in
-    batch-invariant mode (Transformer's `invariant`).
+    batch-invariant mode (Transformer's `invariant`). world: the model sharded over a
+    tensor-parallel group (Transformer's `world`, docs/tensor-parallel.md).
     """
 
     capabilities = ("model", "topk", "tree", "compile", "accept", "sample_accept", "compact", "attention")
 
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 invariant: bool = False) -> None:
+                 invariant: bool = False, world: World | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.invariant = invariant
+        self.world = world
         self.stages: Stages = TorchStages()
         self.attention_backend: AttentionBackend = torch_attention
         self.backends = {"stages": "torch", "attention": "torch"}
@@ -62,7 +65,8 @@ class TorchAdapter:
             self.stages = stages or self.stages
             self.attention_backend = attention or self.attention_backend
         self.name = f"torch engine ({self.device.type}, stages: {self.backends['stages'].split()[0]}, " \
-                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if invariant else ''})"
+                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if invariant else ''}" \
+                    f"{f', TP {world.size}' if world else ''})"
         self.model: Transformer | None = None
         self.weights: dict[str, torch.Tensor] = {}
         self.cache: KVCache | None = None
@@ -71,7 +75,7 @@ class TorchAdapter:
     def load_weights(self, config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
         self.weights = {name: torch.tensor(np.asarray(w)) for name, w in weights.items()}
         self.model = Transformer(config, self.weights, device=self.device, dtype=self.dtype,
-                                 attention=self.attention_backend, invariant=self.invariant)
+                                 attention=self.attention_backend, invariant=self.invariant, world=self.world)
 
     def reset(self, max_len: int) -> None:
         self.cache = self._model().new_cache(1, max_len)
