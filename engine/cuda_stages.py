@@ -1,8 +1,8 @@
 """`Stages` on the GPU with the kernels_cuda tree ops (engine/stages.py has the protocol).
 
-Top-k, tree build, compile, greedy accept and KV compaction run as CUDA kernels
-(torch.ops.kdtree.*); target choices stay on torch (argmax, and the float64 inverse-CDF
-sampler), already on the GPU. Outputs have TorchStages' layout exactly: trees are built
+Top-k, tree build, compile, greedy accept, sampling choices (the float64 inverse CDF,
+when tree_ops.SAMPLE_KERNEL) and KV compaction run as CUDA kernels (torch.ops.kdtree.*);
+greedy choices are torch's argmax, already on the GPU. Outputs have TorchStages' layout exactly: trees are built
 into 1 + max(budget) columns and trimmed to 1 + max(n), which costs two host syncs.
 """
 
@@ -43,6 +43,8 @@ class CudaStages:
         """draft_logits [B, L, V] float32|bf16|fp16 -> (topk_lp float32 [B, L, K], topk_id int64 [B, L, K])."""
         if draft_logits.dim() != 3:
             raise ValueError(f"draft_logits: expected [B, L, V], got shape {list(draft_logits.shape)}")
+        if bool(draft_logits.isnan().any()):      # the contract's explicit error (one host read; the graphed
+            raise ValueError("draft_logits: contains NaN")   # round, engine/graphs.py, skips it)
         return tree_ops.topk_logprobs(draft_logits, k)
 
     def build_trees(self, topk_lp: torch.Tensor, topk_id: torch.Tensor, budgets: torch.Tensor,
@@ -74,8 +76,18 @@ class CudaStages:
         return self._torch.greedy_choices(logits)
 
     def sample_choices(self, logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor:
-        """logits [B, N, V], uniforms [B, N] -> int64 [B, N]: TorchStages' float64 inverse CDF, on the GPU."""
-        return self._torch.sample_choices(logits, temperature, uniforms)
+        """logits [B, N, V], uniforms [B, N] -> int64 [B, N]: the float64 inverse CDF, by the kernel
+        kdtree::sample_choices when tree_ops.SAMPLE_KERNEL is set, else by TorchStages' torch ops."""
+        if not tree_ops.SAMPLE_KERNEL:
+            return self._torch.sample_choices(logits, temperature, uniforms)
+        if logits.dim() != 3:
+            raise ValueError(f"logits: expected [B, N, V], got shape {list(logits.shape)}")
+        choices = tree_ops.sample_choices(logits.contiguous(), temperature, uniforms.double().contiguous())
+        refused = (choices < 0).nonzero().tolist()
+        if refused:
+            raise ValueError(f"uniforms: every value must lie in [0, 1), and every logits row needs a finite "
+                             f"maximum and no NaN; refused at [b, n] = {refused[:8]}")
+        return choices
 
     def accept(self, trees: TreeBatch, choices: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,7 +22,9 @@
 Capture: each graph's function runs twice on a side stream (lazy initialization, library
 workspaces), then is captured into one memory pool shared by the model's graphs (one replays at
 a time). Warm-up and capture run with n_new = 0 for every request, so they write nothing into
-the cache; the functions must read nothing back to the host (Transformer.forward with
+the cache; every tensor a graph reads or writes is held by its object (a tensor freed after capture
+would leave the graph reading memory the allocator hands out again); the functions must read
+nothing back to the host (Transformer.forward with
 check=False, the tree ops), or the capture fails.
 """
 
@@ -156,10 +158,10 @@ class ARStep:
         self.active = torch.zeros_like(self.last)
         self.host = torch.empty(batch, 2, dtype=torch.float64, pin_memory=True)
         self.done = torch.cuda.Event()
-        see_self = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
+        self.see_self = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)    # read by every replay
 
         def step() -> torch.Tensor:
-            logits = model.forward(self.last[:, None], self.starts[:, None], see_self, self.active, self.starts,
+            logits = model.forward(self.last[:, None], self.starts[:, None], self.see_self, self.active, self.starts,
                                    cache, check=False)[:, 0]                               # [B, V]
             choices = stages.greedy_choices(logits[:, None])[:, 0]
             self.last.copy_(torch.where(self.active > 0, choices, self.last))
@@ -224,9 +226,10 @@ class DDTreeRound:
         self.build.replay()                     # valid trees (root only, n_new 0) for the next warm-ups
         self.built = built                      # n, parents, tokens, positions, visibility, n_new, ids
         n, parents, tokens, positions, visibility, n_new, ids = built
-        self.verify, logits = capture(lambda: model.forward(ids, positions, visibility, n_new, self.starts, cache,
-                                                            check=False), pool)
+        self.verify, self.logits = capture(lambda: model.forward(ids, positions, visibility, n_new, self.starts,
+                                                                 cache, check=False), pool)
         self.verify.replay()
+        logits = self.logits                    # the verify graph's output, the accept graph's input
 
         def accept() -> torch.Tensor:
             choices = logits.argmax(dim=-1)                                               # [B, W]

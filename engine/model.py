@@ -59,7 +59,7 @@ from .attention import AttentionBackend, bind_attention, invariant_form, torch_a
 from .cache import KVCache
 from .moe import DISPATCHES, RoutedExperts, moe_dispatch, swiglu
 from .parallel import World, first_expert, shard_weights
-from .weights import as_tensor, check_weights, load_fixture_weights
+from .weights import ROUTER_WEIGHTS, as_tensor, check_weights, load_fixture_weights
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 INVARIANT_TILE = {"cpu": 1}          # rows per tile in invariant mode; other devices: 64
@@ -283,7 +283,7 @@ def _write_rows(cache: torch.Tensor, slots: torch.Tensor, real: torch.Tensor, ne
 def _stored(name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A weight as the forward keeps it: routing in float32 in any dtype; norm weights rounded
     to the dtype and kept in float32 (their math is float32); the rest in the dtype."""
-    if name.endswith(("moe.gate", "moe.e_score_correction_bias")):
+    if name.endswith(ROUTER_WEIGHTS):
         return value.float()
     if name == "norm" or name.endswith(("layernorm", "q_a_norm", "kv_a_norm")):
         return value.to(dtype).float()
@@ -344,7 +344,7 @@ class Transformer:
     def from_fixture(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
                      dtype: torch.dtype = torch.float32, attention: AttentionBackend | None = None,
                      **options) -> "Transformer":
-        cfg, weights = load_fixture_weights(path)
+        cfg, weights = load_fixture_weights(path, dtype)
         return cls(cfg, weights, device=device, dtype=dtype, attention=attention, **options)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

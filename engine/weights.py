@@ -1,8 +1,10 @@
 """Weight names and shapes for a config, and loading them from a KDTR fixture.
 
 Names and layouts are docs/fixtures.md "Weights" (torch layout [out, in]);
-a fixture stores them under ``weights/<name>`` and its config under
-``metadata["config"]``.
+a fixture stores them under ``weights/<name>`` (float32; for a fixture made from
+a checkpoint, the checkpoint's dequantized weights) and its config under
+``metadata["config"]``. The router (`ROUTER_WEIGHTS`) stays float32 in any
+compute dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 
 import kdtr_format
 from kdtr_format import ModelConfig
+
+ROUTER_WEIGHTS = ("moe.gate", "moe.e_score_correction_bias")      # name suffixes kept in float32
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -81,21 +85,33 @@ def as_tensor(value: torch.Tensor | np.ndarray) -> torch.Tensor:
     raise TypeError(f"weights must be torch tensors or numpy arrays, got {type(value).__name__}")
 
 
-def load_fixture_weights(path_or_reader: str | os.PathLike | Any) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype weight `name` is held in when the model computes in `dtype`."""
+    return torch.float32 if name.endswith(ROUTER_WEIGHTS) else dtype
+
+
+def load_fixture_weights(path_or_reader: str | os.PathLike | Any, dtype: torch.dtype = torch.float32
+                         ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, weights) from a KDTR fixture: a path or an open `kdtr_format` reader.
 
-    Tensors are copied out of the file's memory map, so they outlive the reader.
+    Each tensor is converted from the file's memory map straight to the dtype the model
+    holds it in (`weight_dtype`), one at a time, so loading a large fixture costs the
+    weights in the compute dtype and no more; they outlive the reader.
     """
     if isinstance(path_or_reader, (str, os.PathLike)):
         with kdtr_format.open(path_or_reader) as reader:
-            return load_fixture_weights(reader)
+            return load_fixture_weights(reader, dtype)
     reader = path_or_reader
     metadata = reader.metadata
     if not isinstance(metadata, Mapping) or "config" not in metadata:
         raise ValueError("fixture has no metadata['config'] (not a kdtree model fixture?)")
     cfg = ModelConfig.from_dict(metadata["config"])
     prefix = "weights/"
-    weights = {name[len(prefix):]: reader.torch(name).clone() for name in reader.names(prefix)}
+    weights = {}
+    for name in reader.names(prefix):
+        stored = reader.torch(name)
+        target = weight_dtype(name, dtype)
+        weights[name[len(prefix):]] = stored.clone() if stored.dtype == target else stored.to(target)
     if not weights:
         raise ValueError("fixture holds no 'weights/...' tensors")
     check_weights(cfg, weights)

@@ -12,13 +12,23 @@ top-k; the build's shared memory (about 4 L K + 24 width bytes) must fit the dev
 
 from __future__ import annotations
 
-from ctypes import c_int, c_void_p
+import functools
+import math
+import os
+from ctypes import c_double, c_int, c_size_t, c_void_p
 
 import torch
 
 from . import _lib
 
+# Which kernel version serves by default: a new version serves only after a GPU run proves it
+# (tests and benchmarks select versions explicitly). Top-k v4 and the sampling kernel were proven
+# on an H200 on 2026-12-01 (docs/results/kernels-v3-h200.md): bit-exact with v3 / the torch sampler.
+SAMPLE_KERNEL = os.environ.get("KDTREE_SAMPLE_KERNEL", "1") == "1"   # CudaStages.sample_choices
+TOPK_VERSION = int(os.environ.get("KDTREE_TOPK_VERSION", "4"))      # topk_logprobs(version=0)
+
 _LOGIT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_SAMPLE_DTYPES = {**_LOGIT_DTYPES, torch.float64: 3}
 
 
 def _require(ok: bool, message: str) -> None:
@@ -55,16 +65,31 @@ def _p(t: torch.Tensor | None) -> c_void_p:
 
 # --- top-k log-probs --------------------------------------------------------------------------
 
+@functools.cache
+def _topk_workspace_bytes():
+    """kdtree_topk_workspace_bytes(dtype, rows, V, K, version, logits) -> size_t."""
+    try:
+        fn = _lib.library().kdtree_topk_workspace_bytes
+    except AttributeError as exc:
+        raise _lib.KernelError("kernels library has no symbol 'kdtree_topk_workspace_bytes' (stale build?)") from exc
+    fn.argtypes = [c_int, c_int, c_int, c_int, c_int, c_void_p]
+    fn.restype = c_size_t
+    return fn
+
+
 @torch.library.custom_op("kdtree::topk_logprobs", mutates_args=())
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, k: int, version: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] float32|bf16|fp16 -> (topk_lp float32 [..., K], topk_id int64 [..., K]), K = min(k, V).
 
     lp = logits - logsumexp in float64 (float exp of exact differences, float64 sums), rounded
     once to float32; rows descending, equal lp to the smaller id (contract section 2).
+    version: the kernel (3 or 4: the same outputs bit for bit; NOTES-tree.md), 0 for TOPK_VERSION.
     """
     _check(logits, "logits", tuple(_LOGIT_DTYPES), None)
     _require(logits.dim() >= 2, f"logits: expected [..., V], got shape {list(logits.shape)}")
     _require(isinstance(k, int) and k >= 0, f"k: expected an integer >= 0, got {k!r}")
+    version = version or TOPK_VERSION
+    _require(version in (3, 4), f"version: expected 3 or 4, got {version!r}")
     vocab = logits.shape[-1]
     _require(vocab > 0, "logits: the vocabulary is empty")
     K = min(k, vocab)
@@ -72,13 +97,17 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     topk_lp = torch.empty(*logits.shape[:-1], K, dtype=torch.float32, device=logits.device)
     topk_id = torch.empty(*logits.shape[:-1], K, dtype=torch.int64, device=logits.device)
     rows = logits.numel() // vocab
-    _launch("kdtree_topk_logprobs", (c_void_p, c_int, c_int, c_int, c_int, c_void_p, c_void_p), logits.device,
-            _p(logits), _LOGIT_DTYPES[logits.dtype], rows, vocab, K, _p(topk_lp), _p(topk_id))
+    dtype = _LOGIT_DTYPES[logits.dtype]
+    with torch.cuda.device(logits.device):
+        size = _topk_workspace_bytes()(dtype, rows, vocab, K, version, _p(logits))
+    workspace = torch.empty(size, dtype=torch.uint8, device=logits.device) if size else None
+    _launch("kdtree_topk_logprobs", (c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p, c_void_p, c_void_p),
+            logits.device, _p(logits), dtype, rows, vocab, K, version, _p(workspace), _p(topk_lp), _p(topk_id))
     return topk_lp, topk_id
 
 
 @topk_logprobs.register_fake
-def _(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _(logits: torch.Tensor, k: int, version: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     K = min(k, logits.shape[-1])
     shape = (*logits.shape[:-1], K)
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
@@ -193,6 +222,41 @@ def _(parents, depths, n, starts):
     batch, width = parents.shape
     return (torch.empty_like(parents), parents.new_empty(batch, width, -(-width // 32), dtype=torch.int32),
             torch.empty_like(parents), torch.empty_like(parents))
+
+
+# --- sampling choices --------------------------------------------------------------------------
+
+@torch.library.custom_op("kdtree::sample_choices", mutates_args=())
+def sample_choices(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] float32|bf16|fp16|float64, uniforms float64 [...] in [0, 1)
+    -> choices int64 [...] (contract section 5).
+
+    Inverse CDF in float64 over ids ascending: p = softmax(logits / T); the smallest id with
+    p > 0 whose cdf exceeds u, else the largest id with p > 0 (csrc/tree_sample.cu). A row with
+    a NaN logit, no finite maximum, or u outside [0, 1) gets -1 (checked on the device, so the
+    op never syncs).
+    """
+    _check(logits, "logits", tuple(_SAMPLE_DTYPES), None)
+    device = logits.device
+    _require(logits.dim() >= 1, "logits: expected [..., V], got a scalar")
+    vocab = logits.shape[-1]
+    _require(vocab > 0, "logits: the vocabulary is empty")
+    _require(vocab <= 1 << 20, f"logits: at most 1048576 ids supported, got V = {vocab}")
+    _require(isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0,
+             f"temperature: sampling needs a finite temperature > 0, got {temperature!r}")
+    _check(uniforms, "uniforms", (torch.float64,), logits.dim() - 1, device)
+    _require(uniforms.shape == logits.shape[:-1],
+             f"uniforms: expected shape {list(logits.shape[:-1])}, got {list(uniforms.shape)}")
+    choices = torch.empty(logits.shape[:-1], dtype=torch.int64, device=device)
+    _launch("kdtree_sample_choices", (c_void_p, c_int, c_int, c_int, c_double, c_void_p, c_void_p), device,
+            _p(logits), _SAMPLE_DTYPES[logits.dtype], uniforms.numel(), vocab, float(temperature), _p(uniforms),
+            _p(choices))
+    return choices
+
+
+@sample_choices.register_fake
+def _(logits, temperature, uniforms):
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
 
 
 # --- accept and compaction ----------------------------------------------------------------------

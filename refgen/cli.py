@@ -3,6 +3,7 @@
     refgen list                              presets and fixture kinds
     refgen generate --all                    the committed fixtures into tests/golden
     refgen generate --preset kimi-k2         one preset (repeatable); --config-file PATH for a config.json
+    refgen generate --checkpoint DIR --layers 2 --experts 8 --out DIR   a fixture from a real checkpoint, sliced
     refgen generate --kernels-large          the large kernel cases (never committed)
     refgen verify [PATH]                     regenerate and compare; exit 1 on drift
     refgen show FILE                         what a fixture holds
@@ -42,6 +43,8 @@ from kdtr_format import PRESETS, KdtrError, ModelConfig  # noqa: E402
 from kdtr_format.clikit import Cli, CliError, OutputDirectory, console, records, table  # noqa: E402
 
 from . import __version__  # noqa: E402
+from .checkpoint import (CheckpointError, checkpoint_fixture, fixture_name, load, open_checkpoint,  # noqa: E402
+                         plan_import)
 from .fixtures import (DEFAULT_PLAN, GOLDEN_PRESETS, REGEN_RTOL, Fixture, FixtureError,  # noqa: E402
                        check_plan, compare, model_fixture, stored_hash_problem, write_fixture)
 from .kernel_cases import KERNEL_KINDS, kernel_cases, kernel_fixture, kernel_path  # noqa: E402
@@ -109,6 +112,17 @@ class _Job:
 def _model_job(cfg: ModelConfig, name: str, seed: int, source: str) -> _Job:
     return _Job(f"{name}.kdtr", DEFAULT_PLAN.steps,
                 lambda step: model_fixture(cfg, name, seed, DEFAULT_PLAN, step, source))
+
+
+def _checkpoint_job(directory: Path, layers: int | None, experts: int | None, seed: int) -> _Job:
+    """Opens and maps the checkpoint now, so a bad one is reported before any work; reads the
+    slice and computes the references when built (progress: a step per weight, then the plan's)."""
+    plan = plan_import(open_checkpoint(directory), layers, experts)
+    name = fixture_name(plan)
+    for note in plan.notes:
+        console(stderr=True).print(f"note: {note}", highlight=False, markup=False)
+    return _Job(f"{name}.kdtr", plan.steps + DEFAULT_PLAN.steps,
+                lambda step: checkpoint_fixture(load(plan, step), seed, DEFAULT_PLAN, step))
 
 
 def _kernel_job(kind: str, seed: int, large: bool) -> _Job:
@@ -187,14 +201,22 @@ def _run_jobs(jobs: list[_Job], out: Path, progress_console: Console) -> list[tu
               help=f"Every committed fixture: presets {', '.join(GOLDEN_PRESETS)} and the kernel cases.")
 @click.option("--config-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="PATH",
               help="An HF-style config.json to write a model fixture for.")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="DIR",
+              help="A DeepSeek-V3 / Kimi K2.x checkpoint directory (HF safetensors; bf16, FP8 or INT4) "
+                   "to write a model fixture from (docs/checkpoints.md).")
+@click.option("--layers", type=click.IntRange(min=1), metavar="K",
+              help="With --checkpoint: keep the first K layers (then the final norm and the head).")
+@click.option("--experts", type=click.IntRange(min=1), metavar="E",
+              help="With --checkpoint: keep the first E routed experts of every MoE layer.")
 @click.option("--out", type=OutputDirectory(), default=DEFAULT_DIR, show_default=True,
               help="Output directory.")
 @click.option("--kernels/--no-kernels", default=None,
               help="Write the small kernel-case fixtures (default: with --all only).")
 @click.option("--kernels-large", is_flag=True, help="Write the large kernel cases (*_large.kdtr).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
-def generate(presets: tuple[str, ...], all_: bool, config_file: Path | None, out: Path,
-             kernels: bool | None, kernels_large: bool, seed: int) -> int:
+def generate(presets: tuple[str, ...], all_: bool, config_file: Path | None, checkpoint: Path | None,
+             layers: int | None, experts: int | None, out: Path, kernels: bool | None, kernels_large: bool,
+             seed: int) -> int:
     """Write golden fixtures."""
     unknown = [name for name in presets if name not in PRESETS]
     if unknown:
@@ -204,12 +226,20 @@ def generate(presets: tuple[str, ...], all_: bool, config_file: Path | None, out
     if config_file is not None:
         cfg, name = _config_from_file(config_file)
         jobs.append(_model_job(cfg, name, seed, "config-file"))
+    if checkpoint is None and (layers or experts):
+        raise CliError("--layers and --experts slice a checkpoint: give --checkpoint DIR")
+    if checkpoint is not None:
+        try:
+            jobs.append(_checkpoint_job(checkpoint, layers, experts, seed))
+        except CheckpointError as exc:
+            raise CliError(f"checkpoint {checkpoint}: {exc}") from None
     if kernels if kernels is not None else all_:
         jobs += [_kernel_job(kind, seed, large=False) for kind in KERNEL_KINDS]
     if kernels_large:
         jobs += [_kernel_job(kind, seed, large=True) for kind in KERNEL_KINDS if kernel_cases(kind, True)]
     if not jobs:
-        raise CliError("nothing to generate: give --all, --preset NAME, --config-file PATH or --kernels")
+        raise CliError("nothing to generate: give --all, --preset NAME, --config-file PATH, --checkpoint DIR "
+                       "or --kernels")
     _prepare_out(out, jobs)
     done = _run_jobs(jobs, out, console(stderr=True))
 
@@ -236,6 +266,9 @@ def _regenerate(metadata: dict[str, Any]) -> _Job:
                 if name not in PRESETS:
                     raise FixtureError(f"metadata.preset: unknown preset {name!r}")
                 return _model_job(PRESETS[name], name, seed, source)
+            if source == "checkpoint":
+                origin = metadata["checkpoint"]
+                return _checkpoint_job(Path(origin["path"]), origin["layers"], origin["experts"], seed)
             return _model_job(ModelConfig.from_dict(metadata["config"]), name, seed, source)
         if kind in KERNEL_KINDS:
             return _kernel_job(kind, seed, bool(metadata["large"]))

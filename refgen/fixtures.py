@@ -220,13 +220,15 @@ def check_plan(cfg: ModelConfig, plan: FixturePlan) -> None:
 
 
 def model_fixture(cfg: ModelConfig, preset: str, seed: int = 0, plan: FixturePlan = DEFAULT_PLAN,
-                  progress: Progress | None = None, source: str = "preset") -> Fixture:
+                  progress: Progress | None = None, source: str = "preset",
+                  weights: Mapping[str, np.ndarray] | None = None) -> Fixture:
     """The model fixture of `cfg` named `preset` from `seed`: weights, prompts, AR
     runs and DDTree traces as docs/fixtures.md lays them out. `source` says where
-    the config came from: "preset" (kdtr_format.PRESETS) or "config-file"."""
+    the config came from: "preset" (kdtr_format.PRESETS), "config-file", or
+    "checkpoint" (then `weights` are the checkpoint's, else `init_weights(cfg, seed)`)."""
     step = progress or (lambda steps: None)
     check_plan(cfg, plan)
-    weights = init_weights(cfg, seed)
+    weights = init_weights(cfg, seed) if weights is None else weights
     model = Model(cfg, weights)
     probe = np.random.default_rng(sub_seed(seed, _PROBE, 0, 0)).integers(
         0, cfg.vocab_size, size=PROBE_LENGTH, dtype=np.int64)
@@ -401,29 +403,46 @@ def _round_tensors(prefix: str, r: Round) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------------------- files
 
-def _little_endian_bytes(array: np.ndarray) -> bytes:
+def _little_endian_bytes(array: np.ndarray) -> memoryview:
+    """The array's little-endian C-order bytes (a view when it is already so laid out)."""
     array = np.ascontiguousarray(array)
-    return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+    return memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8))
+
+
+def _metadata_digest(metadata: Mapping[str, Any]) -> Any:
+    """sha256 fed with the canonical metadata JSON (content_hash removed)."""
+    digest = hashlib.sha256()
+    body = {k: v for k, v in metadata.items() if k != "content_hash"}
+    digest.update(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                             allow_nan=False).encode("ascii"))
+    return digest
+
+
+def _sorted_names(tensors: Mapping[str, np.ndarray]) -> list[str]:
+    return sorted(tensors, key=lambda n: n.encode("utf-8"))
 
 
 def content_hash(metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> str:
     """sha256 hex of the canonical metadata JSON (content_hash removed, keys sorted,
     no spaces, ASCII) followed by every tensor's little-endian C-order bytes in
     name order (sorted by UTF-8 bytes)."""
-    digest = hashlib.sha256()
-    body = {k: v for k, v in metadata.items() if k != "content_hash"}
-    digest.update(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                             allow_nan=False).encode("ascii"))
-    for name in sorted(tensors, key=lambda n: n.encode("utf-8")):
+    digest = _metadata_digest(metadata)
+    for name in _sorted_names(tensors):
         digest.update(_little_endian_bytes(np.asarray(tensors[name])))
     return digest.hexdigest()
 
 
 def write_fixture(path: str | os.PathLike, fixture: Fixture) -> None:
-    """Write a fixture atomically (tensors in name order), content_hash added."""
-    names = sorted(fixture.tensors, key=lambda n: n.encode("utf-8"))
-    metadata = {**fixture.metadata, "content_hash": content_hash(fixture.metadata, fixture.tensors)}
-    kdtr_format.write(path, {name: fixture.tensors[name] for name in names}, metadata)
+    """Write a fixture atomically (tensors in name order), content_hash added. Each tensor
+    is read from `fixture.tensors` once, hashed and written, so a mapping that makes its
+    tensors on demand keeps one in memory at a time."""
+    digest = _metadata_digest(fixture.metadata)
+    with kdtr_format.Writer(path, metadata=fixture.metadata) as writer:
+        for name in _sorted_names(fixture.tensors):
+            array = np.asarray(fixture.tensors[name])
+            digest.update(_little_endian_bytes(array))
+            writer.add(name, array)
+        writer.metadata = {**fixture.metadata, "content_hash": digest.hexdigest()}
 
 
 def stored_hash_problem(reader: Any) -> str | None:

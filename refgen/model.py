@@ -5,7 +5,11 @@ serves prefill, autoregressive decode and tree verify: it takes the new tokens,
 their positions, a visibility mask over every cache slot up to the last new
 token, and the cache slot where the first new token goes.
 
-Everything runs in float64 from float32-stored weights. Shapes: n new tokens,
+Everything runs in float64 from the stored weights (float32, or the bf16 / float16 /
+float32 a checkpoint holds; widening is exact): `Float64Weights` widens small
+tensors once and large ones (K2-sized projections, experts, embedding, head) where
+they are used, a block of rows at a time, so memory stays that of the stored form
+(the numbers: those of widening up front, to BLAS rounding). Shapes: n new tokens,
 S = start + n keys, D hidden, H heads, R = kv_lora_rank, dn / dr / dv the nope /
 rope / value head dims, E routed experts, k experts per token, V vocab.
 """
@@ -14,8 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from kdtr_format import ModelConfig
@@ -176,10 +181,11 @@ def route(cfg: ModelConfig, x: np.ndarray, gate: np.ndarray,
     return idx.astype(np.int64), weight * cfg.routed_scaling_factor
 
 
-def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """x [n, D], w_gate / w_up [I, D], w_down [D, I] -> [n, D]: W_down (silu(W_gate x) * W_up x)."""
-    g = x @ w_gate.T
-    return (g / (1.0 + np.exp(-g)) * (x @ w_up.T)) @ w_down.T
+def swiglu(x: np.ndarray, project: Callable[[np.ndarray, str], np.ndarray]) -> np.ndarray:
+    """x [n, D] -> [n, D]: W_down (silu(W_gate x) * W_up x), w_gate / w_up [I, D], w_down [D, I],
+    where project(v, "w_gate") = v @ w_gate.T (and so for "w_up", "w_down")."""
+    g = project(x, "w_gate")
+    return project(g / (1.0 + np.exp(-g)) * project(x, "w_up"), "w_down")
 
 
 def causal_visibility(n: int, start: int) -> np.ndarray:
@@ -210,6 +216,56 @@ class KVCache:
         return self.c_kv[0].shape[0]
 
 
+# ---------------------------------------------------------------------------- weights
+
+WIDEN_ONCE = 1 << 24            # tensors up to this many elements (128 MiB in float64) are widened once
+SCRATCH_ELEMENTS = 1 << 24      # `project` widens a larger one into a scratch block of this size
+NARROW = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16))
+
+
+class Float64Weights:
+    """Weights as the reference reads them, always float64. A tensor of at most `widen_once`
+    elements is widened once; a larger one of a narrow float dtype stays as given (a
+    memory map, say) and is widened where it is used: by rows (`rows`, an embedding row or
+    an expert), or a block of rows at a time into one reused scratch block (`project`,
+    every matrix product with it). Widening is exact, so `rows` and `w[name]` give the
+    numbers of widening up front bit for bit; a product by blocks differs from the whole
+    product only as BLAS rounds blocks of other shapes (about 1e-15 relative, inside a
+    regeneration's 1e-12). Tensors within `widen_once` take the whole-product path, so the
+    committed presets' fixtures are unchanged."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], widen_once: int = WIDEN_ONCE) -> None:
+        self._stored = {}
+        for name, value in weights.items():
+            value = np.asarray(value)
+            large = value.size > widen_once and value.dtype in NARROW
+            self._stored[name] = value if large else np.asarray(value, dtype=np.float64)
+        self._scratch: np.ndarray | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(self._stored[name], dtype=np.float64)
+
+    def rows(self, name: str, index) -> np.ndarray:
+        """w[name][index] in float64 (an embedding row, one expert of a stacked tensor)."""
+        return np.asarray(self._stored[name][index], dtype=np.float64)
+
+    def project(self, x: np.ndarray, name: str, index: int | None = None) -> np.ndarray:
+        """x [n, d], W = w[name] (or w[name][index]) [m, d] -> x @ W.T [n, m]."""
+        w = self._stored[name] if index is None else self._stored[name][index]
+        if w.dtype == np.float64:
+            return x @ w.T
+        if self._scratch is None:
+            self._scratch = np.empty(SCRATCH_ELEMENTS)
+        m, d = w.shape
+        step = max(1, min(m, self._scratch.size // d))
+        out = np.empty((x.shape[0], m))
+        for r in range(0, m, step):
+            block = self._scratch[:min(step, m - r) * d].reshape(-1, d)
+            np.copyto(block, w[r:r + len(block)], casting="unsafe")
+            out[:, r:r + len(block)] = x @ block.T
+        return out
+
+
 # ---------------------------------------------------------------------------- model
 
 class Model:
@@ -218,7 +274,7 @@ class Model:
     per head); the two agree to rounding."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray],
-                 attention: Attention = "absorbed") -> None:
+                 attention: Attention = "absorbed", widen_once: int = WIDEN_ONCE) -> None:
         if attention not in ("absorbed", "naive"):
             raise ValueError(f"attention: must be 'absorbed' or 'naive', got {attention!r}")
         shapes = weight_shapes(cfg)
@@ -234,7 +290,7 @@ class Model:
                                  f"expected {shape}")
         self.cfg = cfg
         self.attention = attention
-        self.w = {name: np.asarray(weights[name], dtype=np.float64) for name in shapes}
+        self.w = Float64Weights({name: weights[name] for name in shapes}, widen_once)
         self.scale = softmax_scale(cfg)
         H, dn, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)
@@ -255,7 +311,7 @@ class Model:
         (one token, all slots visible) and tree verify (ancestors only) are all this.
         """
         hidden = self.hidden_states(tokens, positions, visibility, cache, start)[-1]
-        return rms_norm(hidden, self.w["norm"], self.cfg.rms_norm_eps) @ self.w["lm_head"].T
+        return self.w.project(rms_norm(hidden, self.w["norm"], self.cfg.rms_norm_eps), "lm_head")
 
     def prefill(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         """tokens [m] -> logits [m, V]: causal, positions 0 .. m-1, cache slots 0 .. m-1."""
@@ -267,7 +323,7 @@ class Model:
         """Same inputs and cache writes as `forward` -> the residual stream [n, D] after
         the embedding and after each layer (num_hidden_layers + 1 arrays)."""
         tokens, positions = self._check_inputs(tokens, positions, visibility, cache, start)
-        x = self.w["embed_tokens"][tokens]
+        x = self.w.rows("embed_tokens", tokens)
         stream = [x]
         for i in range(self.cfg.num_hidden_layers):
             x = self._layer(i, x, positions, visibility, cache, start)
@@ -284,8 +340,7 @@ class Model:
                                 positions, visibility, cache, start)
         y = rms_norm(h, self.w[p + "post_attention_layernorm"], eps)
         if self.cfg.is_dense_layer(i):
-            return h + swiglu(y, self.w[p + "mlp.w_gate"], self.w[p + "mlp.w_up"],
-                              self.w[p + "mlp.w_down"])
+            return h + swiglu(y, lambda v, name: self.w.project(v, p + "mlp." + name))
         return h + self._moe(i, y)
 
     def _attention(self, i: int, x: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
@@ -294,13 +349,14 @@ class Model:
         cfg, w, p = self.cfg, self.w, f"layers.{i}.attn."
         n, H, dn, R = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
-            q = x @ w[p + "wq"].T
+            q = w.project(x, p + "wq")
         else:
-            q = rms_norm(x @ w[p + "wq_a"].T, w[p + "q_a_norm"], cfg.latent_norm_eps) @ w[p + "wq_b"].T
+            q = w.project(rms_norm(w.project(x, p + "wq_a"), w[p + "q_a_norm"], cfg.latent_norm_eps),
+                          p + "wq_b")
         q = q.reshape(n, H, cfg.qk_head_dim)
         q_nope = q[..., :dn]                                                   # [n, H, dn]
         q_pe = apply_rope(q[..., dn:].transpose(1, 0, 2), positions, cfg).transpose(1, 0, 2)
-        kv_a = x @ w[p + "wkv_a"].T                                            # [n, R + dr]
+        kv_a = w.project(x, p + "wkv_a")                                       # [n, R + dr]
         cache.c_kv[i][start:start + n] = rms_norm(kv_a[:, :R], w[p + "kv_a_norm"],
                                                   cfg.latent_norm_eps)
         cache.k_pe[i][start:start + n] = apply_rope(kv_a[:, R:], positions, cfg)
@@ -316,7 +372,7 @@ class Model:
             scores = (q_nope.transpose(1, 0, 2) @ k_nope).transpose(1, 0, 2) + q_pe @ k_pe.T
             probs, _ = _masked_softmax(scores * self.scale, visibility)        # [n, H, S]
             o = (probs.transpose(1, 0, 2) @ v).transpose(1, 0, 2)              # [n, H, dv]
-        return o.reshape(n, -1) @ w[p + "wo"].T
+        return w.project(o.reshape(n, -1), p + "wo")
 
     def _moe(self, i: int, x: np.ndarray) -> np.ndarray:
         """x [n, D] (normed) -> [n, D]: sum_k weight_k Expert_idx_k(x) + SharedExpert(x)."""
@@ -326,10 +382,9 @@ class Model:
         for e in np.unique(idx):
             rows, slot = np.nonzero(idx == e)          # each expert at most once per token
             out[rows] += weight[rows, slot, None] * swiglu(
-                x[rows], w[p + "experts.w_gate"][e], w[p + "experts.w_up"][e],
-                w[p + "experts.w_down"][e])
+                x[rows], lambda v, name: w.project(v, p + "experts." + name, e))
         if self.cfg.n_shared_experts > 0:
-            out += swiglu(x, w[p + "shared.w_gate"], w[p + "shared.w_up"], w[p + "shared.w_down"])
+            out += swiglu(x, lambda v, name: w.project(v, p + "shared." + name))
         return out
 
     # -------------------------------------------------------------- input checks

@@ -67,9 +67,14 @@ def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = No
         for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
             log(f"invariant on preset {preset} (no fixture: random weights)")
             report.checks += preset_invariant_checks(adapter, preset)
-    if directory.is_file() and require in (None, "declared"):     # one file named: what it can check
-        required &= {cap for c in report.checks for cap in c.needs}
+    unchecked: set[str] = set()
+    if require in (None, "declared"):      # the declaration is required where these fixtures can check it
+        checkable = {cap for c in report.checks for cap in c.needs}
+        unchecked, required = required - checkable, required & checkable
     report.checks = requirements(report.checks, caps, required, str(directory))
+    report.checks += [Check("validate", f"capability {cap}", Status.SKIPPED, needs=(cap,),
+                            detail=f"declared, but no fixture in {directory} has checks for it "
+                                   f"(--require {cap} makes this a FAIL)") for cap in sorted(unchecked)]
     return report
 
 

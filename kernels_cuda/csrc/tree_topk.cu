@@ -20,58 +20,20 @@
 // fit, the histogram is refined on the next 12, then 8 bits (one more read each); if they
 // still do not fit (massive exact ties), the elements above the K-th lp are gathered and the
 // tied ones taken in id order by a block-wide scan.
-#include "common.cuh"
+#include "tree_topk.cuh"
 
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 namespace {
 
-constexpr int kThreads = 512;
+using namespace topk;
+
+constexpr int kThreads = kRowThreads;
 constexpr int kBins = 4096;                 // the widest histogram level (12 bits)
 constexpr int kCap = 8192;                  // candidates held in shared memory
 constexpr int kUnroll = 4;                  // 16-byte loads in flight per thread
-constexpr uint32_t kMinKey = 0x007FFFFFu;   // order_key(-inf)
-constexpr uint32_t kMaxKey = 0xFF800000u;   // order_key(+inf)
-constexpr float kRescale = 16.0f;           // pass A's reference max may lag the max by this
-
-__device__ __forceinline__ uint32_t order_key(float x) {
-    uint32_t u = __float_as_uint(x);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_value(uint32_t k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
-}
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-
-// The contract's lp: the float64 difference, rounded once to float32.
-__device__ __forceinline__ float log_prob(float x, double lse) {
-    return static_cast<float>(static_cast<double>(x) - lse);
-}
-
-// e^(x - m) to about 1e-7 relative: float exp of the rounded difference d, corrected to first
-// order by the difference's exact rounding error (TwoSum), so the argument is exact; one
-// float -> double conversion per element (the sum is float64).
-__device__ __forceinline__ double exp_diff(float x, float m) {
-    const float d = x - m;
-    const float xv = d + m, mv = d - xv;
-    const float err = (x - xv) - (m + mv);                  // x - m = d + err exactly
-    const float e = expf(d);
-    return e > 0.0f ? static_cast<double>(fmaf(e, err, e)) : 0.0;
-}
-
-// Candidate sort key: ascending order = lp descending, then id ascending.
-__device__ __forceinline__ uint64_t candidate(float lp, int id) {
-    return (static_cast<uint64_t>(~order_key(lp)) << 32) | static_cast<uint32_t>(id);
-}
-
 // Calls f(x, id) for every element of the row, each once, split over the block's threads;
 // kVector: 16-byte loads (needs V % (16 / sizeof(T)) == 0 and a 16-byte aligned base).
 template <typename T, bool kVector, bool kReverse, typename F>
@@ -120,13 +82,7 @@ struct Scalars {
     int count;          // candidates gathered (may exceed kCap: overflow)
 };
 
-struct MaxOp {
-    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-
 using BlockScan = cub::BlockScan<int, kThreads>;
-using BlockReduceF = cub::BlockReduce<float, kThreads>;
-using BlockReduceD = cub::BlockReduce<double, kThreads>;
 
 // Smallest key k in [lo, hi] with pred(k) true, pred monotone (false ... false true ... true);
 // hi when none before it holds.
@@ -163,26 +119,6 @@ __device__ void select_bin(const uint32_t* hist, int nbins, int need, Scalars* s
     __syncthreads();
 }
 
-// Bitonic sort of cand[0 .. count) ascending (padded to a power of two with the largest key).
-__device__ void sort_candidates(uint64_t* cand, int count) {
-    int size = 1;
-    while (size < count) size <<= 1;
-    for (int i = count + threadIdx.x; i < size; i += kThreads) cand[i] = ~0ull;
-    __syncthreads();
-    for (int k = 2; k <= size; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = threadIdx.x; i < size; i += kThreads) {
-                int partner = i ^ j;
-                if (partner > i) {
-                    uint64_t a = cand[i], b = cand[partner];
-                    if ((a > b) == ((i & k) == 0)) { cand[i] = b; cand[partner] = a; }
-                }
-            }
-            __syncthreads();
-        }
-    }
-}
-
 // Rows longer than this get a prefilter threshold from their first `chunk` elements.
 __device__ inline int prefilter_chunk(int V, int K) {
     if (V <= kCap) return 0;                                     // everything fits: no filter
@@ -193,7 +129,9 @@ __device__ inline int prefilter_chunk(int V, int K) {
 
 template <typename T, bool kVector>
 __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
-    const T* __restrict__ logits, int V, int K, float* __restrict__ topk_lp, int64_t* __restrict__ topk_id) {
+    const T* __restrict__ logits, int V, int K, float* __restrict__ topk_lp, int64_t* __restrict__ topk_id,
+    const int* __restrict__ rows_needed) {
+    if (rows_needed && rows_needed[blockIdx.x] == 0) return;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Shared& sh = *reinterpret_cast<Shared*>(smem_raw);
     __shared__ Scalars s;
@@ -237,12 +175,9 @@ __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
     const float floor_value = key_value(floor_key);
     float m = -INFINITY;
     double sum = 0.0;
+    float mk = m + kRescale;
     for_each<T, kVector, false>(row, V, [&](float x, int id) {
-        if (x > m + kRescale) {
-            sum = (m == -INFINITY) ? 0.0 : sum * exp(static_cast<double>(m) - static_cast<double>(x));
-            m = x;
-        }
-        sum += exp_diff(x, m);
+        accumulate(x, m, mk, sum);
         if (x >= floor_value) {
             namespace cg = cooperative_groups;
             const cg::coalesced_group group = cg::coalesced_threads();
@@ -252,14 +187,7 @@ __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
             if (slot < kCap) sh.cand[slot] = (static_cast<uint64_t>(order_key(x)) << 32) | static_cast<uint32_t>(id);
         }
     });
-    float block_max = BlockReduceF(tmp.reduce_f).Reduce(m, MaxOp());
-    if (threadIdx.x == 0) s.max = block_max;
-    __syncthreads();
-    sum = (m == -INFINITY) ? 0.0 : sum * exp(static_cast<double>(m) - static_cast<double>(s.max));
-    double block_sum = BlockReduceD(tmp.reduce_d).Sum(sum);
-    if (threadIdx.x == 0) s.lse = static_cast<double>(s.max) + log(block_sum);
-    __syncthreads();
-    const double lse = s.lse;
+    const double lse = row_lse(m, sum, tmp.reduce_f, tmp.reduce_d, s.max, s.lse);
 
     // Fast path: every element >= floor_key was kept (x >= floor_value: -0.0 passes with +0.0,
     // an extra candidate that the sort orders correctly). The answer is among them unless an element
@@ -361,31 +289,64 @@ __global__ void __launch_bounds__(kThreads) topk_logprobs_kernel(
     }
 }
 
+}  // namespace
+
+namespace topk {
+
 template <typename T>
-int launch_topk(const void* logits, int rows, int V, int K, float* topk_lp, int64_t* topk_id, cudaStream_t stream) {
-    const T* x = static_cast<const T*>(logits);
+int launch_topk_v3(const T* x, int rows, int V, int K, float* topk_lp, int64_t* topk_id, const int* rows_needed,
+                   cudaStream_t stream) {
     const bool vector = V % (16 / static_cast<int>(sizeof(T))) == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
     auto kernel = vector ? topk_logprobs_kernel<T, true> : topk_logprobs_kernel<T, false>;
     const int smem = static_cast<int>(sizeof(Shared));
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return static_cast<int>(err);
-    kernel<<<rows, kThreads, smem, stream>>>(x, V, K, topk_lp, topk_id);
+    kernel<<<rows, kThreads, smem, stream>>>(x, V, K, topk_lp, topk_id, rows_needed);
     return kdtree_launch_status();
+}
+
+template int launch_topk_v3<float>(const float*, int, int, int, float*, int64_t*, const int*, cudaStream_t);
+template int launch_topk_v3<__nv_bfloat16>(const __nv_bfloat16*, int, int, int, float*, int64_t*, const int*,
+                                           cudaStream_t);
+template int launch_topk_v3<__half>(const __half*, int, int, int, float*, int64_t*, const int*, cudaStream_t);
+
+}  // namespace topk
+
+namespace {
+
+template <typename T>
+int launch_version(const void* logits, int rows, int V, int K, int version, void* workspace, float* topk_lp,
+                   int64_t* topk_id, cudaStream_t stream) {
+    const T* x = static_cast<const T*>(logits);
+    if (version == 4 && topk_v4_takes(rows, V, K, sizeof(T), logits))
+        return launch_topk_v4(x, rows, V, K, topk_lp, topk_id, workspace, stream);
+    return launch_topk_v3(x, rows, V, K, topk_lp, topk_id, nullptr, stream);
 }
 
 }  // namespace
 
+// version: 3 (tree_topk.cu) or 4 (tree_topk_v4.cu, where it takes the rows: else v3). Bytes of
+// device workspace the launch needs (0: none); the same arguments must reach the launch.
+KDTREE_API size_t kdtree_topk_workspace_bytes(int dtype, int rows, int V, int K, int version,
+                                              const void* logits) {
+    const int elem = dtype == 0 ? 4 : 2;
+    if (version != 4 || rows <= 0 || K <= 0 || K > V || !topk_v4_takes(rows, V, K, elem, logits)) return 0;
+    return topk_v4_workspace_bytes(rows, V, K);
+}
+
 // dtype: 0 float32, 1 bfloat16, 2 float16. K = min(k, V), 0 < V, K <= 4096 (0 rows or K = 0: no-op).
-KDTREE_API int kdtree_topk_logprobs(const void* logits, int dtype, int rows, int V, int K,
-                                    float* topk_lp, int64_t* topk_id, cudaStream_t stream) {
+KDTREE_API int kdtree_topk_logprobs(const void* logits, int dtype, int rows, int V, int K, int version,
+                                    void* workspace, float* topk_lp, int64_t* topk_id, cudaStream_t stream) {
     if (rows < 0 || V <= 0 || K < 0 || K > V) return KDTREE_BAD_SHAPE;
     if (K > kCap) return KDTREE_BAD_LIMIT;
+    if (version != 3 && version != 4) return KDTREE_BAD_SHAPE;
     if (rows == 0 || K == 0) return KDTREE_OK;
     if (!logits || !topk_lp || !topk_id) return KDTREE_BAD_POINTER;
+    if (kdtree_topk_workspace_bytes(dtype, rows, V, K, version, logits) > 0 && !workspace) return KDTREE_BAD_POINTER;
     switch (dtype) {
-        case 0: return launch_topk<float>(logits, rows, V, K, topk_lp, topk_id, stream);
-        case 1: return launch_topk<__nv_bfloat16>(logits, rows, V, K, topk_lp, topk_id, stream);
-        case 2: return launch_topk<__half>(logits, rows, V, K, topk_lp, topk_id, stream);
+        case 0: return launch_version<float>(logits, rows, V, K, version, workspace, topk_lp, topk_id, stream);
+        case 1: return launch_version<__nv_bfloat16>(logits, rows, V, K, version, workspace, topk_lp, topk_id, stream);
+        case 2: return launch_version<__half>(logits, rows, V, K, version, workspace, topk_lp, topk_id, stream);
         default: return KDTREE_BAD_SHAPE;
     }
 }

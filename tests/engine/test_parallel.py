@@ -315,7 +315,8 @@ def job_validate(world: World, path: str) -> tuple[bool, str, str, list[tuple[st
 
 def assert_validate_passed(implementation: str, rows: list[tuple[str, str]], size: int) -> None:
     assert f"TP {size}" in implementation
-    assert {status for _, status in rows} <= {"exact", "within tolerance", "near-tie"}, rows
+    assert {status for name, status in rows if not name.startswith("capability ")} <= {
+        "exact", "within tolerance", "near-tie"}, rows             # capability rows: what one file cannot check
     assert {"verify logits", "engine DDTree replay (batched)", "invariant DDTree == AR (layerskip)"} <= {
         name for name, _ in rows}
 
@@ -345,17 +346,14 @@ def test_a_failing_rank_is_reraised_with_its_rank_and_the_gang_goes_on(gangs):
 
 def kdtree(args: list[str], env: dict[str, str], monkeypatch, capfd) -> tuple[int, str, str]:
     """The CLI in this process with `env` set -> (exit status, stdout, stderr), the spawned
-    ranks' output included (capfd captures the file descriptors they inherit)."""
+    ranks' output included (capfd captures the file descriptors they inherit). The CLI sets
+    torch's CPU threads to 1, as the engine tests run anyway (tests/engine/conftest.py)."""
     from engine.cli import main
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    threads = torch.get_num_threads()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main(args)
-    finally:
-        torch.set_num_threads(threads)
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
     out, err = capfd.readouterr()
     return exit_info.value.code, out, err
 

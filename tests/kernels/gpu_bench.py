@@ -40,13 +40,13 @@ def capture_graph(fn):
     return graph, captured
 
 
-def graph_time_ms(fn) -> float | str:
+def graph_time_ms(fn, budget_ms: float = 200.0) -> float | str:
     """cuda_time_ms of replays of a CUDA graph of fn(), or the capture error's text."""
     try:
         graph, _ = capture_graph(fn)
     except RuntimeError as exc:
         return f"capture failed: {exc}"
-    return cuda_time_ms(graph.replay)
+    return cuda_time_ms(graph.replay, budget_ms)
 
 
 def copy_TBps() -> float:

@@ -1,6 +1,6 @@
 """Speed of the tree-verify MLA kernel at Kimi K2 dims (PERFORMANCE.md), bf16 with float32
 accumulation, against the two ceilings measured in the same run (device-to-device copy
-bandwidth, bf16 matrix rate) and a torch baseline (matmul, mask, softmax in float32).
+bandwidth, bf16 matrix rate) and a torch baseline (matmul, mask, softmax in float32), and the peers' kernels at the same inputs.
 
 kernel_ms is the median CUDA-event time of replays of a CUDA graph of one `mla_verify` call
 (the kernel and, with several key splits, the combine kernel: the GPU's time, as an engine
@@ -12,11 +12,27 @@ The default run times one small case; KDTREE_BENCH=1 runs the grid: context 1k /
 tree tokens 1 / 16 / 64 / 128 x batch 1 / 8 / 32; KDTREE_BENCH_KERNEL_ONLY=1 leaves out the
 torch baseline and the CUDA-core path (to compare builds of the kernel quickly). GPU only:
 skipped with a reason elsewhere.
+
+Peers (tests/kernels/peers: SGLang's Triton kernels, fetched by scripts/fetch_peers.sh), at
+every case, on the same K2 inputs laid out as SGLang keeps them (one [slots, 1, 576] latent +
+rotary buffer, the tree tokens' keys as the extend part, a dense bool mask per request):
+`extend_attention_fwd` with the custom mask (tree verify), and at 1 tree token also
+`decode_attention_fwd` (MLA decode, SGLang's split policy for an H200 and a 128k model
+context). Each is graph-timed like ours and its output compared with ours in the same run:
+a peer whose output differs from ours by more than bf16 rounding (relative Frobenius error
+above PEER_TOLERANCE) is void, its time not reported. Without the fetched files or triton the
+peer columns say why they are empty. KDTREE_BENCH_PEERS=0 leaves the peers out;
+KDTREE_BENCH_PEER_BUDGET_MS sets the repeats of each peer timing (default 100 ms).
+
+FlashInfer's MLA decode is not among the peers: flashinfer-python 0.7.2.post1 is a 62 MB wheel
+on its own (its kernels are compiled with nvcc at first use, minutes per variant) and needs
+apache-tvm-ffi, nvidia-cutlass-dsl, cuda-tile and nvidia-cudnn-frontend, none on the GPU
+image; with this repository's ~29 MB it exceeds the 64 MiB that travels to the GPU machine.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 import json
 import math
 import os
@@ -27,6 +43,7 @@ import torch
 from kdtr_format import PRESETS
 from kernels_cuda.mla_ops import mla_verify, pack_visibility
 from gpu_bench import bf16_matmul_TFLOPs, copy_TBps, cuda_time_ms, graph_time_ms
+from peers import PeerUnavailable, load_sglang
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
 
@@ -34,10 +51,14 @@ K2 = PRESETS["kimi-k2"]
 HEADS, KV_LORA, ROPE = K2.num_attention_heads, K2.kv_lora_rank, K2.qk_rope_head_dim
 FULL = os.environ.get("KDTREE_BENCH") == "1"
 KERNEL_ONLY = os.environ.get("KDTREE_BENCH_KERNEL_ONLY") == "1"
-GRID = (list(itertools.product([1024, 8192, 32768], [1, 16, 64, 128], [1, 8, 32])) if FULL
-        else [(1024, 16, 1)])
+GRID = ([(c, t, b) for b in (8, 32, 1) for c in (1024, 8192, 32768) for t in (1, 16, 64, 128)] if FULL
+        else [(1024, 16, 1)])      # batch 8 first: a run cut short still has every context and tree size
 MEMORY_CAP = 40e9             # bytes: skip a case whose inputs and baseline intermediates exceed it
 GENERIC_FLOP_CAP = 2e11       # time the CUDA-core path only where it finishes quickly
+PEERS = os.environ.get("KDTREE_BENCH_PEERS", "1") == "1"
+PEER_TOLERANCE = 1e-2         # relative Frobenius error between two bf16 outputs of float32 math
+PEER_BUDGET_MS = float(os.environ.get("KDTREE_BENCH_PEER_BUDGET_MS", "100"))   # repeats of a peer timing
+SGLANG_MAX_CONTEXT = 131072   # the model context SGLang sizes its decode splits for (K2: 128k and up)
 ROWS: list[dict] = []
 
 
@@ -49,20 +70,20 @@ def ceilings() -> dict:
     return result
 
 
-def make_inputs(context: int, tree: int, batch: int, seed: int) -> dict:
+def make_inputs(context: int, tree: int, batch: int, seed: int, device: str = "cuda") -> dict:
     """Packed K2 inputs: every request has `context` cached keys and a random tree of `tree` tokens."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    parents = (torch.rand(batch, tree, generator=gen, device="cuda")
-               * torch.arange(tree, device="cuda")).long()                   # parents[:, i] in [0, i)
-    vis = torch.eye(tree, dtype=torch.bool, device="cuda").repeat(batch, 1, 1)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    parents = (torch.rand(batch, tree, generator=gen, device=device)
+               * torch.arange(tree, device=device)).long()                   # parents[:, i] in [0, i)
+    vis = torch.eye(tree, dtype=torch.bool, device=device).repeat(batch, 1, 1)
     for i in range(1, tree):                                                 # row i = row parent(i) + i
-        vis[:, i] |= vis[torch.arange(batch, device="cuda"), parents[:, i]]
+        vis[:, i] |= vis[torch.arange(batch, device=device), parents[:, i]]
     rows = batch * (context + tree)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
 
-    i32 = dict(dtype=torch.int32, device="cuda")
+    i32 = dict(dtype=torch.int32, device=device)
     return dict(q_lat=rand(batch * tree, HEADS, KV_LORA), q_pe=rand(batch * tree, HEADS, ROPE),
                 c_kv=rand(rows, KV_LORA), k_pe=rand(rows, ROPE),
                 context=torch.full((batch,), context, **i32), tree_sizes=torch.full((batch,), tree, **i32),
@@ -79,7 +100,7 @@ def torch_baseline(x: dict, context: int, tree: int, batch: int) -> None:
         queries = slice(b * tree, (b + 1) * tree)
         c, k = x["c_kv"][keys].float(), x["k_pe"][keys].float()
         scores = (x["q_lat"][queries].float() @ c.T + x["q_pe"][queries].float() @ k.T) * x["scale"]
-        hidden = torch.cat([torch.zeros(tree, context, dtype=torch.bool, device="cuda"), ~x["dense"][b]], 1)
+        hidden = torch.cat([torch.zeros(tree, context, dtype=torch.bool, device=c.device), ~x["dense"][b]], 1)
         probs = torch.softmax(scores.masked_fill(hidden[:, None, :], -math.inf), dim=-1)
         (probs @ c).to(torch.bfloat16)
 
@@ -115,9 +136,115 @@ def test_bench_mla_verify_k2(benchmark, ceilings, context, tree, batch):
     if flops < GENERIC_FLOP_CAP and not KERNEL_ONLY:
         row["generic_ms"] = cuda_time_ms(lambda: mla_verify(**args, max_tree=tree, max_kv=context + tree,
                                                             generic=True))
+    if PEERS:
+        row.update(time_peers(x, context, tree, batch, kernel_ms, call()[0]))
     benchmark.extra_info.update(row)
     ROWS.append(row)
     out = os.environ.get("KDTREE_BENCH_OUT")
     if out:                                      # after every case: a run cut short keeps its rows
         with open(out, "w") as f:
             json.dump({"ceilings": ceilings, "cases": ROWS}, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+@functools.cache
+def load_peers():
+    """SGLang's kernels, or the reason they are unavailable (a string)."""
+    try:
+        return load_sglang()
+    except PeerUnavailable as exc:
+        return str(exc)
+
+
+def sglang_layout(x: dict, context: int, tree: int, batch: int) -> dict:
+    """Our inputs as SGLang keeps them: kv [rows, 1, 576] (latent then rotary), the prefix rows'
+    indices, the tree tokens' keys as the extend part, q [tokens, H, 576], and the per-request
+    mask [tree, context + tree] (prefix columns visible, tree columns the ancestor mask)."""
+    kv = torch.cat([x["c_kv"], x["k_pe"]], dim=1)[:, None, :]                       # [rows, 1, 576]
+    device = x["c_kv"].device
+    i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+    first = x["kv_offsets"].long()[:, None]
+    prefix_rows = (first + torch.arange(context, **i64)).reshape(-1)
+    tree_rows = (first + context + torch.arange(tree, **i64)).reshape(-1)
+    mask = torch.cat([torch.ones(batch, tree, context, dtype=torch.bool, device=device), x["dense"]], dim=2)
+    return dict(kv=kv, q=torch.cat([x["q_lat"], x["q_pe"]], dim=2), prefix_rows=prefix_rows,
+                all_rows=(first + torch.arange(context + tree, **i64)).reshape(-1),
+                k_extend=kv[tree_rows].contiguous(), mask=mask.reshape(-1),
+                qo_indptr=torch.arange(batch + 1, **i32) * tree, kv_indptr=torch.arange(batch + 1, **i32) * context,
+                mask_indptr=torch.arange(batch + 1, **i64) * tree * (context + tree))
+
+
+def sglang_extend(sgl, y: dict, tree: int, scale: float):
+    """extend_attention_fwd with the custom mask -> a call writing o [tokens, H, 512]."""
+    o = y["q"].new_empty(y["q"].shape[0], HEADS, KV_LORA)
+    v_extend = y["k_extend"][..., :KV_LORA]
+
+    def call() -> torch.Tensor:
+        sgl.extend_attention_fwd(y["q"], y["k_extend"], v_extend, o, y["kv"], y["kv"][..., :KV_LORA],
+                                 y["qo_indptr"], y["kv_indptr"], y["prefix_rows"], y["mask"], False,
+                                 y["mask_indptr"], tree, 1.0, 1.0, sm_scale=scale)
+        return o
+    return call
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def sglang_decode(sgl, y: dict, context: int, batch: int, scale: float, sms: int):
+    """decode_attention_fwd (MLA: K is V) over context + 1 keys -> a call writing o [batch, H, 512].
+    Splits as SGLang's triton backend sets them for a device of `sms` multiprocessors:
+    max_kv_splits = max(8, min(next_pow2(sms), next_pow2(max_context / 32))), per-request
+    counts from its get_num_kv_splits_triton."""
+    device = y["q"].device
+    max_splits = max(8, min(next_power_of_2(sms), next_power_of_2(-(-SGLANG_MAX_CONTEXT // 32))))
+    i32 = dict(dtype=torch.int32, device=device)
+    splits = torch.empty(batch, **i32)
+    sgl.get_num_kv_splits_triton[(1,)](splits, torch.full((batch,), context + 1, **i32), batch, 1, HEADS, 1,
+                                       max_splits, sms, MAX_NUM_SEQ=max(256, next_power_of_2(batch)))
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int64, device=device) * (context + 1)
+    logits = torch.empty(batch, HEADS, max_splits, KV_LORA, dtype=torch.float32, device=device)
+    lse = torch.empty(batch, HEADS, max_splits, dtype=torch.float32, device=device)
+    o = y["q"].new_empty(batch, HEADS, KV_LORA)
+
+    def call() -> torch.Tensor:
+        sgl.decode_attention_fwd(y["q"], y["kv"], y["kv"][..., :KV_LORA], o, kv_indptr, y["all_rows"], logits, lse,
+                                 splits, max_splits, scale, 1.0, 1.0, has_mla=True)
+        return o
+    return call
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def time_peer(name: str, call, ours: torch.Tensor, kernel_ms: float) -> dict:
+    """{name_ms, name_ratio (peer / ours), name_error}, or {name_void: why}."""
+    try:
+        out = call()
+        torch.cuda.synchronize()
+    except Exception as exc:                     # a peer failing must not lose our row
+        return {f"{name}_void": f"{type(exc).__name__}: {exc}"[:300]}
+    error = relative_error(out, ours)
+    if not error <= PEER_TOLERANCE:
+        return {f"{name}_void": f"output differs from ours: relative error {error:.2e} > {PEER_TOLERANCE}",
+                f"{name}_error": error}
+    ms = graph_time_ms(call, PEER_BUDGET_MS)
+    if not isinstance(ms, float):
+        ms = cuda_time_ms(call, PEER_BUDGET_MS)  # eager when the peer cannot be captured
+    return {f"{name}_ms": ms, f"{name}_ratio": ms / kernel_ms, f"{name}_error": error}
+
+
+def time_peers(x: dict, context: int, tree: int, batch: int, kernel_ms: float, ours: torch.Tensor) -> dict:
+    sgl = load_peers()
+    if isinstance(sgl, str):
+        return {"peers_void": sgl}
+    y = sglang_layout(x, context, tree, batch)
+    row = {"peers": sgl.version}
+    row.update(time_peer("sglang_extend", sglang_extend(sgl, y, tree, x["scale"]), ours, kernel_ms))
+    if tree == 1:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        row.update(time_peer("sglang_decode", sglang_decode(sgl, y, context, batch, x["scale"], sms), ours, kernel_ms))
+    return row

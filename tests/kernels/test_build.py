@@ -21,7 +21,7 @@ except kbuild.BuildError:
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
 
 TREE_SYMBOLS = ("kdtree_status_string", "kdtree_topk_logprobs", "kdtree_build_trees", "kdtree_compile_trees",
-                "kdtree_accept_greedy", "kdtree_compact_kv")
+                "kdtree_accept_greedy", "kdtree_compact_kv", "kdtree_sample_choices")
 
 
 @needs_nvcc

@@ -22,6 +22,7 @@ from refgen import ddtree as ref
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
 POISON_BYTE = 0x5A
+VERSIONS = [3, 4]              # the top-k kernels (NOTES-tree.md); every top-k test runs both
 
 
 def poison_cuda_allocator() -> None:
@@ -124,14 +125,15 @@ def test_build_golden_cases(padding: int, golden_kernels) -> None:
 
 
 @needs_gpu
-def test_topk_golden_cases(golden_kernels) -> None:
+@pytest.mark.parametrize("version", VERSIONS)
+def test_topk_golden_cases(version: int, golden_kernels) -> None:
     """draft_logits -> top-k: ids equal to the fixture's, log-probs within one float32 ulp."""
     f, cases = golden_tree_cases(golden_kernels)
     for case in cases:
         prefix = f"cases/{case['name']}/"
         if prefix + "draft_logits" not in f:
             continue
-        topk_lp, topk_id = tree_ops.topk_logprobs(cuda(f[prefix + "draft_logits"]), case["budget"])
+        topk_lp, topk_id = tree_ops.topk_logprobs(cuda(f[prefix + "draft_logits"]), case["budget"], version)
         np.testing.assert_array_equal(topk_id.cpu().numpy(), f[prefix + "topk_id"], err_msg=case["name"])
         assert_within_ulp(topk_lp.cpu().numpy(), f[prefix + "topk_lp"])
 
@@ -218,13 +220,15 @@ def test_compile_hand_made_trees() -> None:
 
 
 @needs_gpu
-def test_ops_replay_in_a_cuda_graph() -> None:
-    """Launches go on torch's current stream: captured once, replayed on new inputs, equal to eager."""
-    logits = torch.randn(3, 5, 3000, device="cuda")
+@pytest.mark.parametrize("version, vocab", [(3, 3000), (4, 3000), (4, 20000)])
+def test_ops_replay_in_a_cuda_graph(version: int, vocab: int) -> None:
+    """Launches go on torch's current stream: captured once, replayed on new inputs, equal to eager
+    (v4 at V = 20000: its workspace, split CTAs, merge and v3 fallback launches in the graph)."""
+    logits = torch.randn(3, 5, vocab, device="cuda")
     budgets, roots, starts = vec([20, 0, 33]), vec([1, 2, 3]), vec([4, 5, 6])
 
     def stages():
-        lp, ids = tree_ops.topk_logprobs(logits, 33)
+        lp, ids = tree_ops.topk_logprobs(logits, 33, version)
         out = tree_ops.build_compiled_trees(lp, ids, budgets, roots, starts, 34)
         return [lp, ids, *out, *tree_ops.accept_greedy(out[1], out[2], out[0], out[2].roll(-1, 1), 6)]
 
@@ -252,24 +256,28 @@ def quantized_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndar
 
 
 @needs_gpu
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("vocab, k", [(1, 4), (7, 3), (1000, 64), (4099, 1024), (163840, 16), (163840, 512)])
-def test_topk_random(dtype: torch.dtype, vocab: int, k: int) -> None:
-    """Ids equal to refgen's, log-probs within one ulp; V = 4099 takes the unvectorized path."""
+@pytest.mark.parametrize("vocab, k", [(1, 4), (7, 3), (1000, 64), (4099, 1024), (163840, 16), (163840, 512),
+                                      (20000, 100), (163840, 1024)])
+def test_topk_random(version: int, dtype: torch.dtype, vocab: int, k: int) -> None:
+    """Ids equal to refgen's, log-probs within one ulp; V = 4099 takes the unvectorized path;
+    6 rows: v4 splits each over CTAs (k <= 256), k = 1024 is beyond v4 (v3 serves it)."""
     rng = np.random.default_rng(vocab + k)
     logits = torch.from_numpy(quantized_logits(rng, 6, vocab)).to(dtype)
     want_lp, want_id = ref.topk_logprobs(logits.float().numpy(), k)
     poison_cuda_allocator()
-    got_lp, got_id = tree_ops.topk_logprobs(logits.cuda().reshape(2, 3, vocab), k)
+    got_lp, got_id = tree_ops.topk_logprobs(logits.cuda().reshape(2, 3, vocab), k, version)
     assert got_lp.shape == (2, 3, min(k, vocab))
     np.testing.assert_array_equal(got_id.reshape(6, -1).cpu().numpy(), want_id)
     assert_within_ulp(got_lp.reshape(6, -1).cpu().numpy(), want_lp)
 
 
 @needs_gpu
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("pattern", ["zeros", "integers", "ascending", "descending", "masked"])
-@pytest.mark.parametrize("k", [1, 64, 1024])
-def test_topk_ties_and_skew(pattern: str, k: int) -> None:
+@pytest.mark.parametrize("k", [1, 64, 512, 1024])
+def test_topk_ties_and_skew(version: int, pattern: str, k: int) -> None:
     """Massive exact ties (the refinement and tie paths), sorted rows, and -inf (masked) logits."""
     vocab = 163840
     rng = np.random.default_rng(k)
@@ -281,30 +289,81 @@ def test_topk_ties_and_skew(pattern: str, k: int) -> None:
         "masked": lambda: np.where(rng.random((2, vocab)) < 0.999, -np.inf, quantized_logits(rng, 2, vocab)),
     }[pattern]().astype(np.float32)
     want_lp, want_id = ref.topk_logprobs(logits, k)
-    got_lp, got_id = tree_ops.topk_logprobs(cuda(logits), k)
+    got_lp, got_id = tree_ops.topk_logprobs(cuda(logits), k, version)
     np.testing.assert_array_equal(got_id.cpu().numpy(), want_id)
     assert_within_ulp(got_lp.cpu().numpy(), want_lp)
 
 
+def tie_below_the_bound(layout: str) -> np.ndarray:
+    """-1e-30 and 0 are different logits with one float32 lp; rows where the bound comes from the
+    0s and excludes the -1e-30s, which have the smaller ids and must win the tie (-5 elsewhere).
+    "v3": v3's prefilter chunk holds both. "v4 row" (200 rows, one CTA each): 0 at the first
+    element of threads 100..199's first vector, -1e-30 in threads 0..99's. "v4 split" (1 row of
+    V = 8704 over 8 CTAs): both in the last CTA's first batch, the -1e-30s at its smaller ids."""
+    if layout == "v3":
+        logits = np.full((1, 20000), -5.0, dtype=np.float32)
+        logits[0, :100], logits[0, 100:200] = -1e-30, 0.0
+    elif layout == "v4 row":
+        logits = np.full((200, 20000), -5.0, dtype=np.float32)
+        logits[:, 4 * np.arange(100, 200)], logits[:, 4 * np.arange(100) + 1] = 0.0, -1e-30
+    else:
+        logits = np.full((1, 8704), -5.0, dtype=np.float32)
+        logits[0, 4 * np.arange(960, 1024)], logits[0, 4 * np.arange(448, 512)] = 0.0, -1e-30
+    return logits
+
+
 @needs_gpu
-def test_topk_lp_tie_below_the_prefilter_bound() -> None:
-    """-1e-30 and 0 are different logits with one float32 lp: the prefilter bound (from the 0s)
-    excludes the -1e-30s, which have the smaller ids and must win the tie."""
-    logits = np.full((1, 20000), -5.0, dtype=np.float32)
-    logits[0, :100], logits[0, 100:200] = -1e-30, 0.0
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("layout", ["v3", "v4 row", "v4 split"])
+def test_topk_lp_tie_below_the_bound(version: int, layout: str) -> None:
+    logits = tie_below_the_bound(layout)
     want_lp, want_id = ref.topk_logprobs(logits, 64)
-    assert (want_id < 100).all()
-    got_lp, got_id = tree_ops.topk_logprobs(cuda(logits), 64)
+    assert (logits[0, want_id[0]] == np.float32(-1e-30)).all()
+    got_lp, got_id = tree_ops.topk_logprobs(cuda(logits), 64, version)
     np.testing.assert_array_equal(got_id.cpu().numpy(), want_id)
     assert_within_ulp(got_lp.cpu().numpy(), want_lp)
 
 
 @needs_gpu
-def test_topk_k_zero_and_no_rows() -> None:
-    lp, ids = tree_ops.topk_logprobs(torch.randn(2, 3, 10, device="cuda"), 0)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_topk_k_zero_and_no_rows(version: int) -> None:
+    lp, ids = tree_ops.topk_logprobs(torch.randn(2, 3, 10, device="cuda"), 0, version)
     assert lp.shape == ids.shape == (2, 3, 0)
-    lp, ids = tree_ops.topk_logprobs(torch.randn(4, 0, 10, device="cuda"), 5)
+    lp, ids = tree_ops.topk_logprobs(torch.randn(4, 0, 10, device="cuda"), 5, version)
     assert lp.shape == ids.shape == (4, 0, 5)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, k", [(15, 64), (15, 16), (15, 100), (15, 256), (40, 64), (200, 64), (200, 512),
+                                     (960, 64)])
+def test_topk_v4_is_v3_bit_for_bit(dtype: torch.dtype, rows: int, k: int) -> None:
+    """N(0, 4) logits at V = 163840, the benchmark's: v4 (split over 8, 4, 2 CTAs or one a row)
+    gives v3's log-probs and ids exactly; both within one ulp of refgen on the first rows."""
+    gen = torch.Generator(device="cuda").manual_seed(rows * 1000 + k)
+    logits = (2 * torch.randn(rows, 163840, device="cuda", generator=gen)).to(dtype)
+    poison_cuda_allocator()
+    v3, v4 = tree_ops.topk_logprobs(logits, k, 3), tree_ops.topk_logprobs(logits, k, 4)
+    assert torch.equal(v4[1], v3[1]) and torch.equal(v4[0], v3[0])
+    want_lp, want_id = ref.topk_logprobs(logits[:3].float().cpu().numpy(), k)
+    np.testing.assert_array_equal(v4[1][:3].cpu().numpy(), want_id)
+    assert_within_ulp(v4[0][:3].cpu().numpy(), want_lp)
+
+
+@needs_gpu
+def test_topk_v4_mixed_rows_in_one_launch() -> None:
+    """Rows v4 finishes and rows it hands to v3 (all-equal, sorted, masked) in one launch."""
+    rng = np.random.default_rng(4)
+    logits = quantized_logits(rng, 8, 163840)
+    logits[1] = 0.0
+    logits[3] = np.arange(163840, dtype=np.float32) / 1024
+    logits[5] = np.where(rng.random(163840) < 0.999, -np.inf, logits[5])
+    for k in (64, 512):
+        want_lp, want_id = ref.topk_logprobs(logits, k)
+        for rows in (slice(0, 8), slice(0, 3)):
+            got_lp, got_id = tree_ops.topk_logprobs(cuda(logits[rows]), k, 4)
+            np.testing.assert_array_equal(got_id.cpu().numpy(), want_id[rows])
+            assert_within_ulp(got_lp.cpu().numpy(), want_lp[rows])
 
 
 @needs_gpu

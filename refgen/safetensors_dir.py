@@ -1,0 +1,134 @@
+"""The tensors of a checkpoint directory's safetensors files, read lazily.
+
+A directory holds either ``model.safetensors.index.json`` (its ``weight_map``
+names the shard of every tensor) and the shards it names, or one
+``model.safetensors``. Each file is opened with safetensors' own reader
+(``safe_open(..., framework="np")``), which validates the header (JSON, dtypes,
+offsets, no holes or overlaps) and lists names, dtypes and shapes. Tensor data
+is then a read-only memory map of the file at the header's offsets, so a tensor
+costs nothing until its pages are touched and a slice of one (a few experts of a
+fused tensor) reads only those pages. (safetensors' numpy path cannot return
+float8 tensors, safetensors issue #682; the memory map serves every dtype.)
+
+Every mismatch between the index and the files is a `CheckpointError` naming the
+tensor or the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from .fixtures import FixtureError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
+    "I16": np.dtype(np.int16), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+}
+
+
+class CheckpointError(FixtureError):
+    """A checkpoint directory kdtree cannot read as asked; the message names the tensor or file."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a safetensors header describes it (dtype is the safetensors code, e.g. "BF16")."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int            # absolute byte offsets of the data in the file
+    end: int
+
+
+class SafetensorsDir:
+    """`tensors` (name -> StoredTensor) of a directory's safetensors files; `array(name)` reads one."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.weight_map = _weight_map(directory)
+        files = sorted(set(self.weight_map.values())) if self.weight_map is not None else [SINGLE]
+        self.tensors: dict[str, StoredTensor] = {}
+        for file in files:
+            for tensor in _read_header(directory / file):
+                if tensor.name in self.tensors:
+                    raise CheckpointError(f"{tensor.name}: stored twice, in {self.tensors[tensor.name].file} "
+                                          f"and {file}")
+                self.tensors[tensor.name] = tensor
+        if self.weight_map is not None:
+            for name, file in self.weight_map.items():
+                if self.tensors.get(name, None) is None or self.tensors[name].file != file:
+                    raise CheckpointError(f"{name}: {INDEX} puts it in {file}, which does not hold it")
+            unlisted = sorted(set(self.tensors) - set(self.weight_map))
+            if unlisted:
+                raise CheckpointError(f"{unlisted[0]}: in {self.tensors[unlisted[0]].file} but not in "
+                                      f"{INDEX} ({len(unlisted)} such tensor(s))")
+        self._maps: dict[str, np.memmap] = {}
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor's data: a read-only, zero-copy view of the file's memory map."""
+        tensor = self.tensors[name]
+        if tensor.file not in self._maps:
+            self._maps[tensor.file] = np.memmap(self.directory / tensor.file, dtype=np.uint8, mode="r")
+        raw = self._maps[tensor.file][tensor.begin:tensor.end]
+        return raw.view(DTYPES[tensor.dtype]).reshape(tensor.shape)
+
+
+def _weight_map(directory: Path) -> dict[str, str] | None:
+    """The index's weight_map (tensor -> shard file), None for a single model.safetensors."""
+    index = directory / INDEX
+    if not index.is_file():
+        if not (directory / SINGLE).is_file():
+            raise CheckpointError(f"{directory}: neither {INDEX} nor {SINGLE} is there")
+        return None
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{INDEX}: cannot read its weight_map ({type(exc).__name__}: {exc})") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{INDEX}: weight_map must map tensor names to file names")
+    for file in set(weight_map.values()):
+        if Path(file).name != file or not file.endswith(".safetensors"):
+            raise CheckpointError(f"{INDEX}: {file!r} is not a .safetensors file name in the directory")
+        if not (directory / file).is_file():
+            raise CheckpointError(f"{file}: named by {INDEX} but missing from {directory}")
+    return weight_map
+
+
+def _read_header(path: Path) -> list[StoredTensor]:
+    """The tensors of one safetensors file, validated by safetensors' reader; unknown dtypes refused."""
+    try:
+        with safe_open(path, framework="np") as f:
+            specs = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+                     for name in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path.name}: not a readable safetensors file ({exc})") from None
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    start = 8 + length
+    tensors = []
+    for name, (dtype, shape) in specs.items():
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{name}: dtype {dtype} (in {path.name}) is not one kdtree reads "
+                                  f"({', '.join(DTYPES)})")
+        begin, end = header[name]["data_offsets"]
+        if end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
+            raise CheckpointError(f"{name}: {end - begin} bytes in {path.name} for shape {list(shape)} {dtype}")
+        tensors.append(StoredTensor(name, path.name, dtype, shape, start + begin, start + end))
+    return tensors

@@ -1,0 +1,216 @@
+"""Bad checkpoints get one clear error naming the tensor (or key, or file), never a skip.
+
+Each row starts from a good small checkpoint (FP8 or INT4, written by tests/synthetic_checkpoint.py),
+breaks one thing, and names the text the CheckpointError must contain. The CLI turns the same errors
+into one line and exit status 2, with nothing written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from refgen.checkpoint import CheckpointError, load, open_checkpoint, plan_import
+from refgen.weights import init_weights
+from synthetic_checkpoint import SMALL, Layout, write_checkpoint
+
+TINY = dataclasses.replace(SMALL, num_hidden_layers=2, n_routed_experts=4, n_group=1)
+L0, L1 = "model.layers.0.", "model.layers.1."
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Callable[[str], Path]:
+    made = {}
+
+    def get(quant: str) -> Path:
+        if quant not in made:
+            made[quant] = tmp_path_factory.mktemp(f"good-{quant}")
+            write_checkpoint(made[quant], TINY, init_weights(TINY, 1), Layout(quant=quant))
+        return made[quant]
+    return get
+
+
+def tensors_edit(change: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+    """Rewrite the checkpoint as one model.safetensors after `change` edits its tensors."""
+    def apply(directory: Path) -> None:
+        tensors = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            tensors.update(load_file(file))
+            file.unlink()
+        (directory / "model.safetensors.index.json").unlink()
+        change(tensors)
+        save_file(tensors, directory / "model.safetensors")
+    return apply
+
+
+def config_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text())
+        change(config)
+        (directory / "config.json").write_text(json.dumps(config))
+    return apply
+
+
+def index_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        path = directory / "model.safetensors.index.json"
+        index = json.loads(path.read_text())
+        change(index["weight_map"])
+        path.write_text(json.dumps(index))
+    return apply
+
+
+def _drop(*names: str):
+    return lambda t: [t.pop(n) for n in names]
+
+
+def _add(name: str, value: torch.Tensor):
+    return lambda t: t.update({name: value})
+
+
+def _replace(name: str, make: Callable[[torch.Tensor], torch.Tensor]):
+    return lambda t: t.update({name: make(t[name])})
+
+
+def _quant(key: str, value):
+    def change(config: dict) -> None:
+        config["quantization_config"][key] = value
+    return change
+
+
+def _int4_weights(key: str, value):
+    def change(config: dict) -> None:
+        config["quantization_config"]["config_groups"]["group_0"]["weights"][key] = value
+    return change
+
+
+Q_A = L0 + "self_attn.q_a_proj.weight"
+EXPERT = L1 + "mlp.experts.2.up_proj.weight"
+ROWS = [
+    # (id, base, mutation, fragments the error must contain)
+    ("fp8 scale missing", "fp8", tensors_edit(_drop(Q_A + "_scale_inv")), [Q_A, "without its scale"]),
+    ("fp8 scale without weight", "fp8", tensors_edit(_drop(Q_A)), [Q_A + "_scale_inv", "without its weight"]),
+    ("fp8 scale shape", "fp8", tensors_edit(_replace(Q_A + "_scale_inv", lambda s: torch.ones(3, 2))),
+     [Q_A + "_scale_inv", "[3, 2]", "[1, 2]"]),
+    ("fp8 weight dtype", "fp8", tensors_edit(_replace(Q_A, lambda q: q.view(torch.int8))), [Q_A, "I8"]),
+    ("shape vs config.json", "fp8", config_edit(lambda c: c.update(intermediate_size=300)),
+     [L0 + "mlp.down_proj.weight", "disagrees with config.json", "[192, 300]"]),
+    ("unknown dtype", "fp8", tensors_edit(_replace("model.norm.weight", lambda w: w.double())),
+     ["model.norm.weight", "F64"]),
+    ("unknown quant_method", "fp8", config_edit(_quant("quant_method", "awq")), ["quant_method", "awq"]),
+    ("fp8 fmt", "fp8", config_edit(_quant("fmt", "e5m2")), ["fmt", "e5m2"]),
+    ("fp8 without quantization_config", "fp8", config_edit(lambda c: c.pop("quantization_config")),
+     ["_scale_inv", "'none'"]),
+    ("unmapped tensor", "fp8", tensors_edit(_add(L0 + "mlp.extra_proj.weight", torch.ones(2, 2))),
+     [L0 + "mlp.extra_proj.weight", "maps to no weight"]),
+    ("experts in a dense layer", "fp8",
+     tensors_edit(_add(L0 + "mlp.experts.0.gate_proj.weight", torch.ones(64, 192).bfloat16())),
+     [L0 + "mlp.experts.0.gate_proj.weight", "dense"]),
+    ("expert beyond n_routed_experts", "fp8",
+     tensors_edit(_add(L1 + "mlp.experts.9.up_proj.weight", torch.ones(64, 192).bfloat16())),
+     [L1 + "mlp.experts.9.up_proj.weight", "n_routed_experts 4"]),
+    ("expert missing", "fp8", tensors_edit(_drop(EXPERT, EXPERT + "_scale_inv")),
+     ["layers.1.moe.experts.w_up", "expert 2 is missing"]),
+    ("fused and per expert", "fp8",
+     tensors_edit(_add(L1 + "mlp.experts.down_proj", torch.ones(4, 192, 64).bfloat16())),
+     ["both fused and per expert"]),
+    ("layer beyond config", "fp8", tensors_edit(_add("model.layers.5.input_layernorm.weight", torch.ones(192))),
+     ["model.layers.5.input_layernorm.weight", "num_nextn_predict_layers"]),
+    ("head missing", "fp8", tensors_edit(_drop("lm_head.weight")), ["lm_head.weight", "no head"]),
+    ("weight missing", "fp8", tensors_edit(_drop("model.norm.weight")), ["norm", "no tensor"]),
+    ("index names a missing shard", "fp8",
+     index_edit(lambda m: m.update({"model.norm.weight": "model-00009-of-00009.safetensors"})),
+     ["model-00009-of-00009.safetensors", "missing"]),
+    ("tensor not in index", "fp8", index_edit(lambda m: m.pop("model.norm.weight")),
+     ["model.norm.weight", "not in model.safetensors.index.json"]),
+    ("truncated shard", "fp8", lambda d: _truncate(sorted(d.glob("*.safetensors"))[0]),
+     ["model-00001-of-", "not a readable safetensors file"]),
+    ("config.json missing a field", "fp8", config_edit(lambda c: c.pop("kv_lora_rank")), ["kv_lora_rank"]),
+    ("int4 scale missing", "int4", tensors_edit(_drop(EXPERT.replace("weight", "weight_scale"))),
+     [EXPERT, "weight_scale"]),
+    ("int4 weight_shape disagrees", "int4",
+     tensors_edit(_replace(EXPERT.replace("weight", "weight_shape"), lambda s: torch.tensor([64, 160]))),
+     [EXPERT.replace("weight", "weight_shape"), "[64, 160]", "[64, 192]"]),
+    ("int4 ignored but packed", "int4", config_edit(_quant("ignore", ["lm_head", "re:.*"])),
+     [EXPERT.split(".experts.")[0], "does not quantize"]),
+    ("int4 quantized but stored plain", "int4", config_edit(_quant("ignore", ["lm_head"])),
+     ["quantization_config quantizes model.layers.", "stores it unquantized"]),
+    ("int4 asymmetric", "int4", config_edit(_int4_weights("symmetric", False)), ["symmetric"]),
+    ("int4 8 bits", "int4", config_edit(_int4_weights("num_bits", 8)), ["num_bits", "8"]),
+    ("int4 zero point", "int4",
+     tensors_edit(_add(EXPERT.replace("weight", "weight_zero_point"), torch.zeros(8, 6, dtype=torch.int32))),
+     ["weight_zero_point", "asymmetric"]),
+    ("int4 quantized activations", "int4",
+     config_edit(lambda c: c["quantization_config"]["config_groups"]["group_0"].update(
+         input_activations={"num_bits": 8, "type": "float"})), ["input_activations"]),
+]
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("base, mutate, fragments", [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
+def test_bad_checkpoint_names_the_problem(good, tmp_path, base, mutate, fragments):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(good(base), directory)
+    mutate(directory)
+    with pytest.raises(CheckpointError) as error:
+        load(plan_import(open_checkpoint(directory), layers=2))
+    for fragment in fragments:
+        assert fragment in str(error.value), str(error.value)
+
+
+def test_a_non_finite_fp8_value_is_an_error_naming_the_tensor(good, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(good("fp8"), directory)
+    nan = torch.tensor([0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    tensors_edit(_replace(Q_A, lambda q: torch.cat([nan.expand(1, q.shape[1]), q[1:]])))(directory)
+    plan = plan_import(open_checkpoint(directory))          # headers are fine; the value is read at load
+    with pytest.raises(CheckpointError, match=rf"{Q_A}: dequantizes to a non-finite value at \[0, 0\]"):
+        load(plan)
+
+
+@pytest.mark.parametrize("slice_, fragment", [({"layers": 3}, "--layers 3: the checkpoint has 2 layers"),
+                                              ({"experts": 5}, "--experts 5: the checkpoint has 4"),
+                                              ({"experts": 1}, "num_experts_per_tok")])
+def test_an_impossible_slice_is_an_error(good, slice_, fragment):
+    with pytest.raises(CheckpointError, match=fragment):
+        plan_import(open_checkpoint(good("fp8")), **slice_)
+
+
+def test_text_config_and_top_level_quantization_must_agree(good, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(good("fp8"), directory)
+
+    def nest(config: dict) -> None:
+        text = dict(config)
+        config.clear()
+        config.update(text_config=text, quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]})
+    config_edit(nest)(directory)
+    with pytest.raises(CheckpointError, match="disagree"):
+        open_checkpoint(directory)
+
+
+def test_cli_reports_one_line_and_writes_nothing(good, tmp_path, refgen_process):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(good("fp8"), directory)
+    tensors_edit(_drop(Q_A + "_scale_inv"))(directory)
+    out = tmp_path / "out"
+    result = refgen_process("generate", "--checkpoint", directory, "--layers", 1, "--out", out)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"refgen: error: checkpoint {directory}: {Q_A}"), result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
+    for argv, fragment in ((["--layers", "2", "--preset", "tiny"], "give --checkpoint DIR"),
+                           (["--checkpoint", tmp_path / "nowhere"], "does not exist")):
+        result = refgen_process("generate", *argv, "--out", out)
+        assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr
