@@ -20,6 +20,7 @@ from .attention import AttentionBackend, torch_attention
 from .cache import KVCache
 from .capture import capturing
 from .model import Transformer
+from .parallel import World
 from .ragged import offsets_of, pack_visibility, sizes, to_padded, to_ragged, unpack_visibility, widest
 from .stages import Stages, TorchStages, TreeBatch
 from .weights import as_tensor
@@ -52,17 +53,20 @@ class TorchAdapter:
 
     device "cuda" takes the CUDA stages and attention kernels when they load
     (`backends` says which ran), the torch paths otherwise. invariant: the model in
-    batch-invariant mode (Transformer's `invariant`). Shapes: protocol_v2's docstring.
+    batch-invariant mode (Transformer's `invariant`). world: the model sharded over a
+    tensor-parallel group (Transformer's `world`, docs/tensor-parallel.md). Shapes:
+    protocol_v2's docstring.
     """
 
     protocol = 2
     capabilities = ("model", "topk", "tree", "compile", "accept", "sample_accept", "compact", "attention")
 
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 invariant: bool = False) -> None:
+                 invariant: bool = False, world: World | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.invariant = invariant
+        self.world = world
         self.stages: Stages = TorchStages()
         self.attention_backend: AttentionBackend = torch_attention
         self.backends = {"stages": "torch", "attention": "torch"}
@@ -79,7 +83,8 @@ class TorchAdapter:
     def _name(self) -> None:
         dtype = "" if self.dtype == torch.float32 else f", {str(self.dtype).removeprefix('torch.')}"
         self.name = f"torch engine ({self.device.type}{dtype}, stages: {self.backends['stages'].split()[0]}, " \
-                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if self.invariant else ''})"
+                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if self.invariant else ''}" \
+                    f"{f', TP {self.world.size}' if self.world else ''})"
 
     # precision
     def set_dtype(self, dtype: str) -> None:
@@ -97,7 +102,7 @@ class TorchAdapter:
         """weights: torch tensors (any dtype or device) or numpy arrays, named as docs/fixtures.md."""
         self.weights = {name: as_tensor(w) for name, w in weights.items()}
         self.model = Transformer(config, self.weights, device=self.device, dtype=self.dtype,
-                                 attention=self.attention_backend, invariant=self.invariant)
+                                 attention=self.attention_backend, invariant=self.invariant, world=self.world)
 
     def reset(self, batch: int, max_len: int) -> None:
         self.cache = self._model().new_cache(batch, max_len)

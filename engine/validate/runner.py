@@ -11,6 +11,7 @@ import kdtr_format
 from kdtr_format import PRESETS, KdtrError
 
 from ..adapter import TorchAdapter
+from ..parallel import World
 from .acceptance import with_trace_acceptance
 from .batched import batched_checks
 from .checked import checked_views
@@ -27,16 +28,16 @@ from .report import Check, Report, Status, ValidateError
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
              log: Callable[[str], None] = lambda line: None,
              require: str | Collection[str] | None = None, invariant: bool = False,
-             dtype: str = "float32") -> Report:
+             dtype: str = "float32", world: World | None = None) -> Report:
     """Run every check (package docstring) and return the report. adapter None = the built-in
     engine; require: the capabilities whose checks must run (protocol.resolve_capabilities;
     None = what the adapter declares, else what it implements; when `fixtures` is one file,
     only those of them that the file has checks for); invariant: the built-in engine in
     batch-invariant mode; dtype: the compute dtype the adapter is told (`set_dtype`) and
-    judged in (regime.py)."""
+    judged in (regime.py); world: the built-in engine sharded over it (engine.parallel)."""
     builtin = adapter is None
     if builtin:
-        adapter = TorchAdapter(device, invariant=invariant)
+        adapter = TorchAdapter(device, invariant=invariant, world=world)
     _set_dtype(adapter, dtype)
     caps, required = resolve_capabilities(adapter, require)
     directory = find_fixtures(fixtures)
