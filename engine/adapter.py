@@ -1,10 +1,15 @@
-"""The built-in torch engine as an adapter of the validation protocol
-(engine/validate/protocol.py), with the CUDA stages and attention kernels on CUDA
-devices when they load."""
+"""The built-in torch engine as an adapter of the validation protocol, version 2
+(engine/validate/protocol_v2.py: batched, ragged, on torch tensors on its device), with
+the CUDA stages and attention kernels on CUDA devices when they load.
+
+The engine's own layout is padded ([B, width] with a count per request); the adapter
+converts the protocol's ragged rows to it and back on the device. Its host reads are
+the batch's largest sizes (to shape the padded tensors); no tensor goes through the host.
+"""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -15,7 +20,10 @@ from .attention import AttentionBackend, torch_attention
 from .cache import KVCache
 from .capture import capturing
 from .model import Transformer
+from .parallel import World
+from .ragged import offsets_of, pack_visibility, sizes, to_padded, to_ragged, unpack_visibility, widest
 from .stages import Stages, TorchStages, TreeBatch
+from .weights import as_tensor
 
 
 def cuda_backends() -> tuple[Stages | None, AttentionBackend | None, dict[str, str]]:
@@ -41,20 +49,24 @@ def cuda_backends() -> tuple[Stages | None, AttentionBackend | None, dict[str, s
 
 
 class TorchAdapter:
-    """The built-in torch engine (engine.model, engine.stages, engine.attention) as an adapter.
+    """The built-in torch engine (engine.model, engine.stages, engine.attention) as a v2 adapter.
 
     device "cuda" takes the CUDA stages and attention kernels when they load
     (`backends` says which ran), the torch paths otherwise. invariant: the model in
-    batch-invariant mode (Transformer's `invariant`).
+    batch-invariant mode (Transformer's `invariant`). world: the model sharded over a
+    tensor-parallel group (Transformer's `world`, docs/tensor-parallel.md). Shapes:
+    protocol_v2's docstring.
     """
 
+    protocol = 2
     capabilities = ("model", "topk", "tree", "compile", "accept", "sample_accept", "compact", "attention")
 
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 invariant: bool = False) -> None:
+                 invariant: bool = False, world: World | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.invariant = invariant
+        self.world = world
         self.stages: Stages = TorchStages()
         self.attention_backend: AttentionBackend = torch_attention
         self.backends = {"stages": "torch", "attention": "torch"}
@@ -71,7 +83,8 @@ class TorchAdapter:
     def _name(self) -> None:
         dtype = "" if self.dtype == torch.float32 else f", {str(self.dtype).removeprefix('torch.')}"
         self.name = f"torch engine ({self.device.type}{dtype}, stages: {self.backends['stages'].split()[0]}, " \
-                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if self.invariant else ''})"
+                    f"attention: {self.backends['attention'].split()[0]}{', invariant' if self.invariant else ''}" \
+                    f"{f', TP {self.world.size}' if self.world else ''})"
 
     # precision
     def set_dtype(self, dtype: str) -> None:
@@ -85,127 +98,145 @@ class TorchAdapter:
             self.load_weights(self.model.cfg, self.weights)
 
     # model
-    def load_weights(self, config: ModelConfig, weights: Mapping[str, np.ndarray | torch.Tensor]) -> None:
-        """Protocol weights are numpy arrays; torch tensors (any dtype or device) are taken as they are."""
-        self.weights = {name: w if isinstance(w, torch.Tensor) else torch.tensor(np.asarray(w))
-                        for name, w in weights.items()}
+    def load_weights(self, config: ModelConfig, weights: Mapping[str, Any]) -> None:
+        """weights: torch tensors (any dtype or device) or numpy arrays, named as docs/fixtures.md."""
+        self.weights = {name: as_tensor(w) for name, w in weights.items()}
         self.model = Transformer(config, self.weights, device=self.device, dtype=self.dtype,
-                                 attention=self.attention_backend, invariant=self.invariant)
+                                 attention=self.attention_backend, invariant=self.invariant, world=self.world)
 
-    def reset(self, max_len: int) -> None:
-        self.cache = self._model().new_cache(1, max_len)
+    def reset(self, batch: int, max_len: int) -> None:
+        self.cache = self._model().new_cache(batch, max_len)
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
-                start: int) -> np.ndarray:
-        """tokens [n], positions [n], visibility [n, start+n] -> logits float32 [n, V]."""
-        model = self._model()
-        if self.cache is None:
-            raise ValueError("forward before reset(max_len)")
-        n = len(tokens)
-        visibility = np.asarray(visibility, dtype=bool)
-        if visibility.shape != (n, start + n):
-            raise ValueError(f"visibility shape {list(visibility.shape)} != {[n, start + n]}")
-        if not visibility[:, :start].all():
-            raise ValueError("the torch engine sees every cached slot: visibility[:, :start] must be all True")
-        dev = self.device
-        logits = model.forward(torch.tensor(np.asarray(tokens), dtype=torch.int64, device=dev)[None],
-                               torch.tensor(np.asarray(positions), dtype=torch.int64, device=dev)[None],
-                               torch.as_tensor(visibility[:, start:], device=dev)[None],
-                               torch.tensor([n], device=dev), torch.tensor([start], device=dev), self.cache)
-        return logits[0].cpu().numpy()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor, starts: torch.Tensor,
+                visibility_bits: torch.Tensor) -> torch.Tensor:
+        """tokens, positions [T], offsets [B+1], starts [B], visibility_bits int32 [T, W] -> logits float32 [T, V]."""
+        model, cache = self._model(), self._cache()
+        n_new = sizes(offsets)
+        if len(n_new) != cache.batch:
+            raise ValueError(f"forward: {len(n_new)} requests, the cache was reset for {cache.batch}")
+        width = widest(n_new)
+        visibility = unpack_visibility(to_padded(visibility_bits, offsets, width), width)      # [B, width, width]
+        logits = model.forward(to_padded(tokens, offsets, width), to_padded(positions, offsets, width), visibility,
+                               n_new, starts, cache, check=False)
+        return to_ragged(logits, n_new)
+
+    def compact_cache(self, starts: torch.Tensor, accepted: torch.Tensor, accept_offsets: torch.Tensor) -> None:
+        """Every layer of the cache: slot starts[b] + k <- slot starts[b] + accepted path[k]."""
+        cache = self._cache()
+        self._compact(cache, starts, accepted, accept_offsets)
+        cache.lengths = torch.where(sizes(accept_offsets) > 0, starts + sizes(accept_offsets), cache.lengths)
 
     # intermediates
     def intermediates(self, tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
                       start: int) -> dict[str, np.ndarray]:
-        """`forward` with every capture point's rows: {"layers.{i}.{point}": [n, ...], "logits": [n, V],
-        "layers.{i}.expert_counts": [E]} in the compute dtype (engine/capture.py)."""
-        with capturing(self._model(), [len(tokens)]) as captured:
-            self.forward(tokens, positions, visibility, start)
+        """One request, in protocol v1's shapes (intermediates are per request in both protocols):
+        `forward` with every capture point's rows: {"layers.{i}.{point}": [n, ...], "logits": [n, V],
+        "layers.{i}.expert_counts": [E]} in the compute dtype (engine/capture.py). The cache holds
+        one request (reset(1, max_len))."""
+        visibility = np.asarray(visibility, dtype=bool)
+        n = len(tokens)
+        if not visibility[:, :start].all():
+            raise ValueError("the torch engine sees every cached slot: visibility[:, :start] must be all True")
+
+        def put(a: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(np.asarray(a), dtype=dtype, device=self.device)
+
+        with capturing(self._model(), [n]) as captured:
+            self.forward(put(tokens), put(positions), put([0, n]), put([start]),
+                         pack_visibility(put(visibility[:, start:], torch.bool)))
         counts = {f"layers.{layer}.expert_counts": c for layer, c in captured.expert_counts.items()}
         return {**captured.values, **counts}
 
     # stages
-    def topk_logprobs(self, draft_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """draft_logits [L, V] float32 -> (topk_lp [L, K] float32, topk_id [L, K] int64)."""
-        lp, ids = self.stages.topk_logprobs(torch.tensor(np.asarray(draft_logits), device=self.device)[None], k)
-        return lp[0].cpu().numpy(), ids[0].cpu().numpy()
+    def topk_logprobs(self, draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft_logits [B, L, V] -> (topk_lp float32 [B, L, K], topk_id int64 [B, L, K])."""
+        return self.stages.topk_logprobs(draft_logits, k)
 
-    def build_tree(self, topk_lp: np.ndarray, topk_id: np.ndarray, budget: int,
-                   root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """-> parents, tokens, depths [n+1] int64, scores [n+1] float64."""
-        trees = self.stages.build_trees(torch.tensor(np.asarray(topk_lp), device=self.device)[None],
-                                        torch.tensor(np.asarray(topk_id), device=self.device)[None],
-                                        torch.tensor([budget], device=self.device),
-                                        torch.tensor([root], device=self.device))
-        count = int(trees.n[0]) + 1
-        return tuple(t[0, :count].cpu().numpy() for t in (trees.parents, trees.tokens, trees.depths, trees.scores))
+    def build_trees(self, topk_lp: torch.Tensor, topk_id: torch.Tensor, budgets: torch.Tensor,
+                    roots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> node_offsets [B+1], parents, tokens, depths [N] int64, scores [N] float64."""
+        trees = self.stages.build_trees(topk_lp, topk_id, budgets, roots)
+        counts = trees.n + 1
+        return (offsets_of(counts), *(to_ragged(t, counts) for t in (trees.parents, trees.tokens, trees.depths,
+                                                                      trees.scores)))
 
-    def compile_tree(self, parents: np.ndarray, depths: np.ndarray,
-                     start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """-> positions [n+1], visibility_bits uint32 [n+1, W], first_child [n+1], next_sibling [n+1]."""
-        trees = self._tree(parents, np.full(len(parents), -1), depths)
-        compiled = self.stages.compile_trees(trees, torch.tensor([start], device=self.device))
-        bits = compiled.visibility_bits[0].cpu().numpy().astype(np.int64) & 0xFFFFFFFF
-        return (compiled.positions[0].cpu().numpy(), bits.astype(np.uint32),
-                compiled.first_child[0].cpu().numpy(), compiled.next_sibling[0].cpu().numpy())
+    def compile_trees(self, parents: torch.Tensor, depths: torch.Tensor, node_offsets: torch.Tensor,
+                      starts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> positions [N], visibility_bits int32 [N, W], first_child [N], next_sibling [N]."""
+        trees = self._trees(parents, parents.new_full(parents.shape, -1), node_offsets, depths)
+        compiled = self.stages.compile_trees(trees, starts)
+        counts = trees.n + 1
+        return tuple(to_ragged(t, counts) for t in (compiled.positions, compiled.visibility_bits,
+                                                     compiled.first_child, compiled.next_sibling))
 
-    def accept(self, parents: np.ndarray, tokens: np.ndarray, choices: np.ndarray) -> tuple[np.ndarray, int]:
-        """parents, tokens, choices [n+1] -> (accepted [a], next_root)."""
-        depths = np.zeros(len(parents), dtype=np.int64)
-        for i in range(1, len(parents)):
-            depths[i] = depths[parents[i]] + 1
-        choices_t = torch.tensor(np.asarray(choices), dtype=torch.int64, device=self.device)[None]
-        accepted, accept_len, next_root = self.stages.accept(self._tree(parents, tokens, depths), choices_t)
-        return accepted[0, :int(accept_len[0])].cpu().numpy(), int(next_root[0])
+    def accept(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor,
+               node_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> accepted [A], accept_offsets [B+1], next_roots [B]."""
+        trees = self._trees(parents, tokens, node_offsets)
+        accepted, accept_len, next_root = self.stages.accept(trees, to_padded(choices, node_offsets, trees.width))
+        return to_ragged(accepted, accept_len), offsets_of(accept_len), next_root
 
-    def sample_accept(self, parents: np.ndarray, tokens: np.ndarray, logits: np.ndarray, temperature: float,
-                      uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """parents, tokens [n+1], logits [n+1, V], uniforms [n+1] -> (choices [n+1], accepted [a], next_root)."""
-        choices = self.stages.sample_choices(torch.tensor(np.asarray(logits), device=self.device)[None],
-                                             float(temperature),
-                                             torch.tensor(np.asarray(uniforms), dtype=torch.float64,
-                                                          device=self.device)[None])[0].cpu().numpy()
-        return (choices, *self.accept(parents, tokens, choices))
+    def sample_accept(self, parents: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor,
+                      node_offsets: torch.Tensor, temperature: float,
+                      uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """logits float64 [N, V], uniforms float64 [N] -> choices [N], accepted [A], accept_offsets, next_roots."""
+        counts = sizes(node_offsets)
+        width = widest(counts)
+        choices = self.stages.sample_choices(to_padded(logits, node_offsets, width), float(temperature),
+                                             to_padded(uniforms, node_offsets, width, fill=0.5))
+        choices = to_ragged(choices, counts)
+        return (choices, *self.accept(parents, tokens, choices, node_offsets))
 
-    def _tree(self, parents: np.ndarray, tokens: np.ndarray, depths: np.ndarray) -> TreeBatch:
-        """One request's tree as a TreeBatch (scores unused by compile and accept: zeros)."""
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.tensor(np.asarray(a), dtype=torch.int64, device=self.device)[None]
+    def compact(self, c_kv: torch.Tensor, k_pe: torch.Tensor, starts: torch.Tensor, accepted: torch.Tensor,
+                accept_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """c_kv [B, S, R], k_pe [B, S, dr] (one layer) -> the compacted copies."""
+        cache = KVCache(c_kv=c_kv.clone()[None], k_pe=k_pe.clone()[None], lengths=starts.clone())
+        self._compact(cache, starts, accepted, accept_offsets)
+        return cache.c_kv[0], cache.k_pe[0]
 
-        return TreeBatch(n=torch.tensor([len(parents) - 1], device=self.device), parents=put(parents),
-                         tokens=put(tokens), depths=put(depths),
-                         scores=torch.zeros(1, len(parents), dtype=torch.float64, device=self.device),
-                         depth=int(np.max(depths)))
+    def attention(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                  q_offsets: torch.Tensor, kv_offsets: torch.Tensor, contexts: torch.Tensor,
+                  visibility_bits: torch.Tensor, scale: float) -> torch.Tensor:
+        """q_lat [T, H, R], q_pe [T, H, dr], c_kv [S, R], k_pe [S, dr] -> o_lat [T, H, R] (the backend's
+        padded form: request b's keys gathered into row b)."""
+        n = sizes(q_offsets)
+        width = widest(n)
+        keys = widest(contexts + n)
+        rows = (kv_offsets[:, None] + torch.arange(keys, device=c_kv.device)).clamp(max=c_kv.shape[0] - 1)
+        visibility = unpack_visibility(to_padded(visibility_bits, q_offsets, width), width)
+        o_lat = self.attention_backend(to_padded(q_lat, q_offsets, width), to_padded(q_pe, q_offsets, width),
+                                       c_kv[rows], k_pe[rows], contexts, n, visibility, scale)
+        return to_ragged(o_lat, n)
 
-    def compact(self, c_kv: np.ndarray, k_pe: np.ndarray, start: int,
-                accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """c_kv [S, R], k_pe [S, dr] -> the compacted copies (one layer, one request)."""
-        cache = KVCache(c_kv=torch.tensor(np.asarray(c_kv), device=self.device)[None, None],
-                        k_pe=torch.tensor(np.asarray(k_pe), device=self.device)[None, None],
-                        lengths=torch.tensor([start], device=self.device))
-        path = torch.tensor(np.asarray(accepted), dtype=torch.int64, device=self.device)[None]
-        self.stages.compact_kv(cache, torch.tensor([start], device=self.device), path,
-                               torch.tensor([path.shape[1]], device=self.device))
-        return cache.c_kv[0, 0].cpu().numpy(), cache.k_pe[0, 0].cpu().numpy()
+    def _compact(self, cache: KVCache, starts: torch.Tensor, accepted: torch.Tensor,
+                 accept_offsets: torch.Tensor) -> None:
+        """The stages' compaction of ragged paths (a request with an empty path copies its slot
+        starts[b] onto itself)."""
+        length = sizes(accept_offsets)
+        path = to_padded(accepted, accept_offsets, max(1, widest(length)))
+        self.stages.compact_kv(cache, starts, path, length.clamp(min=1))
 
-    def attention(self, q_lat: np.ndarray, q_pe: np.ndarray, c_kv: np.ndarray, k_pe: np.ndarray,
-                  visibility: np.ndarray, scale: float) -> np.ndarray:
-        """q_lat [n, H, R], q_pe [n, H, dr], c_kv [S, R], k_pe [S, dr], visibility [n, S] -> o_lat [n, H, R]."""
-        n, slots = visibility.shape
-        context = slots - n
-        if not np.asarray(visibility)[:, :context].all():
-            raise ValueError("the attention backend sees every cached row: visibility[:, :S-n] must be all True")
-        dev = self.device
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.tensor(np.asarray(a), device=dev)[None]
-
-        o_lat = self.attention_backend(put(q_lat), put(q_pe), put(c_kv), put(k_pe),
-                                       torch.tensor([context], device=dev), torch.tensor([n], device=dev),
-                                       put(np.asarray(visibility, dtype=bool)[:, context:]), scale)
-        return o_lat[0].cpu().numpy()
+    def _trees(self, parents: torch.Tensor, tokens: torch.Tensor, node_offsets: torch.Tensor,
+               depths: torch.Tensor | None = None) -> TreeBatch:
+        """Ragged trees as a TreeBatch (scores unused by compile and accept: zeros; without depths,
+        the deepest a tree of its width can be)."""
+        counts = sizes(node_offsets)
+        width = widest(counts)
+        padded = [to_padded(t, node_offsets, width, fill=-1) for t in (parents, tokens)]
+        depth = int(depths.max()) if depths is not None and len(depths) else width - 1
+        return TreeBatch(n=counts - 1, parents=padded[0], tokens=padded[1],
+                         depths=to_padded(depths, node_offsets, width, fill=-1) if depths is not None
+                         else torch.zeros_like(padded[0]),
+                         scores=torch.zeros(padded[0].shape, dtype=torch.float64, device=parents.device),
+                         depth=max(depth, 0))
 
     def _model(self) -> Transformer:
         if self.model is None:
             raise ValueError("the adapter has no weights: call load_weights first")
         return self.model
+
+    def _cache(self) -> KVCache:
+        if self.cache is None:
+            raise ValueError("no cache: call reset(batch, max_len) first")
+        return self.cache
+

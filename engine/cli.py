@@ -2,9 +2,10 @@
 
     kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH]
                     [--junit-xml PATH] [--html PATH] [--impl module:factory] [--require CAPS] [--invariant]
+                    [--tp N]
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
-                [--invariant]
+                [--invariant] [--tp N]
 
 Exit status: 0 passed, 1 a check failed (validate), the two ways differ (diverge) or
 DDTree differed from AR (demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
@@ -13,6 +14,12 @@ and --plot are written all or nothing, with the user's umask.
 
 Help, --version and refused arguments answer without importing torch (seconds):
 each command imports the engine when it runs.
+
+--tp N shards the built-in engine over N ranks (docs/tensor-parallel.md). Under torchrun
+(`torchrun --nproc-per-node N -m engine validate --tp N`) this process is one of the N ranks
+and N must be torchrun's world size; otherwise the command spawns the N ranks as local
+processes itself (gloo on the CPU, NCCL with rank r on cuda:r). Every rank runs the command;
+rank 0 prints and writes the files; the exit status is the same on every rank.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "bfloat16")
+MAX_CPU_RANKS = 8              # --tp on the CPU: local processes, each holding the replicated weights
 STATUS_STYLE = {"exact": "green", "within tolerance": "green", "near-tie": "yellow", "skipped": "dim",
                 "FAIL": "bold red"}
 
@@ -106,6 +114,48 @@ class TokenIds(click.ParamType):
         return [int(item) for item in items]
 
 
+def _check_tp(tp: int | None, device: str) -> None:
+    """Refuse a --tp this machine or the torchrun environment cannot run (before any work)."""
+    from .parallel import torchrun_size
+
+    try:
+        launched = torchrun_size()
+    except ValueError as exc:
+        raise CliError(f"torchrun environment: {exc}") from None
+    if tp is None:
+        if launched is not None:
+            raise CliError(f"torchrun started {launched} process(es): give --tp {launched}")
+        return
+    if device.startswith("cuda:"):
+        raise CliError(f"--device {device} with --tp: each rank takes the GPU of its local rank; give --device cuda")
+    if launched is not None:
+        if launched != tp:
+            raise CliError(f"--tp {tp}, but torchrun started {launched} process(es)")
+        return
+    if device == "cpu" and tp > MAX_CPU_RANKS:
+        raise CliError(f"--tp {tp}: at most {MAX_CPU_RANKS} ranks on the CPU (each is a process holding "
+                       f"the replicated weights)")
+    if device == "cuda":
+        import torch
+
+        if tp > torch.cuda.device_count():
+            raise CliError(f"--tp {tp}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def _on_ranks(tp: int | None, device: str, job: Callable[..., int], *args: Any) -> int:
+    """job(world, *args) unsharded (world None) or on the --tp ranks -> its exit status."""
+    if tp is None:
+        return job(None, *args)
+    from .parallel import run
+
+    return run(tp, "cuda" if device.startswith("cuda") else "cpu", job, *args)
+
+
+def _rank_console(world: Any) -> Console:
+    """The console of this rank: rank 0 (or an unsharded run) prints, the other ranks are quiet."""
+    return console() if world is None or world.rank == 0 else Console(quiet=True)
+
+
 def _check_device(device: str) -> None:
     import torch
 
@@ -145,35 +195,50 @@ def _check_device(device: str) -> None:
                    "implements; `none`: nothing required. A required capability that is skipped or that no "
                    "fixture exercises is a FAIL.")
 @click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
+@click.option("--tp", type=click.IntRange(min=1), default=None,
+              help="Shard the built-in engine over N ranks (tensor and expert parallel): under torchrun its "
+                   "N processes, else N local processes spawned here (CPU: gloo; cuda: NCCL, rank r on cuda:r).")
 def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
                      junit_path: Path | None, html_path: Path | None, impl: str | None, require: str,
-                     invariant: bool) -> int:
+                     invariant: bool, tp: int | None) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
-    if invariant and impl:
-        raise CliError("--invariant is a mode of the built-in engine; it does not apply to --impl")
+    for flag, given in (("--invariant", invariant), ("--tp", tp)):
+        if given and impl:
+            raise CliError(f"{flag} is a mode of the built-in engine; it does not apply to --impl")
     if html_path is not None:
         _require_matplotlib("--html")
+    _check_tp(tp, device)
     _check_device(device)
+    return _on_ranks(tp, device, _validate, fixtures, device, dtype, json_path, junit_path, html_path, impl, require,
+                     invariant)
+
+
+def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
+              junit_path: Path | None, html_path: Path | None, impl: str | None, require: str, invariant: bool) -> int:
+    """validate's work on one rank (world None: unsharded) -> its exit status."""
     from .validate import load_impl, validate, write_json
 
     try:
         adapter = load_impl(impl) if impl else None
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    out = console()
+    device = device if world is None else str(world.device)
+    out = _rank_console(world)
     steps = _Steps(lambda line: out.print(Text(line, style="dim")))
-    report = validate(adapter, fixtures, device, log=steps, require=require, invariant=invariant, dtype=dtype)
+    report = validate(adapter, fixtures, device, log=steps, require=require, invariant=invariant, dtype=dtype,
+                      world=world)
     report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
     report.timings = steps.timings()
     render(report, out)
-    if json_path is not None:
-        write_json(report, json_path)
-    if junit_path is not None:
-        from .validate.junit import write_junit
-        write_junit(report, junit_path)
-    if html_path is not None:
-        from .validate.html import write_html
-        write_html(report, html_path)
+    if world is None or world.rank == 0:           # one file of each, from the first rank
+        if json_path is not None:
+            write_json(report, json_path)
+        if junit_path is not None:
+            from .validate.junit import write_junit
+            write_junit(report, junit_path)
+        if html_path is not None:
+            from .validate.html import write_html
+            write_html(report, html_path)
     return 1 if report.failed else 0
 
 
@@ -394,24 +459,35 @@ class _DemoModel:
 @click.option("--plot", "plot_path", type=OutputFile(), default=None,
               help="Save a PNG histogram of acceptance lengths (needs matplotlib: the `plot` extra).")
 @click.option("--invariant", is_flag=True, help="Run the engine in batch-invariant mode.")
+@click.option("--tp", type=click.IntRange(min=1), default=None,
+              help="Shard the built-in engine over N ranks (tensor and expert parallel): under torchrun its "
+                   "N processes, else N local processes spawned here (CPU: gloo; cuda: NCCL, rank r on cuda:r).")
 def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | None, max_new_tokens: int,
                  budget: int, block_size: int, accuracy: float, device: str, plot_path: Path | None,
-                 invariant: bool) -> int:
+                 invariant: bool, tp: int | None) -> int:
     """AR and DDTree side by side on a model fixture's weights (oracle and layerskip drafters)."""
     if plot_path is not None:
         _require_matplotlib("--plot")
+    _check_tp(tp, device)
     _check_device(device)
     model = _demo_model(preset, fixture)
     cfg, tokens, ddtree = model.cfg, prompt or model.prompt, DDTreeConfig(block_size=block_size, budget=budget)
     if not tokens:
         raise CliError(f"{model.path} holds no prompts; give --prompt")
     _check_demo_sizes(cfg, tokens, max_new_tokens, ddtree, device)
+    return _on_ranks(tp, device, _demo, model, tokens, ddtree, max_new_tokens, accuracy, device, plot_path,
+                     invariant)
 
+
+def _demo(world: Any, model: _DemoModel, tokens: list[int], ddtree: DDTreeConfig, max_new_tokens: int,
+          accuracy: float, device: str, plot_path: Path | None, invariant: bool) -> int:
+    """The demo's runs on one rank (world None: unsharded) -> its exit status."""
     from .adapter import TorchAdapter
     from .decode import ar_decode, ddtree_decode
     from .drafters import LayerSkipDrafter, OracleDrafter
 
-    adapter = TorchAdapter(device, invariant=invariant)
+    cfg = model.cfg
+    adapter = TorchAdapter(device if world is None else world.device, invariant=invariant, world=world)
     with _reading(model.path) as reader:
         adapter.load_weights(cfg, {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")})
     target, layers = adapter.model, max(1, cfg.num_hidden_layers // 2)
@@ -421,10 +497,10 @@ def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | N
     runs = {"AR": ar}
     for name, drafter in (("DDTree oracle", oracle), ("DDTree layerskip", layerskip)):
         runs[name] = ddtree_decode(target, drafter, [tokens], ddtree, max_new_tokens, stages=adapter.stages)
-    _print_demo(console(), model, tokens, ddtree, runs,
+    _print_demo(_rank_console(world), model, tokens, ddtree, runs,
                 f"oracle: knows the AR continuation, right with probability {accuracy} (an upper bound); "
                 f"layerskip: the target's first {layers} of {cfg.num_hidden_layers} layers")
-    if plot_path is not None:
+    if plot_path is not None and (world is None or world.rank == 0):
         _plot({k: v for k, v in runs.items() if k != "AR"}, plot_path, ddtree.block_size)
     return 0 if all(r.tokens == ar.tokens for r in runs.values()) else 1
 

@@ -59,7 +59,7 @@ class CudaAttention:
                    scale: float) -> torch.Tensor:
             heads, kv_lora = q_lat.shape[2:]
             o_lat = torch.zeros(batch, n, heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
-            if batch == 0 or n == 0:
+            if batch == 0 or n == 0 or heads == 0:            # heads 0: a tensor-parallel rank holding none
                 return o_lat
             c_rows, stride = _key_rows(c_kv)
             k_rows, k_stride = _key_rows(k_pe)

@@ -44,8 +44,9 @@ reports no divergence; on any other it names the first op that is not
 invariant.
 
 Implementations come through the validation protocol: `model` plus the
-optional `intermediates` capability (engine/validate/protocol.py); the built-in
-engine is `TorchAdapter`, whose `intermediates` reads `Transformer.capture`.
+optional `intermediates` capability (engine/validate/protocol.py), one request at
+a time (a protocol 2 adapter through its per-request view); the built-in engine is
+`TorchAdapter`, whose `intermediates` reads `Transformer.capture`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import torch
 
 from .capture import capturing
 from .model import CAPTURE_POINTS, Transformer
+from .validate.protocol_v2 import per_request
 
 LAYER_POINTS = CAPTURE_POINTS[:-1]
 
@@ -178,6 +180,7 @@ def decode_way(adapter: Any, prompt: Sequence[int], tokens: Sequence[int] | None
     prompt = np.asarray(prompt, dtype=np.int64)
     m = len(prompt)
     count = len(tokens) if tokens is not None else count
+    adapter = per_request(adapter)
     adapter.reset(max_len or m + count)
     way = Way("AR decode", m)
     logits = _prefill(adapter, way, prompt)
@@ -195,6 +198,7 @@ def chunk_way(adapter: Any, prompt: Sequence[int], tokens: Sequence[int], max_le
     """The prompt's prefill, then every token in one causal forward (M = len(tokens))."""
     prompt, tokens = np.asarray(prompt, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
     m, n = len(prompt), len(tokens)
+    adapter = per_request(adapter)
     adapter.reset(max_len or m + n)
     way = Way(f"chunk of {n} rows", m)
     _prefill(adapter, way, prompt)
@@ -219,6 +223,7 @@ def tree_way(adapter: Any, prompt: Sequence[int], tree_tokens: Sequence[int], pa
     root first) are compared. Its decode counterpart: decode_way(prompt, tree_tokens[path])."""
     prompt, tree_tokens = np.asarray(prompt, dtype=np.int64), np.asarray(tree_tokens, dtype=np.int64)
     m, size = len(prompt), len(tree_tokens)
+    adapter = per_request(adapter)
     adapter.reset(max_len or m + size)
     way = Way(f"tree verify of {size} rows", m)
     _prefill(adapter, way, prompt)

@@ -33,6 +33,14 @@ or a prefill chunk, alone or batched (docs/precision-invariant.md).
 
 ``capture(name, layer, tensor)``, when given, sees the intermediates [B, N, ...] at
 the points CAPTURE_POINTS (layer -1 for the logits), for the divergence finder.
+
+With ``world`` (engine/parallel), the model is this rank's shard: its heads, its experts, its
+columns of the dense and shared FFNs and its rows of the lm_head. The attention output and the
+FFN output are summed over the ranks (``world.sum``; in invariant mode
+``world.sum_in_rank_order``, the same for any number of rows), once per stage on all M rows
+(outside the invariant tiles), and the logits gathered in rank order, so every rank holds the
+same full activations and logits (docs/tensor-parallel.md). The capture hook then sees this
+rank's heads in q_lat and o_lat.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from kdtr_format import ModelConfig
 from .attention import AttentionBackend, bind_attention, invariant_form, torch_attention
 from .cache import KVCache
 from .moe import DISPATCHES, RoutedExperts, moe_dispatch, swiglu
+from .parallel import World, first_expert, shard_weights
 from .weights import ROUTER_WEIGHTS, as_tensor, check_weights, load_fixture_weights
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
@@ -174,8 +183,8 @@ class MLA:
         else:
             self.wq_a, self.q_a_norm, self.wq_b = (w[prefix + n] for n in ("wq_a", "q_a_norm", "wq_b"))
         self.wkv_a, self.kv_a_norm, self.wo = (w[prefix + n] for n in ("wkv_a", "kv_a_norm", "wo"))
-        wkv_b = w[prefix + "wkv_b"].view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
-                                        cfg.kv_lora_rank)
+        wkv_b = w[prefix + "wkv_b"].view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        self.heads = wkv_b.shape[0]                                         # H, or this rank's heads
         self.w_uk = wkv_b[:, :cfg.qk_nope_head_dim].contiguous()          # [H, d_nope, R]
         self.w_uv = wkv_b[:, cfg.qk_nope_head_dim:].contiguous()          # [H, d_v, R]
 
@@ -188,7 +197,7 @@ class MLA:
             q = x @ self.wq.T
         else:
             q = rms_norm(x @ self.wq_a.T, self.q_a_norm, cfg.latent_norm_eps) @ self.wq_b.T
-        q = q.view(rows, cfg.num_attention_heads, cfg.qk_head_dim)
+        q = q.view(rows, self.heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], cfg.rope_style)           # [M, H, dr]
         kv_a = x @ self.wkv_a.T
@@ -198,9 +207,9 @@ class MLA:
         return q_lat, q_pe, c_kv, k_pe
 
     def output(self, o_lat: torch.Tensor) -> torch.Tensor:
-        """o_lat [M, H, R] -> [M, D]."""
+        """o_lat [M, H, R] -> [M, D] (under TP: this rank's heads' share, to be summed)."""
         o = torch.einsum("mhr,hvr->mhv", o_lat, self.w_uv)                           # [M, H, d_v]
-        return o.reshape(o.shape[0], -1) @ self.wo.T
+        return o.reshape(o.shape[0], self.heads * self.cfg.v_head_dim) @ self.wo.T
 
 
 class DenseMLP:
@@ -213,47 +222,47 @@ class DenseMLP:
 
 
 class MoE:
-    """Sigmoid noaux_tc routing, the routed experts (engine/moe.py), plus shared experts."""
+    """Sigmoid noaux_tc routing, the routed experts (engine/moe.py), plus shared experts.
 
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str):
+    Under expert parallelism the routed experts are this rank's, from global id `first`."""
+
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str, first: int = 0):
         self.cfg = cfg
         self.gate, self.bias = w[prefix + "gate"], w[prefix + "e_score_correction_bias"]
-        self.experts = RoutedExperts(*(w[prefix + "experts." + n] for n in ("w_gate", "w_up", "w_down")))
+        self.experts = RoutedExperts(*(w[prefix + "experts." + n] for n in ("w_gate", "w_up", "w_down")),
+                                     first=first)
         self.shared = DenseMLP(w, prefix + "shared.") if cfg.n_shared_experts else None
 
     def __call__(self, x: torch.Tensor, real: torch.Tensor, dispatch: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D], real bool [T] -> (out [T, D], the chosen experts int64 [T, k])."""
+        """x [T, D], real bool [T] -> (out float32 [T, D], the chosen experts int64 [T, k])."""
         idx, weight = route(self.cfg, x, self.gate, self.bias)                     # [T, k]
         out = self.experts(x, idx, weight, real, dispatch)                          # float32
         if self.shared is not None:
             out = out + self.shared(x).float()
-        return out.to(x.dtype), idx
+        return out, idx
 
 
 class Block:
     """One pre-norm layer as per-row stages around attention (module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], layer: int):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], layer: int, first_expert: int = 0):
         p = f"layers.{layer}."
         self.eps = cfg.rms_norm_eps
         self.input_norm, self.post_norm = w[p + "input_layernorm"], w[p + "post_attention_layernorm"]
         self.attn = MLA(cfg, w, p + "attn.")
-        self.ffn = DenseMLP(w, p + "mlp.") if cfg.is_dense_layer(layer) else MoE(cfg, w, p + "moe.")
+        self.ffn = (DenseMLP(w, p + "mlp.") if cfg.is_dense_layer(layer)
+                    else MoE(cfg, w, p + "moe.", first_expert))
 
     def attention_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [M, D] -> (normed [M, D], q_lat [M, H, R], q_pe [M, H, dr], c_kv [M, R], k_pe [M, dr])."""
         h = rms_norm(x, self.input_norm, self.eps)
         return (h, *self.attn.project(h, cos, sin))
 
-    def attention_out(self, x: torch.Tensor, o_lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [M, D], o_lat [M, H, R] -> (attention output [M, D], x + it)."""
-        a = self.attn.output(o_lat.to(x.dtype))
-        return a, x + a
-
     def ffn_rows(self, x: torch.Tensor, real: torch.Tensor, dispatch: str,
                  scores: bool) -> tuple[torch.Tensor, ...]:
         """x [M, D], real bool [M] -> (router scores float32 [M, E] (or [M, 0]: dense layer,
-        or `scores` False), experts int64 [M, k] ([M, 0] dense), FFN output [M, D], x + it)."""
+        or `scores` False), experts int64 [M, k] ([M, 0] dense), FFN output [M, D] (float32
+        from a MoE, x's dtype from a dense layer; under TP this rank's share))."""
         h = rms_norm(x, self.post_norm, self.eps)
         if isinstance(self.ffn, DenseMLP):
             out, experts = self.ffn(h), h.new_zeros(h.shape[0], 0, dtype=torch.int64)
@@ -261,7 +270,7 @@ class Block:
             out, experts = self.ffn(h, real, dispatch)
         router = (torch.sigmoid(h.float() @ self.ffn.gate.float().T) if scores and isinstance(self.ffn, MoE)
                   else h.new_zeros(h.shape[0], 0, dtype=torch.float32))
-        return router, experts, out, x + out
+        return router, experts, out
 
 
 def _write_rows(cache: torch.Tensor, slots: torch.Tensor, real: torch.Tensor, new: torch.Tensor) -> None:
@@ -295,13 +304,14 @@ class Transformer:
 
     moe: the routed experts' dispatch, "grouped" or "dense" (engine/moe.py; default: the
     one for the device and dtype). invariant: batch-invariant mode (module docstring).
-    capture: the divergence finder's hook (module docstring).
+    capture: the divergence finder's hook (module docstring). world: this rank's place in
+    the tensor-parallel group (module docstring); `weights` are the full weights.
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor | np.ndarray],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attention: AttentionBackend | None = None, *, invariant: bool = False,
-                 moe: str | None = None, capture: Capture | None = None):
+                 moe: str | None = None, capture: Capture | None = None, world: World | None = None):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Transformer: dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -311,6 +321,9 @@ class Transformer:
         check_weights(cfg, weights)
         self.cfg = cfg
         self.device = torch.empty(0, device=device).device      # "cuda" -> "cuda:0", comparable with tensors
+        if world is not None and world.device != self.device:
+            raise ValueError(f"Transformer: rank {world.rank} computes on {world.device}, not on {self.device}")
+        self.world = world
         self.dtype = dtype
         self.invariant = invariant
         attention = attention if attention is not None else torch_attention
@@ -318,9 +331,12 @@ class Transformer:
         self.tile = INVARIANT_TILE.get(self.device.type, 64) if invariant else None
         self.moe = "dense" if invariant else (moe or moe_dispatch(self.device, dtype))
         self.capture = capture
+        first = 0
+        if world is not None:
+            weights, first = shard_weights(cfg, weights, world), first_expert(cfg, world)
         w = {name: _stored(name, as_tensor(value).to(self.device), dtype) for name, value in weights.items()}
         self.embed, self.norm, self.lm_head = w["embed_tokens"], w["norm"], w["lm_head"]
-        self.layers = [Block(cfg, w, i) for i in range(cfg.num_hidden_layers)]
+        self.layers = [Block(cfg, w, i, first) for i in range(cfg.num_hidden_layers)]
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
         self.scale = softmax_scale(cfg)
 
@@ -370,15 +386,20 @@ class Transformer:
             _write_rows(cache.k_pe[layer], slots, real, k_pe.view(batch, n, -1))
             o_lat = attend(q_lat.view(batch, n, *q_lat.shape[1:]), q_pe.view(batch, n, *q_pe.shape[1:]),
                            cache.c_kv[layer], cache.k_pe[layer], self.scale).reshape(q_lat.shape)   # [M, H, R]
-            a, x_attn = self._rows(block.attention_out, x, o_lat)
-            router, experts, f, x = self._rows(
+            a = self._sum(self._rows(block.attn.output, o_lat.to(x.dtype)))           # [M, D]
+            x_attn = x + a
+            router, experts, f = self._rows(
                 lambda x_, real_: block.ffn_rows(x_, real_, self.moe, self.capture is not None), x_attn, flat_real)
+            f = self._sum(f).to(x.dtype)
+            x = x_attn + f
             for name, t in (("attn_input", h), ("q_lat", q_lat), ("c_kv", c_kv), ("k_pe", k_pe),
                             ("o_lat", o_lat), ("attn_output", a), ("attn_residual", x_attn),
                             ("router_scores", router), ("experts", experts), ("ffn_output", f),
                             ("layer_output", x)):
                 keep(name, layer, t)
         logits = self._rows(self._head, x)                                           # [M, V] float32
+        if self.world is not None:                                                  # [M, V_r] -> [M, V]
+            logits = self.world.gather(logits, cfg.vocab_size)
         keep("logits", -1, logits)
         return logits.view(batch, n, -1)
 
@@ -394,6 +415,13 @@ class Transformer:
             if t.dim() != 2 or t.shape[1] > 0:                      # dense layers have no router
                 capture(name, layer, t.reshape(batch, n, *t.shape[1:]))
         return keep
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A per-row stage's output [M, D]: itself on one device; under TP the sum of the ranks'
+        shares (invariant mode: added in rank order, the same whatever M)."""
+        if self.world is None:
+            return partial
+        return self.world.sum_in_rank_order(partial) if self.invariant else self.world.sum(partial)
 
     def _rows(self, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], *rows: torch.Tensor):
         """fn over row-aligned tensors [M, ...] -> its outputs [M, ...]. In invariant mode fn sees

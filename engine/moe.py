@@ -22,6 +22,10 @@ dispatches compute it, both free of host synchronization (no `.item()`, `.tolist
   gathers its k experts' outputs. It reads every expert and does E / k times the routed
   flops; its products have the same shape whatever the routing, which is what invariant mode
   needs (docs/precision-invariant.md).
+
+Under expert parallelism (engine/parallel) a `RoutedExperts` holds one rank's experts, global
+ids first .. first + E - 1, and every row's output is the sum above over the slots j whose
+expert it holds (0 for the others); the ranks' outputs are then summed by the caller.
 """
 
 from __future__ import annotations
@@ -47,34 +51,39 @@ def moe_dispatch(device: torch.device, dtype: torch.dtype) -> str:
 
 
 class RoutedExperts:
-    """The E routed experts of one layer: w_gate, w_up [E, I, D], w_down [E, D, I]."""
+    """E routed experts of one layer, global ids first .. first + E - 1 (all of them: first 0):
+    w_gate, w_up [E, I, D], w_down [E, D, I]."""
 
-    def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, first: int = 0) -> None:
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
         self.num_experts = w_gate.shape[0]
+        self.first = first
         # [E, in, out] views for x @ W^T, column-major per expert as the grouped kernel takes them.
         self.gate_t, self.up_t, self.down_t = (w.transpose(1, 2) for w in (w_gate, w_up, w_down))
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torch.Tensor,
                  dispatch: str) -> torch.Tensor:
-        """x [M, D], idx int64 [M, k], weight float32 [M, k], real bool [M] -> float32 [M, D]."""
+        """x [M, D], idx int64 [M, k] (global ids), weight float32 [M, k], real bool [M] -> float32 [M, D]."""
         rows, k = idx.shape
-        if rows == 0 or k == 0:
+        if rows == 0 or k == 0 or self.num_experts == 0:
             return x.new_zeros(x.shape, dtype=torch.float32)
+        local = idx - self.first                                            # [M, k]
+        held = (local >= 0) & (local < self.num_experts)                    # [M, k]: the slots served here
         if dispatch == "grouped":
-            y = self._grouped(x, idx, real)
+            y = self._grouped(x, local, real[:, None] & held)
         elif dispatch == "dense":
-            y = self._dense(x, idx)
+            y = self._dense(x, local.clamp(0, self.num_experts - 1))
         else:
             raise ValueError(f"MoE dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-        out = (y.float() * weight[..., None]).sum(1)                        # [M, D], rank order
+        out = (torch.where(held[..., None], y.float(), 0.0) * weight[..., None]).sum(1)   # [M, D], rank order
         return torch.where(real[:, None], out, 0.0)
 
-    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """-> y [M, k, D]: pair (t, j)'s expert output (garbage for padding rows)."""
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
+        """idx [M, k] local ids, computed bool [M, k] -> y [M, k, D]: pair (t, j)'s expert
+        output (garbage where not computed)."""
         rows, k = idx.shape
         experts = self.num_experts
-        expert = torch.where(real[:, None], idx, experts).flatten()          # [M k], padding -> E
+        expert = torch.where(computed, idx, experts).flatten()               # [M k], the others -> E
         order = torch.argsort(expert, stable=True)                           # [M k] pairs by expert
         bounds = torch.arange(1, experts + 1, device=x.device, dtype=expert.dtype)
         ends = torch.searchsorted(expert[order], bounds).to(torch.int32)     # [E] group ends
@@ -84,7 +93,7 @@ class RoutedExperts:
         return torch.empty_like(ys).index_copy_(0, order, ys).view(rows, k, -1)
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """-> y [M, k, D]: every expert on every row, then each row's k."""
+        """idx [M, k] local ids -> y [M, k, D]: every expert on every row, then each row's k."""
         rows = x.shape[0]
         xs = x.expand(self.num_experts, *x.shape)                           # [E, M, D]
         h = F.silu(torch.bmm(xs, self.gate_t)) * torch.bmm(xs, self.up_t)   # [E, M, I]

@@ -25,10 +25,17 @@ Sections of the report, each a list of `Check` rows:
    every preset, with the oracle, random and layerskip drafters: on each model
    fixture's weights and prompts, and on seeded random weights and prompts for
    a preset without a fixture.
+5. Batched rows (protocol v2 adapters only, the built-in engine included):
+   every trace of a model fixture as one request of one batch through the
+   adapter's own cache and compaction, the kernel cases batched, each
+   request's share compared as above, the time per stage of the batched run
+   reported (batched.py, batched_model.py).
 
 Every adapter call goes through `checked.CheckedAdapter`: an exception or an
 output of the wrong arity, dtype, shape or finiteness is a FAIL row naming the
-method and the output. A capability the adapter does not implement turns its
+method and the output. A v2 adapter's calls are also held to protocol v2's
+declarations (`checked.CheckedV2`: torch tensors on its device, ragged offsets)
+and reach the per-request checks through `protocol_v2.PerRequest`. A capability the adapter does not implement turns its
 checks into "skipped (not implemented by adapter)"; a required capability
 (protocol.resolve_capabilities: by default what the adapter declares, else what
 it implements) that is skipped or that no fixture exercised is a FAIL. The
@@ -40,19 +47,21 @@ thresholds from the measured bf16 error model, and routing flips told apart from
 routing bugs (regime.py, docs/precision.md). Every row names its regime.
 
 Modules, one job each: `protocol` (what an adapter implements, each method's
-outputs, capability declarations), `checked` (the checking proxy), `report`
-(rows, the report, JSON), `compare` (one comparison -> one row), `regime` (how a
-dtype judges rows, the routing watch), `fixtures`
+outputs, capability declarations), `protocol_v2` (the batched protocol, its
+declarations, the per-request view of a v2 adapter), `checked` (the checking
+proxies), `report` (rows, the report, JSON), `compare` (one comparison -> one
+row), `regime` (how a dtype judges rows, the routing watch), `fixtures`
 (finding them), `model_checks`, `kernel_checks` and `invariant` (the sections
 above), `deviations` (what an adapter declares about where it differs from the
-reference, noted on the rows it affects), `runner` (all of them in order, then
-the requirements; or one case, one row, at a time: `plan`, `Validation`), and the
-report's other forms, `junit` (JUnit XML) and `html` (a self-contained page).
+reference, noted on the rows it affects), `batched` and `batched_model` (the
+batched rows), `runner` (all of them in order, then the requirements; or one case,
+one row, at a time: `plan`, `Validation`), and the report's other forms, `junit`
+(JUnit XML) and `html` (a self-contained page).
 `distribution` (the statistical test of a sampler's law, for implementations
 that draw their own uniforms; it needs scipy) is imported on its own.
 """
 
-from .checked import AdapterFault, CheckedAdapter
+from .checked import AdapterFault, CheckedAdapter, CheckedV2
 from .compare import (SKIPPED_DETAIL, classify_divergence, compare_close, compare_exact, compare_tokens,
                       compare_tree, merge, row, skipped, unpack_bits)
 from .deviations import Deviation, declared_deviations
@@ -61,11 +70,13 @@ from .invariant import INVARIANT_DDTREE, INVARIANT_TOKENS, MARGIN_REL, invariant
     preset_invariant_checks, random_weights
 from .model_checks import replayed_round
 from .protocol import CAPABILITIES, METHODS, EngineAdapter, capabilities, load_impl, resolve_capabilities
+from .protocol_v2 import CAPABILITIES_V2, METHODS_V2, PerRequest
 from .report import Check, Report, Status, ValidateError, write_json
 from .runner import Case, Validation, plan, validate
 
 __all__ = [
-    "AdapterFault", "CAPABILITIES", "Case", "Check", "CheckedAdapter", "Deviation", "EngineAdapter", "GOLDEN_DIR",
+    "AdapterFault", "CAPABILITIES", "CAPABILITIES_V2", "Case", "Check", "CheckedAdapter", "CheckedV2", "METHODS_V2",
+    "PerRequest", "Deviation", "EngineAdapter", "GOLDEN_DIR",
     "INVARIANT_DDTREE", "INVARIANT_TOKENS", "METHODS", "resolve_capabilities", "row",
     "MARGIN_REL", "REPO_ROOT", "Report", "SKIPPED_DETAIL", "Status", "ValidateError", "capabilities",
     "classify_divergence", "compare_close", "compare_exact", "compare_tokens", "compare_tree",

@@ -22,9 +22,11 @@ Rows that carry it (the `acceptance` entry of the row's `tables` in the JSON, wi
 every round's accepted ranks): "DDTree tokens" (the fixture's greedy traces as
 recorded, which are the implementation's own wherever that row is exact), "engine
 DDTree replay (batched)" and "invariant DDTree == AR (<drafter>)" (the built-in
-engine's own decode runs). Runs whose stages are timed add `stage_seconds` (wall
-seconds per stage of engine.metrics.STAGES, CUDA-synchronized) and the device:
-today the built-in engine's decode runs; adapters once a protocol times them.
+engine's own decode runs), and "batched DDTree tokens" (a protocol v2 adapter's
+own accepted paths, batched_model.py). Runs whose stages are timed add
+`stage_seconds` (seconds per stage, CUDA-synchronized) and the device: the
+built-in engine's decode runs (engine.metrics.STAGES) and every v2 adapter's
+batched run (batched_model.STAGES).
 """
 
 from __future__ import annotations

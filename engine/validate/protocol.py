@@ -74,8 +74,11 @@ model, stage and kernel checks, and any check added later, compare only
 well-formed outputs; a call that raises or returns something else is one FAIL
 row naming the method and the output.
 
-`engine.adapter.TorchAdapter` exposes the built-in engine through this protocol,
-so the runner takes one code path for it and for any user's engine.
+Protocol v2 (protocol_v2.py: batched, torch tensors on the adapter's device, the
+adapter's own cache and compaction) is chosen by an adapter's ``protocol = 2``; its
+adapters reach the same checks through `protocol_v2.PerRequest`, so the runner takes
+one code path for every adapter. The built-in engine (`engine.adapter.TorchAdapter`)
+speaks v2.
 """
 
 from __future__ import annotations
@@ -206,13 +209,30 @@ class EngineAdapter(Protocol):
     def set_dtype(self, dtype: str) -> None: ...
 
 
-def capabilities(adapter: Any) -> set[str]:
-    """The capabilities whose every method the adapter defines."""
-    return {cap for cap, methods in CAPABILITIES.items() if not _missing(adapter, cap)}
+def protocol_version(adapter: Any) -> int:
+    """The adapter's `protocol` attribute: 1 (this module, the default) or 2 (protocol_v2.py)."""
+    version = getattr(adapter, "protocol", 1)
+    if isinstance(version, bool) or version not in (1, 2):
+        raise ValidateError(f"adapter {adapter_name(adapter)}: `protocol` must be 1 or 2, got {version!r}")
+    return version
 
 
-def _missing(adapter: Any, capability: str) -> list[str]:
-    return [m for m in CAPABILITIES[capability] if not callable(getattr(adapter, m, None))]
+def capability_table(adapter: Any) -> Mapping[str, tuple[str, ...]]:
+    """Each capability's methods in the adapter's protocol version."""
+    if protocol_version(adapter) == 2:
+        from .protocol_v2 import CAPABILITIES_V2
+        return CAPABILITIES_V2
+    return CAPABILITIES
+
+
+def capabilities(adapter: Any, table: Mapping[str, tuple[str, ...]] | None = None) -> set[str]:
+    """The capabilities whose every method the adapter defines (table: default the adapter's protocol's)."""
+    table = table or capability_table(adapter)
+    return {cap for cap in table if not _missing(adapter, cap, table)}
+
+
+def _missing(adapter: Any, capability: str, table: Mapping[str, tuple[str, ...]]) -> list[str]:
+    return [m for m in table[capability] if not callable(getattr(adapter, m, None))]
 
 
 def declared_capabilities(adapter: Any) -> set[str] | None:
@@ -244,18 +264,19 @@ def resolve_capabilities(adapter: Any, require: str | Collection[str] | None = N
     capability, and unknown names."""
     declared = declared_capabilities(adapter)
     name = adapter_name(adapter)
-    for cap in CAPABILITIES:
-        missing = _missing(adapter, cap)
+    table = capability_table(adapter)
+    for cap in table:
+        missing = _missing(adapter, cap, table)
         if declared is not None and cap in declared and missing:
             raise ValidateError(f"adapter {name} declares capability {cap!r} but has no "
                                 f"{', '.join(m + '()' for m in missing)}")
-        if declared is None and 0 < len(missing) < len(CAPABILITIES[cap]):
-            present = [m + "()" for m in CAPABILITIES[cap] if m not in missing]
+        if declared is None and 0 < len(missing) < len(table[cap]):
+            present = [m + "()" for m in table[cap] if m not in missing]
             raise ValidateError(f"adapter {name} implements {', '.join(present)} of capability {cap!r} "
                                 f"but not {', '.join(m + '()' for m in missing)}")
-    run = capabilities(adapter)
+    run = capabilities(adapter, table)
     if not run:
-        options = "; ".join(f"{cap}: {', '.join(methods)}" for cap, methods in CAPABILITIES.items())
+        options = "; ".join(f"{cap}: {', '.join(methods)}" for cap, methods in table.items())
         raise ValidateError(f"adapter {name} implements no capability (each needs all of its methods: "
                             f"{options})")
     if require is None or require == "declared":

@@ -6,8 +6,9 @@ the built-in engine's invariant on a preset without a fixture; "validate" for th
 own requirements), its check name and the capabilities it exercises. Its id,
 `section::name`, is the same in every run and for every adapter, because the plan depends
 on the fixture files and the dtype's regime alone: the built-in engine's own rows are
-cases of every plan, skipped for any other adapter, and bf16's routing row is a case,
-skipped where the adapter's model did not run.
+cases of every plan, skipped for any other adapter; the batched rows (batched.py) are
+cases, skipped for a protocol v1 adapter; and bf16's routing row is a case, skipped where
+the adapter's model did not run.
 
     validation = Validation(adapter, fixtures, require="declared", dtype="float32")
     row = validation.check(case)          # one case: its fixture's checks run once, then kept
@@ -38,8 +39,11 @@ import kdtr_format
 from kdtr_format import PRESETS, KdtrError
 
 from ..adapter import TorchAdapter
+from ..parallel import World
 from .acceptance import with_trace_acceptance
-from .checked import CheckedAdapter
+from .batched import BATCHED_KERNEL_ROWS, batched_checks
+from .batched_model import ROWS as BATCHED_MODEL_ROWS
+from .checked import checked_views
 from .corpus_checks import corpus_rows
 from .deviations import with_deviations
 from .fixtures import _kdtr_files, find_fixtures
@@ -53,13 +57,15 @@ from .report import Check, Report, Status, ValidateError
 REQUIREMENTS = "validate"                 # the section of the run's own requirement cases
 ANY_CHECK_RAN = "any check ran"
 BUILTIN_ONLY = "skipped (the built-in engine's own check: not run for an adapter)"
+V2_ONLY = "skipped (a batched check: protocol v2 adapters only)"
 NO_ROUTING = "skipped (the model did not run: no routing to watch)"
 
 
 @dataclass(frozen=True)
 class Case:
     """One row of the report, before it runs. builtin_only: a check of the built-in engine's
-    own decode loops or invariant, skipped for any other adapter; absent: the detail of its
+    own decode loops or invariant, skipped for any other adapter; v2_only: a batched check
+    (batched.py), skipped for a protocol v1 adapter; absent: the detail of its
     skipped row when its section's checks return no such row (a row that exists only when
     the adapter's model ran; empty: they always return it)."""
 
@@ -68,6 +74,7 @@ class Case:
     needs: tuple[str, ...] = ()
     builtin_only: bool = False
     absent: str = ""
+    v2_only: bool = False
 
     @property
     def id(self) -> str:
@@ -106,25 +113,32 @@ def _sections(directory: Path, dtype: str) -> list[_Section]:
 
 
 def _fixture_cases(path: Path, section: str, dtype: str) -> tuple[Case, ...]:
-    """A fixture's cases as its checks return their rows."""
+    """A fixture's cases as its checks return their rows: its own, then the batched ones."""
     try:
         with kdtr_format.open(path) as reader:
             kind = reader.metadata.get("kind")
-            if kind == "model":
-                regime = Regime.of(reader.metadata, dtype)
-                if regime is None:                   # _model_fixture's one skipped row
-                    return (Case(section, f"{dtype} cases"),)
-                cases = [Case(section, name, tuple(sorted(needs))) for name, needs in ROWS.items()]
-                if regime.routing_threshold is not None:
-                    cases.append(Case(section, "routing", absent=NO_ROUTING))
-                return (*cases, *(Case(section, name, (), True) for name in (ENGINE_AR, ENGINE_REPLAY, *INVARIANT_ROWS)))
-            if kind == "corpus":
-                return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in corpus_rows(reader))
-            if kind in KERNEL_ROWS:
-                return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in KERNEL_ROWS[kind].items())
-            return (Case(section, "fixture"),)
+            batched = BATCHED_MODEL_ROWS if kind == "model" else BATCHED_KERNEL_ROWS.get(kind, {})
+            return (*_per_request_cases(reader, section, dtype),
+                    *(Case(section, name, tuple(sorted(needs)), v2_only=True) for name, needs in batched.items()))
     except KdtrError as exc:
         raise ValidateError(f"{path}: {exc}") from None
+
+
+def _per_request_cases(reader, section: str, dtype: str) -> tuple[Case, ...]:
+    kind = reader.metadata.get("kind")
+    if kind == "model":
+        regime = Regime.of(reader.metadata, dtype)
+        if regime is None:                   # _model_fixture's one skipped row
+            return (Case(section, f"{dtype} cases"),)
+        cases = [Case(section, name, tuple(sorted(needs))) for name, needs in ROWS.items()]
+        if regime.routing_threshold is not None:
+            cases.append(Case(section, "routing", absent=NO_ROUTING))
+        return (*cases, *(Case(section, name, (), True) for name in (ENGINE_AR, ENGINE_REPLAY, *INVARIANT_ROWS)))
+    if kind == "corpus":
+        return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in corpus_rows(reader))
+    if kind in KERNEL_ROWS:
+        return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in KERNEL_ROWS[kind].items())
+    return (Case(section, "fixture"),)
 
 
 def _requirement_cases() -> list[Case]:
@@ -138,30 +152,32 @@ class Validation:
     declares, else what it implements; under the declaration, only those of them that the
     fixtures have checks for: a declared capability without any is a skipped "validate" row);
     invariant: the built-in engine in batch-invariant mode; dtype: the compute dtype the
-    adapter is told (`set_dtype`) and judged in (regime.py); log: told each section as it
-    starts. ValidateError for an adapter or fixtures that cannot be checked."""
+    adapter is told (`set_dtype`) and judged in (regime.py); world: the built-in engine
+    sharded over it (engine.parallel); log: told each section as it starts. ValidateError for
+    an adapter or fixtures that cannot be checked."""
 
     def __init__(self, adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
                  log: Callable[[str], None] = lambda line: None, require: str | Collection[str] | None = None,
-                 invariant: bool = False, dtype: str = "float32") -> None:
+                 invariant: bool = False, dtype: str = "float32", world: World | None = None) -> None:
         _check_dtype(dtype)
         self.builtin = adapter is None
-        self.adapter = TorchAdapter(device, invariant=invariant) if self.builtin else adapter
+        self.adapter = TorchAdapter(device, invariant=invariant, world=world) if self.builtin else adapter
         _set_dtype(self.adapter, dtype)
+        self._checked, self._batched = checked_views(self.adapter)   # protocol v2: also batched (batched.py)
         self.dtype = dtype
         self.caps, self.required = resolve_capabilities(self.adapter, require)
         directory = find_fixtures(fixtures)
         self.sections = {s.name: s for s in _sections(directory, dtype)}
         self.unchecked: set[str] = set()
         if require in (None, "declared"):      # the declaration is required where these fixtures can check it
-            checkable = {cap for s in self.sections.values() for c in s.cases for cap in c.needs}
+            checkable = {cap for s in self.sections.values() for c in s.cases
+                         if self._batched is not None or not c.v2_only for cap in c.needs}
             self.unchecked, self.required = self.required - checkable, self.required & checkable
         self.log = log
         self.fixtures = str(directory)
         self._report = Report(implementation=getattr(self.adapter, "name", type(self.adapter).__name__),
                               device=device, fixtures=self.fixtures,
                               backends=dict(getattr(self.adapter, "backends", {})))
-        self._checked = CheckedAdapter(self.adapter)
         self._rows: dict[str, list[Check]] = {}
 
     def check(self, case: Case) -> Check:
@@ -170,6 +186,8 @@ class Validation:
             return self._requirement(case)
         if case.builtin_only and not self.builtin:
             return Check(case.section, case.name, Status.SKIPPED, detail=BUILTIN_ONLY)
+        if case.v2_only and self._batched is None:
+            return Check(case.section, case.name, Status.SKIPPED, detail=V2_ONLY, needs=case.needs)
         rows = self.rows(case.section)
         found = next((c for c in rows if c.name == case.name), None)
         stopped = next((c for c in rows if c.name == "fixture"), None)
@@ -204,17 +222,8 @@ class Validation:
         self.log(f"checking {section.name}")
         try:
             with kdtr_format.open(section.path) as reader:
-                kind = reader.metadata.get("kind")
-                if kind == "model":
-                    checks = _model_fixture(self._checked, self.caps, reader, section.name, self.builtin, self.dtype)
-                    regime = Regime.of(reader.metadata, self.dtype)
-                    if regime is not None:
-                        checks = with_trace_acceptance(checks, CasesView(reader, regime))
-                    return _stamped(with_deviations(self._report, self.adapter, checks, section.name), "exact")
-                if kind in KERNEL_KINDS:
-                    return _stamped(kernel_checks(kind, self._checked, self.caps, reader, section.name),
-                                    "float32: the kernel case's tolerance (float32 inputs)")
-                return [Check(section.name, "fixture", Status.FAIL, detail=f"unknown fixture kind {kind!r}")]
+                return self._per_request(reader, section.name) + \
+                    batched_checks(self._batched, self.caps, reader, section.name, self.dtype)
         except KdtrError as exc:
             raise ValidateError(f"{section.path}: {exc}") from None
         except ValidateError:
@@ -222,6 +231,19 @@ class Validation:
         except Exception as exc:        # a malformed fixture (adapter faults are rows of their own checks)
             return [Check(section.name, "fixture", Status.FAIL,
                           detail=f"checking stopped: {type(exc).__name__}: {exc}")]
+
+    def _per_request(self, reader, section: str) -> list[Check]:
+        kind = reader.metadata.get("kind")
+        if kind == "model":
+            checks = _model_fixture(self._checked, self.caps, reader, section, self.builtin, self.dtype)
+            regime = Regime.of(reader.metadata, self.dtype)
+            if regime is not None:
+                checks = with_trace_acceptance(checks, CasesView(reader, regime))
+            return _stamped(with_deviations(self._report, self.adapter, checks, section), "exact")
+        if kind in KERNEL_KINDS:
+            return _stamped(kernel_checks(kind, self._checked, self.caps, reader, section),
+                            "float32: the kernel case's tolerance (float32 inputs)")
+        return [Check(section, "fixture", Status.FAIL, detail=f"unknown fixture kind {kind!r}")]
 
     def _unchecked(self, cap: str) -> Check:
         return Check(REQUIREMENTS, f"capability {cap}", Status.SKIPPED, needs=(cap,),
@@ -253,9 +275,9 @@ class Validation:
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
              log: Callable[[str], None] = lambda line: None,
              require: str | Collection[str] | None = None, invariant: bool = False,
-             dtype: str = "float32") -> Report:
+             dtype: str = "float32", world: World | None = None) -> Report:
     """Run every check (package docstring) and return the report (Validation's arguments)."""
-    return Validation(adapter, fixtures, device, log, require, invariant, dtype).report()
+    return Validation(adapter, fixtures, device, log, require, invariant, dtype, world).report()
 
 
 def requirements(checks: list[Check], caps: set[str], required: set[str], fixtures: str,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engine.adapter import TorchAdapter
+from engine.validate.protocol_v2 import PerRequest
 from engine.validate import GOLDEN_DIR, Status, load_impl, validate
 from engine.validate.corpus_checks import tree_problems
 
@@ -90,7 +91,7 @@ class AcceptOnly:
     name = "accept only"
 
     def __init__(self, crash: bool = False) -> None:
-        self.engine, self.crash = TorchAdapter(), crash
+        self.engine, self.crash = PerRequest(TorchAdapter()), crash
 
     def accept(self, parents, tokens, choices):
         if self.crash and len(parents) == 11 and tokens[1] == 0:

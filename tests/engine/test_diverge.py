@@ -13,6 +13,7 @@ import torch
 
 import engine.model
 from engine.adapter import TorchAdapter
+from engine.validate.protocol_v2 import PerRequest
 from engine.attention import torch_attention, visible_slots
 from engine.capture import capturing, to_numpy
 from engine.diverge import (batch_way, chunk_way, compare_ways, decode_way, tree_visibility, tree_way,
@@ -212,8 +213,8 @@ class LayerOutputsOnly:
     """An adapter reporting only each layer's output and the logits."""
 
     def __init__(self, inner: TorchAdapter) -> None:
-        self.inner = inner
-        self.reset, self.forward = inner.reset, inner.forward
+        self.inner = PerRequest(inner)
+        self.reset, self.forward = self.inner.reset, self.inner.forward
 
     def intermediates(self, tokens, positions, visibility, start):
         out = self.inner.intermediates(tokens, positions, visibility, start)

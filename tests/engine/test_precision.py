@@ -23,6 +23,7 @@ from engine.validate import Check, Status, capabilities, validate
 from engine.validate.model_checks import _model_fixture
 from engine.validate.runner import _stamped
 from engine.validate.regime import Regime, RoutingWatch, reached_rows
+from engine.validate.protocol_v2 import PerRequest, sizes
 from refgen.fixtures import FixturePlan, model_fixture, write_fixture
 
 import bf16_error_model
@@ -111,7 +112,7 @@ def test_bf16_cases_are_the_reference_on_the_rounded_weights():
 # ---------------------------------------------------------------------------- rounding vs bugs
 
 def test_the_builtin_engine_passes_in_bf16_with_every_row_named():
-    checks = bf16_checks(TorchAdapter(), builtin=True)
+    checks = bf16_checks(PerRequest(TorchAdapter()), builtin=True)
     assert not [c for c in checks.values() if c.status is Status.FAIL], checks
     for name in ("prefill logits", "verify logits"):            # rounding, or rows a routing flip reached
         row = checks[name]
@@ -124,20 +125,23 @@ def test_the_builtin_engine_passes_in_bf16_with_every_row_named():
 class LateRope(TorchAdapter):
     """Planted: a new token's rotary position one too far whenever it follows cached tokens."""
 
-    def forward(self, tokens, positions, visibility, start):
-        return super().forward(tokens, np.asarray(positions) + (start > 0), visibility, start)
+    def forward(self, tokens, positions, offsets, starts, visibility_bits):
+        late = (starts > 0).long().repeat_interleave(sizes(offsets))
+        return super().forward(tokens, positions + late, offsets, starts, visibility_bits)
 
 
 class SlotPositions(TorchAdapter):
     """Planted: tree tokens at their slot (start + i) instead of start + depth."""
 
-    def forward(self, tokens, positions, visibility, start):
-        return super().forward(tokens, start + np.arange(len(tokens)), visibility, start)
+    def forward(self, tokens, positions, offsets, starts, visibility_bits):
+        first = offsets[:-1].repeat_interleave(sizes(offsets))
+        slots = starts.repeat_interleave(sizes(offsets)) + torch.arange(len(tokens)) - first
+        return super().forward(tokens, slots, offsets, starts, visibility_bits)
 
 
 @pytest.mark.parametrize("adapter", [LateRope, SlotPositions])
 def test_a_planted_position_bug_still_fails_in_bf16(adapter):
-    checks = bf16_checks(adapter())
+    checks = bf16_checks(PerRequest(adapter()))
     assert checks["verify logits"].status is Status.FAIL and checks["verify logits"].regime.startswith("bf16:")
     assert checks["verify logits"].error > 2 * checks["verify logits"].tolerance
 
@@ -149,7 +153,7 @@ def test_a_planted_routing_bug_fails_the_routing_row(monkeypatch):
         return real(cfg, x, gate, torch.zeros_like(bias))
 
     monkeypatch.setattr(engine.model, "route", no_bias)
-    checks = bf16_checks(TorchAdapter())
+    checks = bf16_checks(PerRequest(TorchAdapter()))
     assert checks["routing"].status is Status.FAIL and "vs threshold" in checks["routing"].detail
 
 
@@ -160,7 +164,7 @@ class NoExperts(TorchAdapter):
 
 
 def test_without_reported_experts_the_rows_a_near_tie_reaches_are_judged_apart():
-    checks = bf16_checks(NoExperts())
+    checks = bf16_checks(PerRequest(NoExperts()))
     assert checks["routing"].status is Status.SKIPPED and "reports no experts" in checks["routing"].detail
     assert not [c for c in checks.values() if c.status is Status.FAIL]
     assert "reached by a routing flip" in checks["verify logits"].detail
@@ -170,7 +174,7 @@ def test_a_fixture_without_bf16_cases_is_skipped_not_failed(tmp_path):
     plan = FixturePlan(prompt_lengths=(4,), ar_new_tokens=3, traces=())
     path = tmp_path / "old.kdtr"
     write_fixture(path, model_fixture(PRESETS["tiny2"], "tiny2", plan=plan, bf16_plan=None))
-    adapter = TorchAdapter()
+    adapter = PerRequest(TorchAdapter())
     adapter.set_dtype("bfloat16")
     with kdtr_format.open(path) as reader:
         (row,) = _model_fixture(adapter, capabilities(adapter), reader, path.name, False, "bfloat16")
@@ -281,7 +285,7 @@ class StagesInBf16:
     name = "stages in bf16"
 
     def __init__(self) -> None:
-        self.engine, self.dtype = TorchAdapter(), None
+        self.engine, self.dtype = PerRequest(TorchAdapter()), None
 
     def set_dtype(self, dtype):
         self.dtype = dtype
@@ -312,11 +316,11 @@ def test_cli_bad_dtype_is_a_usage_error(capsys):
 def test_cli_report_json_carries_the_regime(tmp_path, capsys):
     directory = fixture_dir(tmp_path / "fixtures", "kernels/accept_compact.kdtr")
     adapter = tmp_path / "bf16_stages.py"
-    adapter.write_text("from engine.adapter import TorchAdapter\n\n"
+    adapter.write_text("from engine.adapter import TorchAdapter\nfrom engine.validate.protocol_v2 import PerRequest, sizes\n\n"
                        "class Stages:\n"
                        "    def set_dtype(self, dtype):\n        assert dtype == 'bfloat16'\n"
                        "    def accept(self, parents, tokens, choices):\n"
-                       "        return TorchAdapter().accept(parents, tokens, choices)\n")
+                       "        return PerRequest(TorchAdapter()).accept(parents, tokens, choices)\n")
     report = tmp_path / "r.json"
     code, out, _ = run_main(["validate", "--fixtures", str(directory), "--dtype", "bfloat16", "--json", str(report),
                              "--impl", f"{adapter}:Stages"], capsys)

@@ -20,6 +20,7 @@ from engine.adapter import TorchAdapter
 from cli_run import run_main
 from engine.validate import GOLDEN_DIR, Check, Report, Status, ValidateError, Validation, plan
 from engine.validate.html import acceptance_lengths, to_html
+from engine.validate.protocol_v2 import PerRequest
 from engine.validate.junit import to_junit, write_junit
 
 SCHEMA = Path(__file__).parent / "data" / "junit.xsd"
@@ -27,11 +28,15 @@ TINY = GOLDEN_DIR / "tiny.kdtr"
 BROKEN = Path(__file__).resolve().parents[2] / "docs" / "examples" / "broken_adapter.py"
 
 
-class ShiftedTreePositions(TorchAdapter):
-    """The built-in engine with tree positions one too far from node 3 on (a planted bug)."""
+class ShiftedTreePositions(PerRequest):
+    """The built-in engine through protocol v1, with tree positions one too far from node 3 on
+    (a planted bug)."""
 
     name = "shifted tree positions"
     capabilities = ("model", "tree", "accept", "sample_accept")
+
+    def __init__(self) -> None:
+        super().__init__(TorchAdapter())
 
     def forward(self, tokens, positions, visibility, start):
         positions = np.array(positions)
@@ -88,12 +93,15 @@ def a_row_of_every_status() -> Report:
 def test_the_plan_names_the_rows_and_each_case_is_its_report_row(failing_run, failing):
     cases = plan(TINY)
     rows = [(c.section, c.name, c.needs) for c in failing.checks]
-    assert rows == [(c.section, c.name, c.needs) for c in cases if c.section == "tiny.kdtr" and not c.builtin_only]
+    assert rows == [(c.section, c.name, c.needs) for c in cases
+                    if c.section == "tiny.kdtr" and not c.builtin_only and not c.v2_only]     # a v1 adapter
     by_id = {f"{c.section}::{c.name}": c for c in failing.checks}
     for case in cases:
         got = failing_run.check(case)
         if case.builtin_only:
             assert got.status is Status.SKIPPED and "built-in engine" in got.detail
+        elif case.v2_only:
+            assert got.status is Status.SKIPPED and "protocol v2" in got.detail
         elif case.section == "validate":
             required = case.needs and case.needs[0] in ("model", "tree", "accept", "sample_accept")
             assert got.status is (Status.EXACT if required or not case.needs else Status.SKIPPED), got
@@ -101,11 +109,23 @@ def test_the_plan_names_the_rows_and_each_case_is_its_report_row(failing_run, fa
             assert got == by_id[case.id]
 
 
+def test_a_v2_adapters_plan_holds_its_batched_rows():
+    if not TINY.exists():
+        pytest.skip(f"golden fixture {TINY} is absent (generate it with `refgen generate`)")
+    cases = [c for c in plan(TINY) if c.section == "tiny.kdtr" and not c.builtin_only]
+    validation = Validation(TorchAdapter(), TINY)
+    report = validation.report()
+    assert [(c.section, c.name, c.needs) for c in report.checks if c.section == "tiny.kdtr"] == \
+        [(c.section, c.name, c.needs) for c in cases]
+    assert [validation.check(c) for c in cases] == [c for c in report.checks if c.section == "tiny.kdtr"]
+    assert any(c.v2_only for c in cases)
+
+
 class AcceptOnly:
     name = "accept only"
 
     def __init__(self) -> None:
-        self.engine = TorchAdapter()
+        self.engine = PerRequest(TorchAdapter())
 
     def accept(self, parents, tokens, choices):
         return self.engine.accept(parents, tokens, choices)
@@ -172,12 +192,16 @@ def test_the_bf16_plan_has_the_routing_row_skipped_where_no_model_ran():
     assert "routing" in [c.name for c in cases] and "routing" not in [c.name for c in plan(TINY)]
     validation = Validation(DeclaresAcceptAndTree(), TINY, dtype="bfloat16")
     report = validation.report()
-    assert [c.name for c in report.checks if c.section == "tiny.kdtr"] == [c.name for c in cases if c.name != "routing"]
+    ran = [c for c in cases if c.name != "routing" and not c.v2_only]    # a v1 adapter: no batched rows
+    assert [c.name for c in report.checks if c.section == "tiny.kdtr"] == [c.name for c in ran]
     by_name = {c.name: c for c in report.checks}
     for case in cases:
         got = validation.check(case)
-        assert got == (by_name[case.name] if case.name != "routing" else
-                       Check("tiny.kdtr", "routing", Status.SKIPPED, detail=case.absent))
+        if case.v2_only:
+            assert got.status is Status.SKIPPED and "protocol v2" in got.detail, got
+        else:
+            assert got == (by_name[case.name] if case.name != "routing" else
+                           Check("tiny.kdtr", "routing", Status.SKIPPED, detail=case.absent))
     with pytest.raises(ValidateError, match="--dtype must be one of float32, bfloat16, got 'float16'"):
         plan(TINY, "float16")
 
@@ -189,12 +213,13 @@ def test_a_fixture_whose_checks_stop_fails_each_of_its_cases(tmp_path):
                       metadata={"kind": "tree_build", "cases": [{"name": "c", "start": 0}]})
     kdtr_format.write(tmp_path / "odd.kdtr", {"x": np.zeros(1)}, metadata={"kind": "mystery"})
     cases = [c for c in plan(tmp_path) if c.section.endswith(".kdtr")]
-    assert [c.id for c in cases] == ["odd.kdtr::fixture", "tree_build.kdtr::top-k log-probs",
-                                     "tree_build.kdtr::tree build", "tree_build.kdtr::tree compile"]
-    validation = Validation(TorchAdapter(), tmp_path, require="none")
+    rows = ["top-k log-probs", "tree build", "tree compile"]
+    assert [c.id for c in cases] == ["odd.kdtr::fixture", *(f"tree_build.kdtr::{name}" for name in rows),
+                                     *(f"tree_build.kdtr::batched {name}" for name in rows)]
+    validation = Validation(TorchAdapter(), tmp_path, require="none")   # protocol v2: batched rows too
     odd, *stopped = [validation.check(c) for c in cases]
     assert odd.status is Status.FAIL and odd.detail == "unknown fixture kind 'mystery'"
-    assert [c.name for c in stopped] == ["top-k log-probs", "tree build", "tree compile"]
+    assert [c.name for c in stopped] == [*rows, *(f"batched {name}" for name in rows)]
     assert all(c.status is Status.FAIL and c.detail.startswith("checking stopped: KeyError") for c in stopped)
     assert [c.name for c in validation.report().checks] == ["fixture", "fixture"]     # the CLI's rows, unchanged
 

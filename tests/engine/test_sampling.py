@@ -30,6 +30,7 @@ import torch
 
 from kdtr_format import PRESETS, DDTreeConfig
 from engine.adapter import TorchAdapter
+from engine.validate.protocol_v2 import PerRequest
 from engine.decode import ddtree_decode
 from engine.drafters import RandomDrafter
 from engine.model import Transformer
@@ -189,7 +190,7 @@ class Sampler:
 
     def sample_accept(self, parents, tokens, logits, temperature, uniforms):
         choices = self.choose(cdf(logits, temperature), uniforms)
-        return (choices, *TorchAdapter().accept(parents, tokens, choices))
+        return (choices, *PerRequest(TorchAdapter()).accept(parents, tokens, choices))
 
 
 class LessOrEqual(Sampler):

@@ -25,6 +25,15 @@ from engine.validate import (CAPABILITIES, GOLDEN_DIR, METHODS, SKIPPED_DETAIL, 
                              CheckedAdapter, Status, ValidateError, capabilities, compare_close, compare_exact,
                              compare_tokens, find_fixtures, load_impl, merge, replayed_round,
                              resolve_capabilities, unpack_bits, validate)
+from engine.validate.protocol_v2 import PerRequest
+
+
+class Engine(PerRequest):
+    """The built-in engine through protocol v1 (one request at a time, numpy), for the adapters
+    below that plant a bug in one v1 method."""
+
+    def __init__(self) -> None:
+        super().__init__(TorchAdapter())
 
 
 def fixture_dir(tmp_path: Path, *names: str) -> Path:
@@ -109,7 +118,7 @@ class StagesOnly:
     name = "stages only"
 
     def __init__(self) -> None:
-        self.engine = TorchAdapter()
+        self.engine = Engine()
 
     def accept(self, parents, tokens, choices):
         return self.engine.accept(parents, tokens, choices)
@@ -143,7 +152,7 @@ def test_capabilities():
     assert resolve_capabilities(StagesOnly(), "accept, tree") == ({"accept", "compact"}, {"accept", "tree"})
 
 
-class NoReset(TorchAdapter):
+class NoReset(Engine):
     capabilities = None                  # undeclared: what it implements is what is checked
     reset = None
 
@@ -210,15 +219,17 @@ def test_a_declared_capability_no_fixture_checks_is_shown_and_fails_when_require
 def test_a_run_in_which_no_check_ran_fails(tmp_path, capsys):
     class AttentionOnly:
         def attention(self, q_lat, q_pe, c_kv, k_pe, visibility, scale):
-            return TorchAdapter().attention(q_lat, q_pe, c_kv, k_pe, visibility, scale)
+            return Engine().attention(q_lat, q_pe, c_kv, k_pe, visibility, scale)
 
     directory = fixture_dir(tmp_path, "kernels/accept_compact.kdtr")
     report = validate(AttentionOnly(), directory, require="none")
     assert report.executed == 0 and report.failed and "no check ran" in report.summary()
     impl = tmp_path / "attention_only.py"
     impl.write_text("from engine.adapter import TorchAdapter\n"
+                    "from engine.validate.protocol_v2 import PerRequest\n"
                     "class AttentionOnly:\n"
-                    "    attention = TorchAdapter.attention\n")
+                    "    def attention(self, *args):\n"
+                    "        return PerRequest(TorchAdapter()).attention(*args)\n")
     threads = torch.get_num_threads()
     try:
         with pytest.raises(SystemExit) as exit_info:
@@ -304,17 +315,17 @@ def test_a_method_that_raises_is_one_row_naming_it(tmp_path):
     assert rows(report, "KV compaction")[0].status is Status.EXACT             # the other checks still ran
 
 
-class OnlyParents(TorchAdapter):
+class OnlyParents(Engine):
     def build_tree(self, topk_lp, topk_id, budget, root):
         return super().build_tree(topk_lp, topk_id, budget, root)[:1]
 
 
-class OnlyPositions(TorchAdapter):
+class OnlyPositions(Engine):
     def compile_tree(self, parents, depths, start):
         return super().compile_tree(parents, depths, start)[:1]
 
 
-class FloatAccept(TorchAdapter):
+class FloatAccept(Engine):
     def accept(self, parents, tokens, choices):
         accepted, next_root = super().accept(parents, tokens, choices)
         return accepted.astype(np.float64), next_root
@@ -342,7 +353,7 @@ def test_planted_stage_bugs_fail_their_check(tmp_path, adapter, failing):
     assert {c.name for c in report.checks if c.status is Status.FAIL} == {failing}
 
 
-class NoisyLogits(TorchAdapter):
+class NoisyLogits(Engine):
     """The built-in engine with an error 3x the fixture's logits tolerance."""
 
     def forward(self, tokens, positions, visibility, start):
@@ -350,7 +361,7 @@ class NoisyLogits(TorchAdapter):
         return logits + 1e-3 * np.abs(logits).max()
 
 
-class WrongScale(TorchAdapter):
+class WrongScale(Engine):
     def attention(self, q_lat, q_pe, c_kv, k_pe, visibility, scale):
         return super().attention(q_lat, q_pe, c_kv, k_pe, visibility, scale * 1.001)
 
@@ -364,7 +375,7 @@ def test_planted_forward_error_fails_logits_with_its_size(tmp_path):
     assert rows(report, "tree build")[0].status is Status.EXACT
 
 
-class NodeIndexPositions(TorchAdapter):
+class NodeIndexPositions(Engine):
     """Tree tokens at positions start + node index instead of start + depth."""
 
     def forward(self, tokens, positions, visibility, start):
@@ -392,13 +403,13 @@ def test_a_positions_bug_reads_as_one(tmp_path):
                                                        choices.detail) and "kdtree diverge" in choices.detail
 
 
-class NoSiblings(TorchAdapter):
+class NoSiblings(Engine):
     def compile_tree(self, parents, depths, start):
         positions, bits, first_child, next_sibling = super().compile_tree(parents, depths, start)
         return positions, bits, first_child, np.full_like(next_sibling, -1)
 
 
-class ScoresOffByOneUlp(TorchAdapter):
+class ScoresOffByOneUlp(Engine):
     def build_tree(self, topk_lp, topk_id, budget, root):
         parents, tokens, depths, scores = super().build_tree(topk_lp, topk_id, budget, root)
         return parents, tokens, depths, np.nextafter(scores, -np.inf)
