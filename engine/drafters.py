@@ -25,6 +25,7 @@ whatever the rest of its batch holds, so batch independence can be tested.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Protocol, Sequence
 
 import numpy as np
@@ -40,6 +41,19 @@ class Drafter(Protocol):
     def draft(self, contexts: Sequence[torch.Tensor], roots: torch.Tensor, depth: int) -> torch.Tensor:
         """contexts: B int64 [c_b] (CPU); roots [B] int64 -> draft_logits [B, depth, V] float32."""
         ...
+
+
+def hit_logit(logits: torch.Tensor, accuracy: float, confidence: float | None) -> torch.Tensor:
+    """The oracle's logit for the true token where it is drafted top-1: [...] from noise logits
+    [..., V]. `confidence` above the best noise logit; or, with confidence None, calibrated:
+    logsumexp(noise) + log(p / (1 - p)) with p the accuracy within [0.001, 0.999], so that the
+    true token's probability is the accuracy itself and the tree's path probabilities are the
+    drafter's hit rates (a fixed margin over noise on a large vocabulary gives the truth a small probability,
+    and a budgeted tree then spends its nodes on siblings instead of depth)."""
+    if confidence is not None:
+        return logits.amax(-1) + confidence
+    p = min(max(accuracy, 0.001), 0.999)
+    return torch.logsumexp(logits, -1) + math.log(p / (1.0 - p))
 
 
 def _request_generator(seed: int, context: torch.Tensor, root: int, device: torch.device) -> torch.Generator:
@@ -70,13 +84,13 @@ class OracleDrafter:
 
     sequences[b]: request b's true token sequence (its prompt, then the AR output).
     The noise is standard normal. At each depth the true token is top-1 with
-    probability `accuracy`, `confidence` above the best noise logit; otherwise it
-    lands at rank 1 to 3 (half the misses) or at the very bottom. Depths past
-    the known sequence are noise.
+    probability `accuracy`, at `hit_logit` (`confidence` above the best noise logit,
+    or calibrated with confidence None); otherwise it lands at rank 1 to 3 (half the
+    misses) or at the very bottom. Depths past the known sequence are noise.
     """
 
     def __init__(self, sequences: Sequence[Sequence[int] | torch.Tensor], vocab_size: int,
-                 accuracy: float = 0.8, seed: int = 0, confidence: float = 4.0,
+                 accuracy: float = 0.8, seed: int = 0, confidence: float | None = 4.0,
                  device: str | torch.device = "cpu") -> None:
         if not 0.0 <= accuracy <= 1.0:
             raise ValueError(f"oracle accuracy must lie in [0, 1], got {accuracy}")
@@ -105,7 +119,8 @@ class OracleDrafter:
         rank = (1 + (decide[rows, 1] * 2 * (top.shape[1] - 1)).long()).clamp(max=top.shape[1] - 1)
         between = (top.gather(1, (rank - 1)[:, None]) + top.gather(1, rank[:, None]))[:, 0] / 2
         missed = torch.where(decide[rows, 1] < 0.5, between, logits[rows].min(-1).values - 1.0)
-        value = torch.where(decide[rows, 0] < self.accuracy, top[:, 0] + self.confidence, missed)
+        value = torch.where(decide[rows, 0] < self.accuracy, hit_logit(logits[rows], self.accuracy, self.confidence),
+                            missed)
         logits[rows, truth] = value
         return logits
 

@@ -6,18 +6,20 @@
 # again in batch-invariant mode, where it must find no divergence).
 # Run from the checkout root:
 #
-#   PYTHONPATH=. bash scripts/gpu_precision.sh
+#   PYTHONPATH=. bash scripts/gpu_precision.sh [all|validate|diverge]
 #
 # Writes under $OUT (default ./out): gpu.txt, build.log, validate_bf16_cuda.txt / .json and
 # diverge_k2mid_{chunk,tree,batch,chunk-invariant}.txt / .json. Look for each diverge file's
 # "first divergence" line (op, layer, ulps, M of both calls) and the greedy choices that differ with
 # their margins; chunk-invariant must say "no divergence".
 set -uo pipefail
+stage="${1:-all}"
 source "$(dirname "$0")/gpu_env.sh"
 
 echo "== build kernels"
 build_kernels
 
+if [[ "$stage" == all || "$stage" == validate ]]; then
 echo "== validate --dtype bfloat16 --device cuda"
 # engine.validate needs neither click nor rich (the device may lack them): call it directly.
 timeout 400 python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/validate_bf16_cuda.txt"
@@ -32,6 +34,8 @@ print("backends:", report.backends)
 print(report.summary())
 write_json(report, f"{sys.argv[1]}/validate_bf16_cuda.json")
 PY
+fi
+[[ "$stage" == all || "$stage" == diverge ]] || exit 0
 
 for run in chunk tree batch chunk-invariant; do
 way="${run%-invariant}"

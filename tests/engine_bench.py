@@ -1,10 +1,11 @@
 """The GPU engine benchmark's pieces (tests/engine/test_bench_engine.py runs them; PERFORMANCE.md).
 
 - `BatchedOracle`: the oracle drafter's rule (engine.drafters.OracleDrafter: the true token top-1
-  with probability `accuracy`, `confidence` above the best noise logit; else at rank 1 to 3 or
-  at the bottom), drawn for the whole batch at once from one generator, so that drafting costs a
-  few kernels a round instead of a dozen per request. It is an upper-bound stand-in for a
-  drafter; its cost is reported, and excluded where a figure says "without the draft".
+  with probability `accuracy`, at `hit_logit`, calibrated here so that its probability is the
+  accuracy and the tree goes as deep as the hit rate deserves; else at rank 1 to 3 or at the
+  bottom), drawn for the whole batch at once from one generator, so that drafting costs a few
+  kernels a round instead of a dozen per request. It is an upper-bound stand-in for a drafter;
+  its cost is reported, and excluded where a figure says "without the draft".
 - `forward_cost`: the bytes and flops a forward must move and do, counted from the config:
   every weight it needs read once (the routed experts that its tokens chose, counted from a
   captured run, not all of them), the KV of every request read once and the new KV written,
@@ -29,6 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from engine.drafters import hit_logit
 from kdtr_format import DDTreeConfig, ModelConfig
 
 MATMUL = 8192                 # the ceilings' matrix products are MATMUL^3
@@ -40,7 +42,7 @@ class BatchedOracle:
     sequences[b]: request b's true token sequence (its prompt, then the AR output)."""
 
     def __init__(self, sequences: Sequence[Sequence[int]], vocab_size: int, accuracy: float, seed: int = 0,
-                 confidence: float = 4.0, device: str | torch.device = "cpu") -> None:
+                 confidence: float | None = None, device: str | torch.device = "cpu") -> None:
         if not 0.0 <= accuracy <= 1.0:
             raise ValueError(f"oracle accuracy must lie in [0, 1], got {accuracy}")
         self.device = torch.device(device)
@@ -66,7 +68,7 @@ class BatchedOracle:
         rank = (1 + (decide[..., 1] * 2 * last).long()).clamp(max=last)
         between = (top.gather(-1, (rank - 1)[..., None]) + top.gather(-1, rank[..., None]))[..., 0] / 2
         missed = torch.where(decide[..., 1] < 0.5, between, logits.amin(-1) - 1.0)
-        value = torch.where(decide[..., 0] < self.accuracy, top[..., 0] + self.confidence, missed)
+        value = torch.where(decide[..., 0] < self.accuracy, hit_logit(logits, self.accuracy, self.confidence), missed)
         value = torch.where(known, value, logits.gather(-1, truth[..., None])[..., 0])
         return logits.scatter_(-1, truth[..., None], value[..., None])
 

@@ -157,6 +157,24 @@ def test_oracle_at_full_accuracy_accepts_whole_chains(model_zoo):
     assert result.metrics.target_forwards == 5
 
 
+def test_a_calibrated_oracle_puts_its_hit_rate_into_the_tree(model_zoo):
+    """Calibrated (confidence None), the true token's probability is the accuracy: at accuracy 1
+    a 16-deep block under a budget of 64 commits whole chains; a fixed margin of 4 over noise
+    gives the truth so little probability that the tree spends its budget on siblings."""
+    case = model_zoo.get("tiny")
+    model = case.engine()
+    prompt = [10, 20, 30, 40]
+    ar = ar_decode(model, [prompt], 48)
+    lengths = {}
+    for confidence in (None, 4.0):
+        drafter = OracleDrafter([prompt + ar.tokens[0]], case.cfg.vocab_size, 1.0, seed=0, confidence=confidence)
+        result = ddtree_decode(model, drafter, [prompt], DDTreeConfig(block_size=16, budget=64), 48)
+        assert result.tokens == ar.tokens
+        lengths[confidence] = result.requests[0].acceptance_lengths
+    assert lengths[None] == [16, 16, 16]
+    assert max(lengths[4.0]) < 16
+
+
 def test_layerskip_with_every_layer_drafts_the_target_chain(model_zoo):
     """All layers: the drafter's greedy chain is the target's own AR continuation, round
     after round (this holds only if its cache reuse, positions and greedy steps are right)."""
