@@ -168,11 +168,8 @@ class Validation:
         self.caps, self.required = resolve_capabilities(self.adapter, require)
         directory = find_fixtures(fixtures)
         self.sections = {s.name: s for s in _sections(directory, dtype)}
-        self.unchecked: set[str] = set()
-        if require in (None, "declared"):      # the declaration is required where these fixtures can check it
-            checkable = {cap for s in self.sections.values() for c in s.cases
-                         if self._batched is not None or not c.v2_only for cap in c.needs}
-            self.unchecked, self.required = self.required - checkable, self.required & checkable
+        self.declared = require in (None, "declared")   # then required where the fixtures' rows check it
+        self.unchecked: set[str] = set()        # declared, but no row checks it (known once the report is made)
         self.log = log
         self.fixtures = str(directory)
         self._report = Report(implementation=getattr(self.adapter, "name", type(self.adapter).__name__),
@@ -211,7 +208,9 @@ class Validation:
         """Every section's rows in plan order, then the requirements, then a skipped row for
         each declared capability that no fixture has checks for."""
         checks = [c for s in self.sections.values() if self.builtin or s.preset is None for c in self.rows(s.name)]
-        self._report.checks = requirements(checks, self.caps, self.required, self.fixtures) + \
+        if self.declared:
+            self.unchecked = self.required - {cap for c in checks for cap in c.needs}
+        self._report.checks = requirements(checks, self.caps, self.required - self.unchecked, self.fixtures) + \
             [self._unchecked(cap) for cap in sorted(self.unchecked)]
         return self._report
 

@@ -222,6 +222,12 @@ def test_a_fixture_whose_checks_stop_fails_each_of_its_cases(tmp_path):
     assert [c.name for c in stopped] == [*rows, *(f"batched {name}" for name in rows)]
     assert all(c.status is Status.FAIL and c.detail.startswith("checking stopped: KeyError") for c in stopped)
     assert [c.name for c in validation.report().checks] == ["fixture", "fixture"]     # the CLI's rows, unchanged
+    declared = Validation(DeclaresAcceptAndTree(), tmp_path)        # a stopped fixture's rows check nothing
+    rows = [c for c in declared.report().checks if c.section == "validate"]
+    assert [(c.name, c.status) for c in rows] == [("capability accept", Status.SKIPPED),
+                                                  ("capability tree", Status.SKIPPED)]
+    per_case = [declared.check(c) for c in plan(tmp_path) if c.name in ("capability accept", "capability tree")]
+    assert sorted(per_case, key=lambda c: c.name) == rows
 
 
 def test_a_failing_round_names_its_first_wrong_node_as_a_table(failing):
