@@ -22,7 +22,7 @@ Two torch backends:
   reads nothing back to the host and can be captured in a CUDA graph.
 - `invariant_torch_attention`: each query row alone over exactly its visible slots,
   in slot order; a row's output depends on that sequence of keys only, whatever the
-  number of rows, their tree and the other requests (docs/precision-invariant.md).
+  number of rows, their tree and the other requests (docs/precision.md, section 3).
   It loops on the host over rows (it reads n_new, starts and the mask back).
 """
 

@@ -15,7 +15,7 @@ once per forward for every layer.
 invariant=True (`invariant_form()`): the kernel's CUDA-core path with one key split, where each
 query row folds its visible keys one at a time in slot order; a row's output is then a function
 of that key sequence alone, whatever the tree size, the batch and the cache size
-(docs/precision-invariant.md).
+(docs/precision.md, section 3).
 """
 
 from __future__ import annotations

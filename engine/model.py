@@ -29,7 +29,7 @@ exactly `tile` rows (1 on the CPU, 64 elsewhere; the last tile zero-padded), so 
 same kernels with the same shapes compute every row whatever the number of rows in
 the call; the MoE takes the dense dispatch and attention its backend's invariant
 form. A token's logits are then bitwise the same in a 1-token decode, a tree verify
-or a prefill chunk, alone or batched (docs/precision-invariant.md).
+or a prefill chunk, alone or batched (docs/precision.md, section 3).
 
 ``capture(name, layer, tensor)``, when given, sees the intermediates [B, N, ...] at
 the points CAPTURE_POINTS (layer -1 for the logits), for the divergence finder.

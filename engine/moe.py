@@ -21,7 +21,7 @@ dispatches compute it, both free of host synchronization (no `.item()`, `.tolist
 - ``dense``: every expert on every row as batched products over the experts, then each row
   gathers its k experts' outputs. It reads every expert and does E / k times the routed
   flops; its products have the same shape whatever the routing, which is what invariant mode
-  needs (docs/precision-invariant.md).
+  needs (docs/precision.md, section 3).
 
 Under expert parallelism (engine/parallel) a `RoutedExperts` holds one rank's experts, global
 ids first .. first + E - 1, and every row's output is the sum above over the slots j whose

@@ -2,7 +2,7 @@
 # One MLA layer and one MoE layer of the torch engine at full Kimi K2 dims in bf16, on the GPU: time,
 # peak memory and the fraction of the same run's ceilings (docs/scale_up_k2.md). Run from the checkout root:
 #
-#   PYTHONPATH=. bash scripts/gpu_k2_layers.sh
+#   PYTHONPATH=. [K2_SELECT="pytest -k expression"] [K2_TIMEOUT=480] bash scripts/gpu_k2_layers.sh
 #
 # Writes under $OUT (default ./out): gpu.txt, build.log, k2_layers.log, k2_layers.json (pytest-benchmark;
 # each case's numbers in extra_info) and k2_layers.md (the table for docs/scale_up_k2.md). Needs about
@@ -14,8 +14,8 @@ echo "== build kernels"
 build_kernels || echo "kernels unavailable: only the torch attention cases run"
 
 echo "== K2 layer benchmarks"
-timeout 480 python3 -m pytest tests/engine/test_bench_k2_layers.py -p no:cacheprovider -q -rs \
-    --benchmark-enable --benchmark-json "$OUT/k2_layers.json" >"$OUT/k2_layers.log" 2>&1
+timeout "${K2_TIMEOUT:-480}" python3 -m pytest tests/engine/test_bench_k2_layers.py -p no:cacheprovider -q -rs \
+    ${K2_SELECT:+-k "$K2_SELECT"} --benchmark-enable --benchmark-json "$OUT/k2_layers.json" >"$OUT/k2_layers.log" 2>&1
 tail -5 "$OUT/k2_layers.log"
 python3 - "$OUT" <<'PY' | tee "$OUT/k2_layers.md"
 import json, sys

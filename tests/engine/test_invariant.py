@@ -1,6 +1,6 @@
 """Invariant mode (`Transformer(..., invariant=True)`): a token's logits are bitwise the same
 whatever the number of rows in its forward and whatever else is in the batch, so DDTree greedy
-equals AR greedy bit for bit, margins included (docs/precision-invariant.md).
+equals AR greedy bit for bit, margins included (docs/precision.md, section 3).
 
 - Property-based (hypothesis): random requests, each cut into random prefill chunks and run
   in lockstep with random companions, against each request alone one token per forward.
