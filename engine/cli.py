@@ -1,15 +1,16 @@
 """The `kdtree` command line: `validate` (the main job), `diverge` and `demo`.
 
     kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH]
-                    [--impl module:factory] [--require CAPS] [--invariant] [--tp N]
+                    [--junit-xml PATH] [--html PATH] [--impl module:factory] [--require CAPS] [--invariant]
+                    [--tp N]
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
                 [--invariant] [--tp N]
 
 Exit status: 0 passed, 1 a check failed (validate), the two ways differ (diverge) or
 DDTree differed from AR (demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
-argument is refused before any work, in one line on stderr; --json and --plot
-are written all or nothing, with the user's umask.
+argument is refused before any work, in one line on stderr; --json, --junit-xml, --html
+and --plot are written all or nothing, with the user's umask.
 
 Help, --version and refused arguments answer without importing torch (seconds):
 each command imports the engine when it runs.
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from .decode import DecodeResult
     from .diverge import Divergence, Way
     from .diverge_run import Subject
-    from .validate import Check, Report
+    from .validate import Report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "bfloat16")
@@ -180,6 +181,11 @@ def _check_device(device: str) -> None:
                    "(docs/precision.md).")
 @click.option("--json", "json_path", type=OutputFile(), default=None,
               help="Also write the report as JSON here (with versions, commit, device and timings).")
+@click.option("--junit-xml", "junit_path", type=OutputFile(), default=None,
+              help="Also write the report as JUnit XML here (one testcase per row), for CI test views.")
+@click.option("--html", "html_path", type=OutputFile(), default=None,
+              help="Also write the report as one self-contained HTML page here, with plots (needs "
+                   "matplotlib: the `plot` extra).")
 @click.option("--impl", type=str, default=None,
               help="Adapter factory to validate: module:factory (a module on PYTHONPATH or in the "
                    "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
@@ -192,19 +198,23 @@ def _check_device(device: str) -> None:
 @click.option("--tp", type=click.IntRange(min=1), default=None,
               help="Shard the built-in engine over N ranks (tensor and expert parallel): under torchrun its "
                    "N processes, else N local processes spawned here (CPU: gloo; cuda: NCCL, rank r on cuda:r).")
-def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None, impl: str | None,
-                     require: str, invariant: bool, tp: int | None) -> int:
+def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
+                     junit_path: Path | None, html_path: Path | None, impl: str | None, require: str,
+                     invariant: bool, tp: int | None) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
     for flag, given in (("--invariant", invariant), ("--tp", tp)):
         if given and impl:
             raise CliError(f"{flag} is a mode of the built-in engine; it does not apply to --impl")
+    if html_path is not None:
+        _require_matplotlib("--html")
     _check_tp(tp, device)
     _check_device(device)
-    return _on_ranks(tp, device, _validate, fixtures, device, dtype, json_path, impl, require, invariant)
+    return _on_ranks(tp, device, _validate, fixtures, device, dtype, json_path, junit_path, html_path, impl, require,
+                     invariant)
 
 
-def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, json_path: Path | None, impl: str | None,
-              require: str, invariant: bool) -> int:
+def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
+              junit_path: Path | None, html_path: Path | None, impl: str | None, require: str, invariant: bool) -> int:
     """validate's work on one rank (world None: unsharded) -> its exit status."""
     from .validate import load_impl, validate, write_json
 
@@ -220,8 +230,15 @@ def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, json_p
     report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
     report.timings = steps.timings()
     render(report, out)
-    if json_path is not None and (world is None or world.rank == 0):
-        write_json(report, json_path)
+    if world is None or world.rank == 0:           # one file of each, from the first rank
+        if json_path is not None:
+            write_json(report, json_path)
+        if junit_path is not None:
+            from .validate.junit import write_junit
+            write_junit(report, junit_path)
+        if html_path is not None:
+            from .validate.html import write_html
+            write_html(report, html_path)
     return 1 if report.failed else 0
 
 
@@ -272,15 +289,6 @@ def _device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"
 
 
-def _numbers(check: Check) -> str:
-    """A row's worst error against its tolerance, or its margin against the threshold."""
-    if check.margin is not None:
-        return f"margin {check.margin:.2e} vs {check.tolerance:.2e}" if check.tolerance else f"margin {check.margin:.2e}"
-    if check.error is not None and check.tolerance is not None:
-        return f"{check.error:.2e} {'>' if check.error > check.tolerance else '<='} {check.tolerance:.2e}"
-    return "" if check.error is None else f"{check.error:.2e}"
-
-
 def render(report: Report, out: Console) -> None:
     """The report as rows under their fixture: status, check, numbers; a detail on the lines below,
     wrapped to the console's width (readable at 80 columns)."""
@@ -294,7 +302,7 @@ def render(report: Report, out: Console) -> None:
         if c.section != section:
             section = c.section
             out.print(Text(section, style="bold"))
-        numbers = " ".join(filter(None, [_numbers(c), f"[{c.regime}]" if c.regime else ""]))
+        numbers = c.numbers()
         line = Text.assemble("  ", (c.status.value.ljust(status_w), STATUS_STYLE[c.status.value]), "  ", c.name)
         details = [c.detail] if c.detail else []
         if numbers and len(line) + 2 + max(name_w - len(c.name), 0) + len(numbers) <= width:
@@ -459,7 +467,7 @@ def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | N
                  invariant: bool, tp: int | None) -> int:
     """AR and DDTree side by side on a model fixture's weights (oracle and layerskip drafters)."""
     if plot_path is not None:
-        _require_matplotlib()
+        _require_matplotlib("--plot")
     _check_tp(tp, device)
     _check_device(device)
     model = _demo_model(preset, fixture)
@@ -588,9 +596,9 @@ def _print_demo(out: Console, model: _DemoModel, prompt: list[int], ddtree: DDTr
     out.print(stages)
 
 
-def _require_matplotlib() -> None:
+def _require_matplotlib(option: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
-        raise CliError("--plot needs matplotlib (pip install 'kdtree[plot]')")
+        raise CliError(f"{option} needs matplotlib (pip install 'kdtree[plot]')")
 
 
 def _plot(runs: dict[str, DecodeResult], path: Path, block_size: int) -> None:

@@ -54,7 +54,9 @@ row), `regime` (how a dtype judges rows, the routing watch), `fixtures`
 (finding them), `model_checks`, `kernel_checks` and `invariant` (the sections
 above), `deviations` (what an adapter declares about where it differs from the
 reference, noted on the rows it affects), `batched` and `batched_model` (the
-batched rows), and `runner` (all of them in order, then the requirements).
+batched rows), `runner` (all of them in order, then the requirements; or one case,
+one row, at a time: `plan`, `Validation`), and the report's other forms, `junit`
+(JUnit XML) and `html` (a self-contained page).
 `distribution` (the statistical test of a sampler's law, for implementations
 that draw their own uniforms; it needs scipy) is imported on its own.
 """
@@ -70,15 +72,15 @@ from .model_checks import replayed_round
 from .protocol import CAPABILITIES, METHODS, EngineAdapter, capabilities, load_impl, resolve_capabilities
 from .protocol_v2 import CAPABILITIES_V2, METHODS_V2, PerRequest
 from .report import Check, Report, Status, ValidateError, write_json
-from .runner import validate
+from .runner import Case, Validation, plan, validate
 
 __all__ = [
-    "AdapterFault", "CAPABILITIES", "CAPABILITIES_V2", "Check", "CheckedAdapter", "CheckedV2", "METHODS_V2",
+    "AdapterFault", "CAPABILITIES", "CAPABILITIES_V2", "Case", "Check", "CheckedAdapter", "CheckedV2", "METHODS_V2",
     "PerRequest", "Deviation", "EngineAdapter", "GOLDEN_DIR",
     "INVARIANT_DDTREE", "INVARIANT_TOKENS", "METHODS", "resolve_capabilities", "row",
     "MARGIN_REL", "REPO_ROOT", "Report", "SKIPPED_DETAIL", "Status", "ValidateError", "capabilities",
     "classify_divergence", "compare_close", "compare_exact", "compare_tokens", "compare_tree",
     "declared_deviations", "find_fixtures", "invariant_checks", "load_impl", "merge", "model_fixture_config",
-    "preset_invariant_checks", "random_weights", "replayed_round", "skipped", "unpack_bits",
-    "validate", "write_json",
+    "plan", "preset_invariant_checks", "random_weights", "replayed_round", "skipped", "unpack_bits",
+    "Validation", "validate", "write_json",
 ]

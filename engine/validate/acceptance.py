@@ -131,8 +131,21 @@ def with_acceptance(check: Check, table: AcceptanceTable, stage_seconds: Mapping
 
 def with_trace_acceptance(checks: list[Check], reader) -> list[Check]:
     """A model fixture's rows, its "DDTree tokens" row carrying the acceptance of the
-    fixture's greedy traces as recorded."""
+    fixture's greedy traces as recorded; that row and "sampled DDTree tokens" (unless skipped)
+    also carry their traces' acceptance lengths as recorded, per trace, in
+    tables["acceptance_lengths"] ({trace: [tokens committed per round]})."""
+    traces = reader.metadata["traces"]
+    greedy = [t for t in traces if t["ddtree"].get("temperature", 0.0) == 0.0]
     rounds = [(reader[f"traces/{t['name']}/rounds/{r}/parents"], reader[f"traces/{t['name']}/rounds/{r}/accepted"])
-              for t in reader.metadata["traces"] if t["ddtree"].get("temperature", 0.0) == 0.0
-              for r in range(int(t["rounds"]))]
-    return [with_acceptance(c, account(rounds)) if c.name == "DDTree tokens" else c for c in checks]
+              for t in greedy for r in range(int(t["rounds"]))]
+    lengths = {name: {t["name"]: np.asarray(reader[f"traces/{t['name']}/acceptance_lengths"]).tolist() for t in group}
+               for name, group in (("DDTree tokens", greedy), ("sampled DDTree tokens",
+                                                               [t for t in traces if t not in greedy]))}
+    rows = []
+    for c in checks:
+        if c.name == "DDTree tokens":
+            c = with_acceptance(c, account(rounds))
+        if c.name in lengths and lengths[c.name] and c.status is not Status.SKIPPED:
+            c = dataclasses.replace(c, tables={**c.tables, "acceptance_lengths": lengths[c.name]})
+        rows.append(c)
+    return rows

@@ -296,6 +296,15 @@ def _verify_attention_cases(adapter: CheckedV2, caps: set[str], reader, section:
     return [row(section, "batched verify attention", {"attention"}, caps, rows)]
 
 
+# The rows batched_checks returns for each kernel kind, in order, with their capabilities (the plan's).
+BATCHED_KERNEL_ROWS: dict[str, dict[str, set[str]]] = {
+    "tree_build": {"batched top-k log-probs": {"topk"}, "batched tree build": {"tree"},
+                   "batched tree compile": {"compile"}},
+    "accept_compact": {"batched accept": {"accept"}, "batched KV compaction": {"compact"}},
+    "verify_attention": {"batched verify attention": {"attention"}},
+}
+
+
 def batched_checks(adapter: CheckedV2 | None, caps: set[str], reader, section: str,
                    dtype: str = "float32") -> list[Check]:
     """The batched rows of one fixture (none for a v1 adapter, None here, or a corpus file);

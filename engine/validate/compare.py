@@ -95,8 +95,8 @@ def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins:
 
 
 def merge(section: str, name: str, checks: Iterable[Check], needs: Iterable[str] = ()) -> Check:
-    """One row for many comparisons of a kind, its numbers and detail all from one of them:
-    the first with the worst status (a failure or near-tie), else the largest error ratio."""
+    """One row for many comparisons of a kind, its numbers, detail and tables all from one of
+    them: the first with the worst status (a failure or near-tie), else the largest error ratio."""
     checks, needs = list(checks), tuple(sorted(needs))
     if not checks:
         return Check(section, name, Status.SKIPPED, detail="nothing to compare", needs=needs)
@@ -107,7 +107,7 @@ def merge(section: str, name: str, checks: Iterable[Check], needs: Iterable[str]
         telling = max(checks, key=lambda c: c.ratio)
     regime = " | ".join(dict.fromkeys(c.regime for c in checks if c.regime))
     return Check(section, name, status, telling.error, telling.tolerance, telling.margin,
-                 telling.detail if status is not Status.EXACT else "", needs, regime=regime)
+                 telling.detail if status is not Status.EXACT else "", needs, dict(telling.tables), regime=regime)
 
 
 def skipped(section: str, name: str, needs: Iterable[str] = ()) -> Check:

@@ -31,7 +31,7 @@ class _Case:
 
     def __init__(self, reader, meta: Mapping[str, Any], section: str) -> None:
         self.reader, self.meta, self.section = reader, meta, section
-        self.row = f"corpus {meta['name']}: {meta['bug']}"
+        self.row = row_name(meta)
         self.where = f"case {meta['name']}"
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -153,12 +153,25 @@ _STAGES: dict[str, Callable[[Any, _Case], list[Check]]] = {
     "accept": _accept, "compact": _compact}
 
 
+def row_name(meta: Mapping[str, Any]) -> str:
+    return f"corpus {meta['name']}: {meta['bug']}"
+
+
+def _needs(meta: Mapping[str, Any]) -> set[str]:
+    return set().union(*(STAGE_CAPABILITIES[stage] for stage in meta["stages"]))
+
+
+def corpus_rows(reader) -> list[tuple[str, set[str]]]:
+    """The rows corpus_cases returns, in order, before anything runs: (name, needs) per case."""
+    return [(row_name(meta), _needs(meta)) for meta in reader.metadata.get("cases", [])]
+
+
 def corpus_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
     """One row per corpus case: the worst of its stages' checks, every failure in the detail."""
     rows = []
     for meta in reader.metadata.get("cases", []):
         case = _Case(reader, meta, section)
-        needs = set().union(*(STAGE_CAPABILITIES[stage] for stage in meta["stages"]))
+        needs = _needs(meta)
         checks, missing = [], []
         for stage in meta["stages"]:
             if not STAGE_CAPABILITIES[stage] <= caps:

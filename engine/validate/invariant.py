@@ -21,6 +21,8 @@ from .report import Check
 INVARIANT_DDTREE = DDTreeConfig(block_size=5, budget=12)
 INVARIANT_TOKENS = 16
 MARGIN_REL = 1e-3              # near-tie threshold relative to the logits' spread, as refgen's fixtures
+DRAFTERS = ("oracle", "random", "layerskip")
+INVARIANT_ROWS = tuple(f"invariant DDTree == AR ({name})" for name in DRAFTERS)
 
 
 def invariant_checks(adapter: TorchAdapter, prompts: list[np.ndarray], threshold: float,
@@ -31,20 +33,18 @@ def invariant_checks(adapter: TorchAdapter, prompts: list[np.ndarray], threshold
     model, stages, cfg = adapter.model, adapter.stages, adapter.model.cfg
     ar = ar_decode(model, prompts, INVARIANT_TOKENS, stages=stages)
     truth = [np.concatenate([p, r.tokens]) for p, r in zip(prompts, ar.requests)]
-    drafters = {
-        "oracle": OracleDrafter(truth, cfg.vocab_size, accuracy=0.7, seed=5, device=model.device),
-        "random": RandomDrafter(cfg.vocab_size, seed=6, device=model.device),
-        "layerskip": LayerSkipDrafter(cfg, adapter.weights, max(1, cfg.num_hidden_layers // 2),
-                                      device=model.device, dtype=model.dtype),
-    }
+    drafters = (OracleDrafter(truth, cfg.vocab_size, accuracy=0.7, seed=5, device=model.device),
+                RandomDrafter(cfg.vocab_size, seed=6, device=model.device),
+                LayerSkipDrafter(cfg, adapter.weights, max(1, cfg.num_hidden_layers // 2), device=model.device,
+                                 dtype=model.dtype))
     checks = []
-    for name, drafter in drafters.items():
+    for name, row_name, drafter in zip(DRAFTERS, INVARIANT_ROWS, drafters):
         result = ddtree_decode(model, drafter, prompts, INVARIANT_DDTREE, INVARIANT_TOKENS, stages=stages,
                                record=True)
         rows = [compare_tokens(section, name, got.tokens, want.tokens, want.margins, threshold, f"prompt {i}",
                                sequence=True)
                 for i, (got, want) in enumerate(zip(result.requests, ar.requests))]
-        check = merge(section, f"invariant DDTree == AR ({name})", rows)
+        check = merge(section, row_name, rows)
         check.regime = regime
         forwards = (f"tau {result.metrics.mean_acceptance:.2f}, target forwards "
                     f"{result.metrics.target_forwards} vs AR {ar.metrics.target_forwards}")

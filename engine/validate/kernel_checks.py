@@ -1,7 +1,9 @@
 """Kernel cases (`kernels/*.kdtr`): top-k from draft logits, tree build (float64
 scores too) and compile (positions, visibility bits, EAGLE links) bit-exact from the
 given top-k, accept and compaction exact, verify attention within tolerance. Every
-adapter call goes through the checked adapter; a fault is the FAIL row of its check."""
+adapter call goes through the checked adapter; a fault is the FAIL row of its check.
+`KERNEL_ROWS` names each kind's rows and the capabilities each needs (the corpus: one row
+per case, corpus_checks.corpus_rows)."""
 
 from __future__ import annotations
 
@@ -15,14 +17,21 @@ from .corpus_checks import corpus_cases
 from .report import Check
 
 DEFAULT_ATTENTION_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+Found = dict[str, list[Check]]           # row name -> the comparisons merged into that row
+
+KERNEL_ROWS: dict[str, dict[str, set[str]]] = {
+    "tree_build": {"top-k log-probs": {"topk"}, "tree build": {"tree"}, "tree compile": {"compile"}},
+    "accept_compact": {"accept": {"accept"}, "KV compaction": {"compact"}},
+    "verify_attention": {"verify attention (o_lat)": {"attention"}},
+}
 
 
 def _cases(reader) -> list[Mapping[str, Any]]:
     return reader.metadata.get("cases", [])
 
 
-def _tree_build_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
-    topk_rows, tree_rows, compile_rows = [], [], []
+def _tree_build_cases(adapter, caps: set[str], reader, section: str, found: Found) -> None:
+    topk_rows, tree_rows, compile_rows = found["top-k log-probs"], found["tree build"], found["tree compile"]
     for case in _cases(reader):
         p = f"cases/{case['name']}/"
         where = f"case {case['name']}"
@@ -46,13 +55,10 @@ def _tree_build_cases(adapter, caps: set[str], reader, section: str) -> list[Che
                     compare_exact(section, what, _words(got) if what == "visibility_bits" else got,
                                   _words(reader[p + what]) if what == "visibility_bits" else reader[p + what], where)
                     for what, got in zip(("positions", "visibility_bits", "first_child", "next_sibling"), compiled)]
-    return [row(section, "top-k log-probs", {"topk"}, caps, topk_rows),
-            row(section, "tree build", {"tree"}, caps, tree_rows),
-            row(section, "tree compile", {"compile"}, caps, compile_rows)]
 
 
-def _accept_compact_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
-    accept_rows, compact_rows = [], []
+def _accept_compact_cases(adapter, caps: set[str], reader, section: str, found: Found) -> None:
+    accept_rows, compact_rows = found["accept"], found["KV compaction"]
     for case in _cases(reader):
         p = f"cases/{case['name']}/"
         where = f"case {case['name']}"
@@ -71,13 +77,11 @@ def _accept_compact_cases(adapter, caps: set[str], reader, section: str) -> list
                 compact_rows += [
                     compare_exact(section, "c_kv after", c_kv, np.asarray(reader[p + "c_kv_after"]), where),
                     compare_exact(section, "k_pe after", k_pe, np.asarray(reader[p + "k_pe_after"]), where)]
-    return [row(section, "accept", {"accept"}, caps, accept_rows),
-            row(section, "KV compaction", {"compact"}, caps, compact_rows)]
 
 
-def _verify_attention_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
+def _verify_attention_cases(adapter, caps: set[str], reader, section: str, found: Found) -> None:
     rule = reader.metadata.get("tolerances", {}).get("o_lat", DEFAULT_ATTENTION_TOLERANCE)
-    rows: list[Check] = []
+    rows = found["verify attention (o_lat)"]
     for case in _cases(reader) if "attention" in caps else []:
         p = f"cases/{case['name']}/"
         q_lat, q_pe, c_kv, k_pe, context, trees, q_off, kv_off, bits, expected = (
@@ -94,12 +98,20 @@ def _verify_attention_cases(adapter, caps: set[str], reader, section: str) -> li
                 o_lat = adapter.attention(q_lat[q], q_pe[q], c_kv[kv], k_pe[kv], visibility, scale)
                 rows.append(compare_close(section, "verify attention", o_lat, expected[q], rule["rtol"],
                                           rule["atol"], where))
-    return [row(section, "verify attention (o_lat)", {"attention"}, caps, rows)]
 
 
-_KERNEL_CASES: dict[str, Callable[..., list[Check]]] = {
+_KERNEL_CASES: dict[str, Callable[..., None]] = {
     "tree_build": _tree_build_cases,
     "accept_compact": _accept_compact_cases,
     "verify_attention": _verify_attention_cases,
-    "corpus": corpus_cases,
 }
+KERNEL_KINDS = (*KERNEL_ROWS, "corpus")
+
+
+def kernel_checks(kind: str, adapter, caps: set[str], reader, section: str) -> list[Check]:
+    """A kernel fixture's rows (KERNEL_ROWS[kind], in that order; the corpus: one per case)."""
+    if kind == "corpus":
+        return corpus_cases(adapter, caps, reader, section)
+    found: Found = {name: [] for name in KERNEL_ROWS[kind]}
+    _KERNEL_CASES[kind](adapter, caps, reader, section, found)
+    return [row(section, name, needs, caps, found[name]) for name, needs in KERNEL_ROWS[kind].items()]

@@ -45,6 +45,8 @@ ROWS: dict[str, set[str]] = {
     "DDTree tokens": {"model", "accept"},
     "sampled DDTree tokens": {"model", "sample_accept"},
 }
+# The built-in engine's own rows (after ROWS; then the invariant's, invariant.INVARIANT_ROWS).
+ENGINE_AR, ENGINE_REPLAY = "engine AR decode (batched)", "engine DDTree replay (batched)"
 DIVERGE_HINT = "`kdtree diverge` finds the first op where verify and decode differ"
 
 
@@ -277,11 +279,6 @@ class _Fixture:
         return [compare_exact(section, "accepted", accepted, self[f"{rp}/accepted"], where),
                 compare_exact(section, "next root", next_root, _int(self[f"{rp}/next_root"]), where)]
 
-    def _node(self, rp: str):
-        """node index -> 'node i (depth d, position p)' in the round `rp`."""
-        depths, positions = self[f"{rp}/depths"], self[f"{rp}/positions"]
-        return lambda i: f"node {i} (depth {depths[i]}, position {positions[i]})"
-
     def _verify(self, adapter, section: str, rp: str, where: str,
                 found: dict[str, list[Check]]) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The round's tree verify through the adapter's forward, then the accepted path restated
@@ -290,7 +287,6 @@ class _Fixture:
         reached [n+1], bf16 only)."""
         start, tokens, accepted = _int(self[f"{rp}/start"]), self[f"{rp}/tokens"], self[f"{rp}/accepted"]
         expected = self[f"{rp}/verify_logits"]
-        node = self._node(rp)
         n, a = len(tokens), len(accepted)
         with fault_into(found["verify logits"], section, "verify logits", where) as verify:
             visibility = np.concatenate([np.ones((n, start), dtype=bool),
@@ -298,14 +294,16 @@ class _Fixture:
             route = self.route(rp)
             logits, reached = self.routing.forward(adapter, tokens, self[f"{rp}/positions"], visibility, start,
                                                    route, where, commit=False)
-            found["verify logits"].append(_hinted(self.close(section, "verify logits", logits, expected, "logits",
-                                                             where, lambda i: f"first wrong {node(i)}", reached)))
+            node = _Nodes(self, rp)
+            found["verify logits"].append(node.hinted(self.close(section, "verify logits", logits, expected, "logits",
+                                                                 where, lambda i: f"first wrong {node(i)}", reached)))
             path_route = None if route is None else tuple(x[accepted] for x in route)
             restated, restated_reached = self.routing.forward(
                 adapter, tokens[accepted], start + np.arange(a),
                 np.concatenate([np.ones((a, start), dtype=bool), np.tri(a, dtype=bool)], axis=1), start,
                 path_route, f"{where}, accepted path restated")
-            found["verify logits"].append(_hinted(self.close(
+            node = _Nodes(self, rp)
+            found["verify logits"].append(node.hinted(self.close(
                 section, "verify logits", restated, expected[accepted], "logits",
                 f"{where}, accepted path restated causally", lambda k: f"first wrong {node(int(accepted[k]))}",
                 restated_reached)))
@@ -320,11 +318,11 @@ class _Fixture:
         (`reached`, bf16). None when it cannot commit them itself."""
         parents, tokens = self[f"{rp}/parents"], self[f"{rp}/tokens"]
         expected, margins = self[f"{rp}/choices"], self[f"{rp}/margins"]
-        node = self._node(rp)
+        node = _Nodes(self, rp)
         if temperature == 0:
             choices = np.argmax(logits, axis=-1)
-            found["target choices"].append(_hinted(self.tokens(section, "target choices", choices, expected,
-                                                               margins, where, lambda i: f"at {node(i)}", reached)))
+            found["target choices"].append(node.hinted(self.tokens(section, "target choices", choices, expected,
+                                                                   margins, where, lambda i: f"at {node(i)}", reached)))
             if "accept" not in caps:
                 return None
             with fault_into(found["DDTree tokens"], section, "DDTree tokens", where) as walk:
@@ -335,9 +333,9 @@ class _Fixture:
             with fault_into(found["sampled choices"], section, "sampled choices", where) as walk:
                 choices, path, bonus = adapter.sample_accept(parents, tokens, logits.astype(np.float64), temperature,
                                                              self[f"{rp}/uniforms"])
-                found["sampled choices"].append(_hinted(self.tokens(section, "sampled choices", choices,
-                                                                    expected, margins, where,
-                                                                    lambda i: f"at {node(i)}", reached)))
+                found["sampled choices"].append(node.hinted(self.tokens(section, "sampled choices", choices,
+                                                                        expected, margins, where,
+                                                                        lambda i: f"at {node(i)}", reached)))
         if walk.fault or len(path) == 0 or path.max(initial=0) >= len(tokens) or path.min(initial=0) < 0:
             return None
         flags = [reached is not None and bool(reached[i]) for i in path]     # the nodes behind the commits
@@ -385,9 +383,8 @@ class _Fixture:
                     greedy.append(dataclasses.replace(result, requests=result.requests[:len(group)]))
             return rows
 
-        replay = _engine_row(section, "engine DDTree replay (batched)", replay_rows)
-        return [_engine_row(section, "engine AR decode (batched)", ar_rows),
-                with_acceptance(replay, engine_acceptance(*greedy))]
+        replay = _engine_row(section, ENGINE_REPLAY, replay_rows)
+        return [_engine_row(section, ENGINE_AR, ar_rows), with_acceptance(replay, engine_acceptance(*greedy))]
 
     def _replay(self, model, stages, section: str, traces: list[Mapping[str, Any]],
                 companions: list[str]) -> tuple[list[Check], DecodeResult]:
@@ -476,11 +473,32 @@ def _engine_row(section: str, name: str, rows: Callable[[], list[Check]]) -> Che
         return Check(section, name, Status.FAIL, detail=f"the engine raised {type(exc).__name__}: {exc}")
 
 
-def _hinted(check: Check) -> Check:
-    """A FAIL row of the model's own numbers, pointed at the tool that localizes it."""
-    if check.status is not Status.FAIL:
-        return check
-    return dataclasses.replace(check, detail=f"{check.detail}; {DIVERGE_HINT}")
+class _Nodes:
+    """A round's nodes in words for one comparison's detail ('node i (depth d, position p)'),
+    keeping the node it named: a FAIL row carries it as tables["first_wrong_node"] (trace,
+    round, node, depth, position, and the round's parents and accepted path)."""
+
+    def __init__(self, fixture: _Fixture, rp: str) -> None:
+        self.fixture, self.rp, self.named = fixture, rp, None
+
+    def __call__(self, i: int) -> str:
+        self.named = i
+        depths, positions = self.fixture[f"{self.rp}/depths"], self.fixture[f"{self.rp}/positions"]
+        return f"node {i} (depth {depths[i]}, position {positions[i]})"
+
+    def hinted(self, check: Check) -> Check:
+        """A FAIL row of the model's own numbers, pointed at the tool that localizes it, with its node."""
+        if check.status is not Status.FAIL:
+            return check
+        tables = dict(check.tables)
+        if self.named is not None:
+            trace, r = self.rp[len("traces/"):].rsplit("/rounds/", 1)
+            i, f = self.named, self.fixture
+            tables["first_wrong_node"] = {
+                "trace": trace, "round": int(r), "node": i, "depth": int(f[f"{self.rp}/depths"][i]),
+                "position": int(f[f"{self.rp}/positions"][i]), "parents": f[f"{self.rp}/parents"].tolist(),
+                "accepted": f[f"{self.rp}/accepted"].tolist()}
+        return dataclasses.replace(check, detail=f"{check.detail}; {DIVERGE_HINT}", tables=tables)
 
 
 def follow_near_tie(rows: list[Check], tied: bool, names: tuple[str, ...]) -> list[Check]:

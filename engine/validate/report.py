@@ -59,6 +59,24 @@ class Check:
             return 0.0 if not self.error else float("inf")
         return self.error / self.tolerance
 
+    def measure(self) -> str:
+        """The row's worst error against its tolerance, or its margin against the threshold."""
+        if self.margin is not None:
+            return f"margin {self.margin:.2e} vs {self.tolerance:.2e}" if self.tolerance else \
+                f"margin {self.margin:.2e}"
+        if self.error is not None and self.tolerance is not None:
+            return f"{self.error:.2e} {'>' if self.error > self.tolerance else '<='} {self.tolerance:.2e}"
+        return "" if self.error is None else f"{self.error:.2e}"
+
+    def numbers(self) -> str:
+        """The measure, then [the regime that judged it]."""
+        return " ".join(filter(None, [self.measure(), f"[{self.regime}]" if self.regime else ""]))
+
+    def text(self) -> str:
+        """The row in one line, as `kdtree validate` prints it: status, section::name, numbers, detail."""
+        return "  ".join(filter(None, (self.status.value, f"{self.section}::{self.name}", self.numbers(),
+                                       self.detail)))
+
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "status": self.status.value}
 
@@ -67,7 +85,8 @@ class Check:
 class Report:
     """The rows of one run. versions (kdtree, python, numpy, torch, cuda), commit (the checkout's
     `git describe`, None when unknown), device_name and timings (seconds: total and per step)
-    describe the run; the CLI fills them."""
+    describe the run; the CLI fills them. section_seconds: the seconds each section's checks took
+    (the runner's)."""
 
     implementation: str
     device: str
@@ -79,6 +98,7 @@ class Report:
     device_name: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
     deviations: dict[str, list[Any]] = field(default_factory=dict)   # fixture -> [Deviation] (deviations.py)
+    section_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def executed(self) -> int:
@@ -102,7 +122,8 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return {"implementation": self.implementation, "device": self.device, "device_name": self.device_name,
                 "fixtures": self.fixtures, "backends": self.backends, "versions": self.versions,
-                "commit": self.commit, "timings": self.timings, "passed": not self.failed,
+                "commit": self.commit, "timings": self.timings, "section_seconds": self.section_seconds,
+                "passed": not self.failed,
                 "counts": self.counts(), "summary": self.summary(), "checks": [c.to_dict() for c in self.checks],
                 "deviations": {f: [d.to_dict() for d in ds] for f, ds in self.deviations.items()}}
 

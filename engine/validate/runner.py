@@ -1,10 +1,38 @@
-"""The runner: every fixture in the directory through the checked adapter, one report,
-then the capability requirements (protocol.resolve_capabilities) applied to it."""
+"""The runner: every fixture's checks through the checked adapter, as one report or case by case.
+
+A case is one row of the report, known before anything runs (`plan(fixtures, dtype)`):
+its section (a fixture's path in the fixture directory; "<preset> (random weights)" for
+the built-in engine's invariant on a preset without a fixture; "validate" for the run's
+own requirements), its check name and the capabilities it exercises. Its id,
+`section::name`, is the same in every run and for every adapter, because the plan depends
+on the fixture files and the dtype's regime alone: the built-in engine's own rows are
+cases of every plan, skipped for any other adapter; the batched rows (batched.py) are
+cases, skipped for a protocol v1 adapter; and bf16's routing row is a case, skipped where
+the adapter's model did not run.
+
+    validation = Validation(adapter, fixtures, require="declared", dtype="float32")
+    row = validation.check(case)          # one case: its fixture's checks run once, then kept
+    report = validation.report()          # every row, as `kdtree validate` prints it
+
+A section's checks run the first time the report or one of its cases asks, and are kept
+for the life of the `Validation` (a model fixture's rows share its weights and its
+replayed traces, so they run together). The "validate" cases (`capability <name>`: a
+required capability exercised by some row; `any check ran`) run every section. The
+report holds every section's rows in plan order, then the requirements
+(`requirements`): a row skipped for a required capability the adapter lacks is a FAIL,
+and so is a required capability no row exercised; the report shows a "validate" row only
+when it fails, or, skipped, for a declared capability that no fixture has checks for.
+`validate(...)` is `Validation(...).report()`; engine/pytest_plugin.py runs the cases one
+test each.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Collection
 
 import kdtr_format
@@ -13,104 +41,278 @@ from kdtr_format import PRESETS, KdtrError
 from ..adapter import TorchAdapter
 from ..parallel import World
 from .acceptance import with_trace_acceptance
-from .batched import batched_checks
+from .batched import BATCHED_KERNEL_ROWS, batched_checks
+from .batched_model import ROWS as BATCHED_MODEL_ROWS
 from .checked import checked_views
+from .corpus_checks import corpus_rows
 from .deviations import with_deviations
 from .fixtures import _kdtr_files, find_fixtures
-from .invariant import preset_invariant_checks
-from .kernel_checks import _KERNEL_CASES
-from .model_checks import _model_fixture
+from .invariant import INVARIANT_ROWS, preset_invariant_checks
+from .kernel_checks import KERNEL_KINDS, KERNEL_ROWS, kernel_checks
+from .model_checks import ENGINE_AR, ENGINE_REPLAY, ROWS, _model_fixture
 from .protocol import CAPABILITIES, resolve_capabilities
 from .regime import DTYPES, CasesView, Regime
 from .report import Check, Report, Status, ValidateError
+
+REQUIREMENTS = "validate"                 # the section of the run's own requirement cases
+ANY_CHECK_RAN = "any check ran"
+BUILTIN_ONLY = "skipped (the built-in engine's own check: not run for an adapter)"
+V2_ONLY = "skipped (a batched check: protocol v2 adapters only)"
+NO_ROUTING = "skipped (the model did not run: no routing to watch)"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the report, before it runs. builtin_only: a check of the built-in engine's
+    own decode loops or invariant, skipped for any other adapter; v2_only: a batched check
+    (batched.py), skipped for a protocol v1 adapter; absent: the detail of its
+    skipped row when its section's checks return no such row (a row that exists only when
+    the adapter's model ran; empty: they always return it)."""
+
+    section: str
+    name: str
+    needs: tuple[str, ...] = ()
+    builtin_only: bool = False
+    absent: str = ""
+    v2_only: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.section}::{self.name}"
+
+
+@dataclass(frozen=True)
+class _Section:
+    """Where a section's rows come from: a fixture file, or a preset without one."""
+
+    name: str
+    cases: tuple[Case, ...]
+    path: Path | None = None
+    preset: str | None = None
+
+
+def plan(fixtures: str | os.PathLike | None = None, dtype: str = "float32") -> list[Case]:
+    """Every case of a run over these fixtures (find_fixtures' default when None) in `dtype`'s
+    regime, in report order."""
+    _check_dtype(dtype)
+    directory = find_fixtures(fixtures)
+    return [case for section in _sections(directory, dtype) for case in section.cases] + _requirement_cases()
+
+
+def _sections(directory: Path, dtype: str) -> list[_Section]:
+    root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
+    sections = []
+    for path in _kdtr_files(directory):
+        name = str(path.relative_to(root))
+        sections.append(_Section(name, _fixture_cases(path, name, dtype), path=path))
+    if directory.is_dir():
+        for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
+            name = f"{preset} (random weights)"
+            sections.append(_Section(name, tuple(Case(name, row, (), True) for row in INVARIANT_ROWS), preset=preset))
+    return sections
+
+
+def _fixture_cases(path: Path, section: str, dtype: str) -> tuple[Case, ...]:
+    """A fixture's cases as its checks return their rows: its own, then the batched ones."""
+    try:
+        with kdtr_format.open(path) as reader:
+            kind = reader.metadata.get("kind")
+            batched = BATCHED_MODEL_ROWS if kind == "model" else BATCHED_KERNEL_ROWS.get(kind, {})
+            return (*_per_request_cases(reader, section, dtype),
+                    *(Case(section, name, tuple(sorted(needs)), v2_only=True) for name, needs in batched.items()))
+    except KdtrError as exc:
+        raise ValidateError(f"{path}: {exc}") from None
+
+
+def _per_request_cases(reader, section: str, dtype: str) -> tuple[Case, ...]:
+    kind = reader.metadata.get("kind")
+    if kind == "model":
+        regime = Regime.of(reader.metadata, dtype)
+        if regime is None:                   # _model_fixture's one skipped row
+            return (Case(section, f"{dtype} cases"),)
+        cases = [Case(section, name, tuple(sorted(needs))) for name, needs in ROWS.items()]
+        if regime.routing_threshold is not None:
+            cases.append(Case(section, "routing", absent=NO_ROUTING))
+        return (*cases, *(Case(section, name, (), True) for name in (ENGINE_AR, ENGINE_REPLAY, *INVARIANT_ROWS)))
+    if kind == "corpus":
+        return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in corpus_rows(reader))
+    if kind in KERNEL_ROWS:
+        return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in KERNEL_ROWS[kind].items())
+    return (Case(section, "fixture"),)
+
+
+def _requirement_cases() -> list[Case]:
+    return [Case(REQUIREMENTS, f"capability {cap}", (cap,)) for cap in CAPABILITIES] + \
+        [Case(REQUIREMENTS, ANY_CHECK_RAN)]
+
+
+class Validation:
+    """One validation run (module docstring). adapter None = the built-in engine; require: the
+    capabilities whose checks must run (protocol.resolve_capabilities; None = what the adapter
+    declares, else what it implements; under the declaration, only those of them that the
+    fixtures have checks for: a declared capability without any is a skipped "validate" row);
+    invariant: the built-in engine in batch-invariant mode; dtype: the compute dtype the
+    adapter is told (`set_dtype`) and judged in (regime.py); world: the built-in engine
+    sharded over it (engine.parallel); log: told each section as it starts. ValidateError for
+    an adapter or fixtures that cannot be checked."""
+
+    def __init__(self, adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
+                 log: Callable[[str], None] = lambda line: None, require: str | Collection[str] | None = None,
+                 invariant: bool = False, dtype: str = "float32", world: World | None = None) -> None:
+        _check_dtype(dtype)
+        self.builtin = adapter is None
+        self.adapter = TorchAdapter(device, invariant=invariant, world=world) if self.builtin else adapter
+        _set_dtype(self.adapter, dtype)
+        self._checked, self._batched = checked_views(self.adapter)   # protocol v2: also batched (batched.py)
+        self.dtype = dtype
+        self.caps, self.required = resolve_capabilities(self.adapter, require)
+        directory = find_fixtures(fixtures)
+        self.sections = {s.name: s for s in _sections(directory, dtype)}
+        self.declared = require in (None, "declared")   # then required where the fixtures' rows check it
+        self.unchecked: set[str] = set()        # declared, but no row checks it (known once the report is made)
+        self.log = log
+        self.fixtures = str(directory)
+        self._report = Report(implementation=getattr(self.adapter, "name", type(self.adapter).__name__),
+                              device=device, fixtures=self.fixtures,
+                              backends=dict(getattr(self.adapter, "backends", {})))
+        self._rows: dict[str, list[Check]] = {}
+
+    def check(self, case: Case) -> Check:
+        """The case's row, the requirements applied (a "validate" case runs every section)."""
+        if case.section == REQUIREMENTS:
+            return self._requirement(case)
+        if case.builtin_only and not self.builtin:
+            return Check(case.section, case.name, Status.SKIPPED, detail=BUILTIN_ONLY)
+        if case.v2_only and self._batched is None:
+            return Check(case.section, case.name, Status.SKIPPED, detail=V2_ONLY, needs=case.needs)
+        rows = self.rows(case.section)
+        found = next((c for c in rows if c.name == case.name), None)
+        stopped = next((c for c in rows if c.name == "fixture"), None)
+        if found is None and stopped is not None:    # the fixture's checks stopped: its one FAIL row says why
+            found = dataclasses.replace(stopped, name=case.name, needs=case.needs)
+        elif found is None and case.absent:
+            found = Check(case.section, case.name, Status.SKIPPED, detail=case.absent, needs=case.needs)
+        elif found is None:
+            raise LookupError(f"{case.id}: the fixture's checks returned no such row (plan and checks disagree)")
+        return requirements([found], self.caps, self.required, self.fixtures, exercised=False)[0]
+
+    def rows(self, section: str) -> list[Check]:
+        """A section's rows as its checks returned them, run on the first call."""
+        if section not in self._rows:
+            began = time.perf_counter()
+            self._rows[section] = self._run(self.sections[section])
+            self._report.section_seconds[section] = time.perf_counter() - began
+        return self._rows[section]
+
+    def report(self) -> Report:
+        """Every section's rows in plan order, then the requirements, then a skipped row for
+        each declared capability that no fixture has checks for."""
+        checks = [c for s in self.sections.values() if self.builtin or s.preset is None for c in self.rows(s.name)]
+        if self.declared:
+            self.unchecked = self.required - {cap for c in checks for cap in c.needs}
+        self._report.checks = requirements(checks, self.caps, self.required - self.unchecked, self.fixtures) + \
+            [self._unchecked(cap) for cap in sorted(self.unchecked)]
+        return self._report
+
+    def _run(self, section: _Section) -> list[Check]:
+        if section.preset is not None:
+            self.log(f"invariant on preset {section.preset} (no fixture: random weights)")
+            return preset_invariant_checks(self.adapter, section.preset)
+        self.log(f"checking {section.name}")
+        try:
+            with kdtr_format.open(section.path) as reader:
+                return self._per_request(reader, section.name) + \
+                    batched_checks(self._batched, self.caps, reader, section.name, self.dtype)
+        except KdtrError as exc:
+            raise ValidateError(f"{section.path}: {exc}") from None
+        except ValidateError:
+            raise
+        except Exception as exc:        # a malformed fixture (adapter faults are rows of their own checks)
+            return [Check(section.name, "fixture", Status.FAIL,
+                          detail=f"checking stopped: {type(exc).__name__}: {exc}")]
+
+    def _per_request(self, reader, section: str) -> list[Check]:
+        kind = reader.metadata.get("kind")
+        if kind == "model":
+            checks = _model_fixture(self._checked, self.caps, reader, section, self.builtin, self.dtype)
+            regime = Regime.of(reader.metadata, self.dtype)
+            if regime is not None:
+                checks = with_trace_acceptance(checks, CasesView(reader, regime))
+            return _stamped(with_deviations(self._report, self.adapter, checks, section), "exact")
+        if kind in KERNEL_KINDS:
+            return _stamped(kernel_checks(kind, self._checked, self.caps, reader, section),
+                            "float32: the kernel case's tolerance (float32 inputs)")
+        return [Check(section, "fixture", Status.FAIL, detail=f"unknown fixture kind {kind!r}")]
+
+    def _unchecked(self, cap: str) -> Check:
+        return Check(REQUIREMENTS, f"capability {cap}", Status.SKIPPED, needs=(cap,),
+                     detail=f"declared, but no fixture in {self.fixtures} has checks for it "
+                            f"(--require {cap} makes this a FAIL)")
+
+    def _requirement(self, case: Case) -> Check:
+        """A "validate" case: FAIL as the report's rule has it, else what satisfied it."""
+        report = self.report()
+        if case.name == ANY_CHECK_RAN:
+            if report.executed == 0:
+                return Check(case.section, case.name, Status.FAIL, detail="no check ran: every row was skipped")
+            return Check(case.section, case.name, Status.EXACT, detail=f"{report.executed} rows ran")
+        (cap,) = case.needs
+        if cap in self.unchecked:
+            return self._unchecked(cap)
+        if cap not in self.required:
+            return Check(case.section, case.name, Status.SKIPPED, detail=f"capability {cap} is not required",
+                         needs=case.needs)
+        checks = [c for c in report.checks if c.section != REQUIREMENTS]     # its own FAIL row exercises nothing
+        reason = unmet(cap, checks, self.caps, self.fixtures)
+        if reason is not None:
+            return Check(case.section, case.name, Status.FAIL, detail=reason, needs=case.needs)
+        ran = sum(cap in c.needs and c.status is not Status.SKIPPED for c in checks)
+        return Check(case.section, case.name, Status.EXACT, detail=f"required; {ran} rows exercised it",
+                     needs=case.needs)
 
 
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
              log: Callable[[str], None] = lambda line: None,
              require: str | Collection[str] | None = None, invariant: bool = False,
              dtype: str = "float32", world: World | None = None) -> Report:
-    """Run every check (package docstring) and return the report. adapter None = the built-in
-    engine; require: the capabilities whose checks must run (protocol.resolve_capabilities;
-    None = what the adapter declares, else what it implements; when `fixtures` is one file,
-    only those of them that the file has checks for); invariant: the built-in engine in
-    batch-invariant mode; dtype: the compute dtype the adapter is told (`set_dtype`) and
-    judged in (regime.py); world: the built-in engine sharded over it (engine.parallel)."""
-    builtin = adapter is None
-    if builtin:
-        adapter = TorchAdapter(device, invariant=invariant, world=world)
-    _set_dtype(adapter, dtype)
-    caps, required = resolve_capabilities(adapter, require)
-    directory = find_fixtures(fixtures)
-    report = Report(implementation=getattr(adapter, "name", type(adapter).__name__), device=device,
-                    fixtures=str(directory), backends=dict(getattr(adapter, "backends", {})))
-    checked, batched = checked_views(adapter)          # protocol v2: also batched, timed (batched.py)
-    root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
-    for path in _kdtr_files(directory):
-        section = str(path.relative_to(root))
-        log(f"checking {section}")
-        try:
-            with kdtr_format.open(path) as reader:
-                kind = reader.metadata.get("kind")
-                if kind == "model":
-                    checks = _model_fixture(checked, caps, reader, section, builtin, dtype)
-                    regime = Regime.of(reader.metadata, dtype)
-                    if regime is not None:
-                        checks = with_trace_acceptance(checks, CasesView(reader, regime))
-                    report.checks += _stamped(with_deviations(report, adapter, checks, section), "exact")
-                elif kind in _KERNEL_CASES:
-                    report.checks += _stamped(_KERNEL_CASES[kind](checked, caps, reader, section),
-                                              "float32: the kernel case's tolerance (float32 inputs)")
-                else:
-                    report.checks.append(Check(section, "fixture", Status.FAIL,
-                                               detail=f"unknown fixture kind {kind!r}"))
-                report.checks += batched_checks(batched, caps, reader, section, dtype)
-        except KdtrError as exc:
-            raise ValidateError(f"{path}: {exc}") from None
-        except ValidateError:
-            raise
-        except Exception as exc:        # a malformed fixture (adapter faults are rows of their own checks)
-            report.checks.append(Check(section, "fixture", Status.FAIL,
-                                       detail=f"checking stopped: {type(exc).__name__}: {exc}"))
-    if builtin and directory.is_dir():
-        for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
-            log(f"invariant on preset {preset} (no fixture: random weights)")
-            report.checks += preset_invariant_checks(adapter, preset)
-    unchecked: set[str] = set()
-    if require in (None, "declared"):      # the declaration is required where these fixtures can check it
-        checkable = {cap for c in report.checks for cap in c.needs}
-        unchecked, required = required - checkable, required & checkable
-    report.checks = requirements(report.checks, caps, required, str(directory))
-    report.checks += [Check("validate", f"capability {cap}", Status.SKIPPED, needs=(cap,),
-                            detail=f"declared, but no fixture in {directory} has checks for it "
-                                   f"(--require {cap} makes this a FAIL)") for cap in sorted(unchecked)]
-    return report
+    """Run every check (package docstring) and return the report (Validation's arguments)."""
+    return Validation(adapter, fixtures, device, log, require, invariant, dtype, world).report()
 
 
-def requirements(checks: list[Check], caps: set[str], required: set[str], fixtures: str) -> list[Check]:
+def requirements(checks: list[Check], caps: set[str], required: set[str], fixtures: str,
+                 exercised: bool = True) -> list[Check]:
     """The rows with the requirements applied: a row skipped for a required capability the
-    adapter lacks is a FAIL, and so is a required capability that no row exercised."""
+    adapter lacks is a FAIL; with `exercised`, so is a required capability that no row exercised
+    (a "validate" row added for it)."""
     lacking = required - caps
     rows = [dataclasses.replace(c, status=Status.FAIL,
                                 detail=f"required capability {', '.join(sorted(set(c.needs) & lacking))} is "
                                        f"not implemented by the adapter")
             if c.status is Status.SKIPPED and set(c.needs) & lacking else c for c in checks]
-    for cap in sorted(required):
-        if any(cap in c.needs and c.status is not Status.SKIPPED for c in checks):
+    for cap in sorted(required) if exercised else ():
+        reason = unmet(cap, checks, caps, fixtures)
+        if reason is None or cap in lacking and any(cap in c.needs for c in checks):   # those rows FAIL already
             continue
-        if cap in lacking:
-            if any(cap in c.needs for c in checks):
-                continue
-            detail = f"required, but the adapter has no {', '.join(m + '()' for m in CAPABILITIES[cap])}"
-        else:
-            detail = f"required, but no check of {fixtures} exercised it"
-        rows.append(Check("validate", f"capability {cap}", Status.FAIL, detail=detail, needs=(cap,)))
+        rows.append(Check(REQUIREMENTS, f"capability {cap}", Status.FAIL, detail=reason, needs=(cap,)))
     return rows
+
+
+def unmet(cap: str, checks: list[Check], caps: set[str], fixtures: str) -> str | None:
+    """Why a required capability is not met by these rows; None when one of them exercised it."""
+    if cap not in caps:
+        return f"required, but the adapter has no {', '.join(m + '()' for m in CAPABILITIES[cap])}"
+    if any(cap in c.needs and c.status is not Status.SKIPPED for c in checks):
+        return None
+    return f"required, but no check of {fixtures} exercised it"
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValidateError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
 def _set_dtype(adapter: Any, dtype: str) -> None:
     """Tell the adapter its compute dtype (protocol: `set_dtype`); bfloat16 needs it."""
-    if dtype not in DTYPES:
-        raise ValidateError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     set_dtype = getattr(adapter, "set_dtype", None)
     if not callable(set_dtype):
         if dtype != "float32":

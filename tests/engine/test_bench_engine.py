@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import engine_report
+from bench_record import record as record_figures
 from engine.decode import DecodeResult, ar_decode, ddtree_decode
 from engine.drafters import LayerSkipDrafter, OracleDrafter
 from engine.weights import weight_shapes
@@ -47,13 +48,13 @@ def run_side_by_side(model, drafter_for, prompts, ddtree: DDTreeConfig, tokens: 
 def record(benchmark, ar: DecodeResult, dd: DecodeResult, **extra) -> None:
     speedup = dd.metrics.tokens_per_second / ar.metrics.tokens_per_second
     tau = dd.metrics.mean_acceptance
-    benchmark.extra_info.update(
+    record_figures(benchmark, dict(
         ar_tokens_per_s=ar.metrics.tokens_per_second, ddtree_tokens_per_s=dd.metrics.tokens_per_second,
         speedup=speedup, tau=tau, speedup_over_tau=speedup / tau,
         ar_target_forwards=ar.metrics.target_forwards, ddtree_target_forwards=dd.metrics.target_forwards,
         tokens_match=sum(a == b for a, b in zip(ar.tokens, dd.tokens)) / len(ar.tokens),
         ddtree_stage_ms={k: v * 1e3 for k, v in dd.metrics.stage_seconds.items()},
-        ar_stage_ms={k: v * 1e3 for k, v in ar.metrics.stage_seconds.items()}, **extra)
+        ar_stage_ms={k: v * 1e3 for k, v in ar.metrics.stage_seconds.items()}, **extra), "cpu")
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "layerskip"])
@@ -72,7 +73,7 @@ def test_bench_cpu_tiny(benchmark, model_zoo, drafter):
     ar, dd = benchmark.pedantic(run_side_by_side, args=(model, drafter_for, prompts, ddtree, tokens),
                                 rounds=3 if BIG else 1, iterations=1)
     assert dd.tokens == ar.tokens
-    record(benchmark, ar, dd, preset="tiny", drafter=drafter, batch=1, tokens=tokens, device="cpu")
+    record(benchmark, ar, dd, preset="tiny", drafter=drafter, batch=1, tokens=tokens)
 
 
 @pytest.mark.gpu
@@ -83,8 +84,9 @@ def test_bench_gpu_k2_mid(benchmark):
     plan = Plan(tokens=256) if BIG else Plan()
     bench = Bench(CONFIGS["k2-mid"], plan, os.environ.get("KDTREE_BENCH_OUT"))
     doc = benchmark.pedantic(bench.run, rounds=1, iterations=1)
-    benchmark.extra_info.update(timing_s=doc["timing_s"], verdicts=[v[0] + ": " + v[1] for v in
-                                                                    engine_report.verdicts(doc)])
+    record_figures(benchmark, {"timing_s": doc["timing_s"], "ceilings": doc["ceilings"], "sweep": doc["sweep"],
+                               "steps": doc["steps"], "ar": doc["ar"],
+                               "verdicts": [v[0] + ": " + v[1] for v in engine_report.verdicts(doc)]}, "cuda")
     assert doc["sweep"], doc["notes"]
 
 

@@ -30,6 +30,7 @@ import statistics
 import pytest
 import torch
 
+from bench_record import record
 from kdtr_format import CONFIGS
 from engine.adapter import cuda_backends
 from engine.attention import bind_attention, torch_attention
@@ -112,10 +113,10 @@ def _record(benchmark, ceilings, call, *, layer: str, bytes_min: float, flops: f
         return
     ms = _events_ms(call)
     floor_ms = max(bytes_min / (ceilings["copy_gb_s"] * 1e6), flops / (ceilings["bf16_tflop_s"] * 1e9))
-    benchmark.extra_info.update(
+    record(benchmark, dict(
         layer=layer, dtype="bfloat16", ms=ms, floor_ms=floor_ms, fraction_of_floor=floor_ms / ms,
         weight_gib=weight_bytes / GIB, bytes_min=bytes_min, flops=flops, peak_activation_gib=peak / GIB,
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, **ceilings, **case)
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, **ceilings, **case), "cuda")
 
     def synchronized():
         call()

@@ -18,7 +18,7 @@ import pytest
 import kdtr_format
 import torch
 
-from engine.cli import main
+from cli_run import run_main
 from engine.validate import GOLDEN_DIR, load_impl
 from kdtr_format import PRESETS
 from refgen.fixtures import model_fixture, write_fixture
@@ -31,18 +31,6 @@ def needs(*names: str) -> None:
     for name in names:
         if not (GOLDEN_DIR / name).exists():
             pytest.skip(f"golden fixture {GOLDEN_DIR / name} is absent (generate it with `refgen generate`)")
-
-
-def run_main(args: list[str], capsys) -> tuple[int, str, str]:
-    """The CLI in-process (it sets torch's CPU threads to 1: restored after)."""
-    threads = torch.get_num_threads()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main(args)
-    finally:
-        torch.set_num_threads(threads)
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
 
 
 def kdtree(*args: str) -> subprocess.CompletedProcess:

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import kdtr_format
+from bench_record import record
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="safetensors is not installed")
 from safetensors import safe_open  # noqa: E402
@@ -94,6 +95,7 @@ def _read_h5(path: Path) -> int:
 @pytest.mark.parametrize("reader", list(READERS))
 def test_full_read(benchmark, files, reader):
     kind = {"kdtr_verified": "kdtr"}.get(reader, reader.replace("h5py", "h5"))
+    record(benchmark, {"bytes": COUNT * ELEMENTS * 4, "tensors": COUNT})
     assert benchmark(READERS[reader], files[kind]) == COUNT * ELEMENTS * 4
 
 
@@ -123,6 +125,7 @@ WRITERS = {
 @pytest.mark.parametrize("writer", list(WRITERS))
 def test_write(benchmark, tmp_path, tensors, writer):
     path = tmp_path / f"out.{'npz' if writer.startswith('npz') else writer}"
+    record(benchmark, {"bytes": COUNT * ELEMENTS * 4, "tensors": COUNT})
     benchmark.pedantic(WRITERS[writer], args=(path, tensors), rounds=3 if BIG else 5, iterations=1)
     assert path.stat().st_size >= COUNT * ELEMENTS * 4
     path.unlink()
@@ -150,6 +153,7 @@ PICKERS = {"kdtr": _pick_kdtr, "safetensors": _pick_safetensors, "h5": _pick_h5}
 @pytest.mark.parametrize("kind", list(PICKERS))
 def test_open(benchmark, files, kind):
     """Open and close, reading only what each format needs to list its tensors."""
+    record(benchmark, {"bytes": COUNT * ELEMENTS * 4, "tensors": COUNT})
     assert benchmark(PICKERS[kind], files[kind], []) == 0
 
 
@@ -160,6 +164,7 @@ def test_random_access(benchmark, files, tensors, kind):
     names = list(tensors)
     picks = [names[i] for i in np.random.default_rng(1).integers(0, len(names), 16)]
     expected = sum(float(tensors[n][-1]) for n in picks)
+    record(benchmark, {"bytes": COUNT * ELEMENTS * 4, "tensors": COUNT})
     assert benchmark(PICKERS[kind], files[kind], picks) == pytest.approx(expected)
 
 

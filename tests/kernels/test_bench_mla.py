@@ -42,6 +42,7 @@ import torch
 
 from kdtr_format import PRESETS
 from kernels_cuda.mla_ops import mla_verify, pack_visibility
+from bench_record import record
 from gpu_bench import bf16_matmul_TFLOPs, copy_TBps, cuda_time_ms, graph_time_ms
 from peers import PeerUnavailable, load_sglang
 
@@ -138,7 +139,7 @@ def test_bench_mla_verify_k2(benchmark, ceilings, context, tree, batch):
                                                             generic=True))
     if PEERS:
         row.update(time_peers(x, context, tree, batch, kernel_ms, call()[0]))
-    benchmark.extra_info.update(row)
+    record(benchmark, row, "cuda")
     ROWS.append(row)
     out = os.environ.get("KDTREE_BENCH_OUT")
     if out:                                      # after every case: a run cut short keeps its rows

@@ -33,6 +33,7 @@ import torch
 
 from engine.stages import TorchStages
 from kernels_cuda import tree_ops
+from bench_record import record as record_figures
 from gpu_bench import copy_TBps, cuda_time_ms, graph_time_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
@@ -145,7 +146,7 @@ def test_bench_tree_build(benchmark, copy_bandwidth, batch: int, budget: int, dt
         if isinstance(row["kernel_graph_ms"], float):
             row["graph_speedup_vs_published"] = row["published_ms"] / row["kernel_graph_ms"]
     record(copy_bandwidth, row)
-    benchmark.extra_info.update(row)
+    record_figures(benchmark, row, "cuda")
     benchmark.pedantic(lambda: (kernels(), torch.cuda.synchronize()), rounds=3, iterations=1, warmup_rounds=1)
     assert same, "top-k v4 differs from v3"
 
@@ -173,6 +174,6 @@ def test_bench_sample_choices(benchmark, copy_bandwidth, batch: int, nodes: int,
         row["torch_ms"] = cuda_time_ms(lambda: stages.sample_choices(logits, 0.8, uniforms), budget_ms=0)
         row["speedup_vs_torch"] = row["torch_ms"] / row["kernel_ms"]
     record(copy_bandwidth, row, "sample_cases")
-    benchmark.extra_info.update(row)
+    record_figures(benchmark, row, "cuda")
     benchmark.pedantic(lambda: (kernel(), torch.cuda.synchronize()), rounds=3, iterations=1, warmup_rounds=1)
     assert row.get("same_as_torch", True), "the kernel's choices differ from the torch path's"
