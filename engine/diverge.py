@@ -195,17 +195,10 @@ def decode_way(adapter: Any, prompt: Sequence[int], tokens: Sequence[int] | None
 
 
 def chunk_way(adapter: Any, prompt: Sequence[int], tokens: Sequence[int], max_len: int | None = None) -> Way:
-    """The prompt's prefill, then every token in one causal forward (M = len(tokens))."""
-    prompt, tokens = np.asarray(prompt, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
-    m, n = len(prompt), len(tokens)
-    adapter = per_request(adapter)
-    adapter.reset(max_len or m + n)
-    way = Way(f"chunk of {n} rows", m)
-    _prefill(adapter, way, prompt)
-    visibility = np.concatenate([np.ones((n, m), dtype=bool), np.tri(n, dtype=bool)], axis=1)
-    out = adapter.intermediates(tokens, m + np.arange(n), visibility, m)
-    way.add(out, np.arange(n), tokens, m + np.arange(n), visibility, m + n)
-    return way
+    """The prompt's prefill, then every token in one causal forward (M = len(tokens)): a tree that
+    is one chain, every row compared."""
+    n = len(tokens)
+    return _tree_forward(adapter, prompt, tokens, np.arange(n) - 1, np.arange(n), f"chunk of {n} rows", max_len)
 
 
 def tree_visibility(parents: Sequence[int]) -> np.ndarray:
@@ -221,17 +214,25 @@ def tree_way(adapter: Any, prompt: Sequence[int], tree_tokens: Sequence[int], pa
              path: Sequence[int], max_len: int | None = None) -> Way:
     """The prompt's prefill, then the whole tree in one forward; the rows of `path` (node indices,
     root first) are compared. Its decode counterpart: decode_way(prompt, tree_tokens[path])."""
+    return _tree_forward(adapter, prompt, tree_tokens, parents, path, f"tree verify of {len(tree_tokens)} rows",
+                         max_len)
+
+
+def _tree_forward(adapter: Any, prompt: Sequence[int], tree_tokens: Sequence[int], parents: Sequence[int],
+                  rows: Sequence[int], label: str, max_len: int | None) -> Way:
+    """The prompt's prefill, then the tree (parents [n], -1 for a root) in one forward, at
+    positions prompt length + depth; `rows` compared."""
     prompt, tree_tokens = np.asarray(prompt, dtype=np.int64), np.asarray(tree_tokens, dtype=np.int64)
     m, size = len(prompt), len(tree_tokens)
     adapter = per_request(adapter)
     adapter.reset(max_len or m + size)
-    way = Way(f"tree verify of {size} rows", m)
+    way = Way(label, m)
     _prefill(adapter, way, prompt)
     tree = tree_visibility(parents)
     positions = m + tree.sum(1) - 1
     visibility = np.concatenate([np.ones((size, m), dtype=bool), tree], axis=1)
     out = adapter.intermediates(tree_tokens, positions, visibility, m)
-    way.add(out, np.asarray(path), tree_tokens, positions, visibility, m + size)
+    way.add(out, np.asarray(rows), tree_tokens, positions, visibility, m + size)
     return way
 
 
