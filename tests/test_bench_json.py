@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,12 +27,14 @@ _spec.loader.exec_module(bench_check)
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
-    """The KDTR full-read benchmarks at their default (small) size, one round each."""
+    """The KDTR full-read benchmarks at their default (small) size, one round each (in a pytest of
+    its own: not an xdist worker, which pytest-benchmark would not let write its JSON)."""
     path = tmp_path_factory.mktemp("bench") / "run.json"
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     result = subprocess.run([sys.executable, "-m", "pytest", "tests/kdtr/test_bench_kdtr.py", "-q", "-p",
                              "no:cacheprovider", "-k", "full_read", "--benchmark-enable", f"--benchmark-json={path}",
                              "--benchmark-min-rounds=1", "--benchmark-max-time=0.001", "--benchmark-warmup=off"],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
+                            cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(path.read_text())
 
