@@ -21,7 +21,7 @@ from .cache import KVCache
 from .capture import capturing
 from .model import Transformer
 from .parallel import World
-from .ragged import offsets_of, pack_visibility, sizes, to_padded, to_ragged, unpack_visibility, widest
+from .ragged import forward_of_one, offsets_of, sizes, to_padded, to_ragged, unpack_visibility, widest
 from .stages import Stages, TorchStages, TreeBatch
 from .weights import as_tensor
 
@@ -133,17 +133,8 @@ class TorchAdapter:
         `forward` with every capture point's rows: {"layers.{i}.{point}": [n, ...], "logits": [n, V],
         "layers.{i}.expert_counts": [E]} in the compute dtype (engine/capture.py). The cache holds
         one request (reset(1, max_len))."""
-        visibility = np.asarray(visibility, dtype=bool)
-        n = len(tokens)
-        if not visibility[:, :start].all():
-            raise ValueError("the torch engine sees every cached slot: visibility[:, :start] must be all True")
-
-        def put(a: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(np.asarray(a), dtype=dtype, device=self.device)
-
-        with capturing(self._model(), [n]) as captured:
-            self.forward(put(tokens), put(positions), put([0, n]), put([start]),
-                         pack_visibility(put(visibility[:, start:], torch.bool)))
+        with capturing(self._model(), [len(tokens)]) as captured:
+            self.forward(*forward_of_one(tokens, positions, visibility, start, self.device, "intermediates"))
         counts = {f"layers.{layer}.expert_counts": c for layer, c in captured.expert_counts.items()}
         return {**captured.values, **counts}
 

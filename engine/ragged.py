@@ -8,13 +8,15 @@ between the two on the tensors' device, and pack and unpack bit-packed visibilit
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels_cuda.mla_ops import pack_visibility
 
 from .cuda_stages import unpack_visibility
 
-__all__ = ["offsets_of", "pack_visibility", "sizes", "to_padded", "to_ragged", "unpack_visibility", "widest"]
+__all__ = ["forward_of_one", "offsets_of", "pack_visibility", "sizes", "to_padded", "to_ragged", "tree_bits",
+           "unpack_visibility", "widest"]
 
 
 def sizes(offsets: torch.Tensor) -> torch.Tensor:
@@ -47,3 +49,25 @@ def to_ragged(padded: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """[B, width, ...] holding counts [B] real rows each -> those rows flat [sum(counts), ...]."""
     real = torch.arange(padded.shape[1], device=padded.device)[None, :] < counts[:, None]
     return padded[real]
+
+
+def tree_bits(visibility: np.ndarray, context: int, device: torch.device, method: str) -> torch.Tensor:
+    """Protocol v1's visibility [n, context + n] (numpy) -> the bits of its block over the new rows
+    [n, W] on `device`. Protocol 2 sees every cached slot: visibility[:, :context] must be all True."""
+    visibility = np.asarray(visibility, dtype=bool)
+    if not visibility[:, :context].all():
+        raise ValueError(f"{method}: a protocol 2 adapter sees every cached slot; visibility[:, :{context}] "
+                         "must be all True")
+    return pack_visibility(torch.as_tensor(visibility[:, context:], device=device))
+
+
+def forward_of_one(tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray, start: int,
+                   device: torch.device, method: str = "forward") -> tuple[torch.Tensor, ...]:
+    """Protocol v1's forward arguments for one request (tokens, positions [n], visibility
+    [n, start + n], start) -> protocol 2's for a batch of one on `device`: tokens, positions [n]
+    int64, offsets [2], starts [1], visibility_bits [n, W]."""
+    def put(values) -> torch.Tensor:
+        return torch.tensor(np.asarray(values), dtype=torch.int64, device=device)
+
+    return (put(tokens), put(positions), put([0, len(tokens)]), put([start]),
+            tree_bits(visibility, start, device, method))

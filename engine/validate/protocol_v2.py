@@ -92,7 +92,8 @@ import torch
 
 from kdtr_format import ModelConfig
 
-from ..ragged import offsets_of, pack_visibility, sizes, to_padded, to_ragged, unpack_visibility, widest
+from ..ragged import (forward_of_one, offsets_of, pack_visibility, sizes, to_padded, to_ragged, tree_bits,
+                      unpack_visibility, widest)
 from .protocol import CAPABILITIES, Method, Output, capabilities, protocol_version
 from .report import ValidateError
 
@@ -225,19 +226,7 @@ class PerRequest:
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray, start: int) -> np.ndarray:
         """tokens [n], positions [n], visibility [n, start+n] -> logits [n, V]."""
-        n = len(tokens)
-        bits = self._tree_bits(visibility, start, "forward")
-        logits = self.adapter.forward(self._put(tokens, torch.int64), self._put(positions, torch.int64), self._one(n),
-                                      self._put([start], torch.int64), bits)
-        return _numpy(logits)
-
-    def _tree_bits(self, visibility: np.ndarray, context: int, method: str) -> torch.Tensor:
-        """v1's visibility [n, context + n] -> the tree block's bits [n, W]; v2 sees every context slot."""
-        visibility = np.asarray(visibility, dtype=bool)
-        if not visibility[:, :context].all():
-            raise ValueError(f"{method}: a protocol 2 adapter sees every cached slot; visibility[:, :{context}] "
-                             "must be all True")
-        return pack_visibility(self._put(visibility[:, context:]))
+        return _numpy(self.adapter.forward(*forward_of_one(tokens, positions, visibility, start, self.device)))
 
     def topk_logprobs(self, draft_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return tuple(_numpy(t[0]) for t in self.adapter.topk_logprobs(self._put(draft_logits)[None], k))
@@ -275,7 +264,7 @@ class PerRequest:
         n, slots = np.asarray(visibility).shape
         o_lat = self.adapter.attention(self._put(q_lat), self._put(q_pe), self._put(c_kv), self._put(k_pe),
                                        self._one(n), self._put([0], torch.int64), self._put([slots - n], torch.int64),
-                                       self._tree_bits(visibility, slots - n, "attention"), scale)
+                                       tree_bits(visibility, slots - n, self.device, "attention"), scale)
         return _numpy(o_lat)
 
 
