@@ -368,3 +368,17 @@ def test_padded_and_ragged_are_inverse(counts, extra):
     assert torch.equal(sizes(offsets), counts) and torch.equal(to_ragged(padded, counts), values)
     for b, n in enumerate(counts.tolist()):
         assert torch.equal(padded[b, :n], values[offsets[b]:offsets[b + 1]]) and bool((padded[b, n:] == -7).all())
+
+
+def test_in_bf16_the_batched_model_rows_are_skipped_saying_why():
+    """The routing watch that tells a bf16 routing flip from a bug follows one request at a time:
+    in bf16 every batched model row is a skipped row naming that, none is judged."""
+    path = GOLDEN_DIR / "tiny2.kdtr"
+    if not path.exists():
+        pytest.skip(f"golden fixture {path} is absent (generate it with `refgen generate --all`)")
+    adapter = CheckedV2(TorchAdapter())
+    with kdtr_format.open(path) as reader:
+        rows = batched_model.batched_model_checks(adapter, set(TorchAdapter.capabilities), reader, path.name,
+                                                  "bfloat16")
+    assert [c.name for c in rows] == list(batched_model.ROWS)
+    assert all(c.status is Status.SKIPPED and "judged in float32 only" in c.detail for c in rows)
