@@ -31,7 +31,8 @@ def target_of(path: str) -> str:
     return os.path.realpath(path)
 
 
-def _name_limit(directory: str) -> int:
+def name_limit(directory: str | os.PathLike) -> int:
+    """The longest file name `directory`'s file system takes, in bytes (255 where it does not say)."""
     try:
         return os.pathconf(directory, "PC_NAME_MAX")
     except (OSError, ValueError):
@@ -57,7 +58,7 @@ def create_beside(path: str, extension: str = "") -> tuple[int, str]:
     if os.path.isdir(target):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     directory, base = os.path.split(target)
-    limit = _name_limit(directory)
+    limit = name_limit(directory)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     for _ in range(100):
         tmp = os.path.join(directory, _temporary_name(base, limit, extension))

@@ -150,7 +150,7 @@ class OutputFile(_OutputPath):
             return f"{text!r}: directory {str(directory)!r} does not exist"
         if not os.access(directory, os.W_OK | os.X_OK):
             return f"{text!r}: directory {str(directory)!r} is not writable"
-        if len(os.fsencode(path.name)) > _name_max(directory):
+        if len(os.fsencode(path.name)) > atomic.name_limit(directory):
             return f"{text!r}: the file name is too long"
         return None
 
@@ -162,13 +162,6 @@ class OutputDirectory(_OutputPath):
 
     def problem(self, text: str, path: Path) -> str | None:
         return f"{text!r} exists and is not a directory" if path.exists() and not path.is_dir() else None
-
-
-def _name_max(directory: Path) -> int:
-    try:
-        return os.pathconf(directory, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return 255
 
 
 @contextmanager
