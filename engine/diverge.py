@@ -240,7 +240,7 @@ def batch_way(model: Transformer, prompts: Sequence[Sequence[int]], tokens: Sequ
               request: int = 0) -> Way:
     """Every request's prompt prefilled in one ragged forward, then one batched decode step per
     token (each request teacher-forced on its own tokens; one that has none left sits out);
-    request `request`'s rows are kept. The built-in engine only (the protocol has no batches)."""
+    request `request`'s rows are kept. The built-in engine only (it batches the model itself)."""
     device = model.device
     batch = len(prompts)
     lengths = [len(p) for p in prompts]

@@ -115,7 +115,7 @@ def run(subject: Subject, way: str, count: int, batch: int = 4,
         other = chunk_way(adapter, prompt, new)
     else:
         if not isinstance(adapter, TorchAdapter):
-            raise ValueError("the batch way needs the built-in engine (the adapter protocol has no batches)")
+            raise ValueError("the batch way needs the built-in engine (it batches the model itself, not an adapter)")
         generator = np.random.default_rng(0)
         vocab = adapter.model.cfg.vocab_size
         others = [generator.integers(0, vocab, size=max(1, len(prompt) // (b + 2))).tolist() for b in range(batch - 1)]
