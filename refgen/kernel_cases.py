@@ -21,17 +21,17 @@ import numpy as np
 
 from kdtr_format import PRESETS
 
+from .case_inputs import JUNK, SCORE_STD, random_walk, tree_shape
 from .corpus import CORPUS_CASES, corpus_case
 from .ddtree import Tree, accept, build_tree, compact, compile_tree, topk_logprobs
 from .fixtures import (FIXTURE_FORMAT, Fixture, FixtureError, Progress, generator_info, sub_seed,
                        topk_gaps)
 from .model import absorbed_attention, softmax_scale
+from .paged_cases import PAGED_CASES, paged_case
 
-KERNEL_KINDS = ("tree_build", "verify_attention", "accept_compact", "corpus")
+KERNEL_KINDS = ("tree_build", "verify_attention", "accept_compact", "paged_kv", "corpus")
 LOGIT_QUANTUM = 2.0 ** -10   # random draft logits are multiples of this
 KV_GAP_ROWS = 3              # junk rows between two requests' keys in a verify batch
-JUNK = 1e4                   # their value: any kernel that reads them is visibly wrong
-SCORE_STD = 2.0              # random attention inputs give scores of about this spread
 _TREE, _ATTENTION, _ACCEPT = 10, 11, 12   # sub-seed streams (refgen.fixtures uses 0..2)
 
 TOLERANCES = {"o_lat": {"rtol": 1e-5, "atol": 1e-5}, "lse": {"rtol": 1e-5, "atol": 1e-5},
@@ -165,20 +165,6 @@ ATTENTION_CASES_LARGE = (
 )
 
 
-def _tree_shape(shape: str, nodes: int, rng: np.random.Generator) -> Tree:
-    """A tree of `nodes` non-root nodes; tokens are placeholders (attention ignores them)."""
-    if shape == "root":
-        parents = np.array([-1])
-    elif shape == "chain":
-        parents = np.arange(-1, nodes)
-    elif shape == "star":
-        parents = np.array([-1] + [0] * nodes)
-    elif shape == "random":
-        logits = rng.standard_normal((6, 8))
-        return build_tree(*topk_logprobs(logits, 4), nodes)
-    else:
-        raise FixtureError(f"unknown tree shape {shape!r} (root, chain, star, random)")
-    return Tree.from_parents(parents, np.zeros(len(parents), dtype=np.int64))
 
 
 def _attention_case(case: AttentionCase, seed: int, index: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -187,7 +173,7 @@ def _attention_case(case: AttentionCase, seed: int, index: int) -> tuple[dict[st
     scale = softmax_scale(cfg)
     rng = np.random.default_rng(sub_seed(seed, _ATTENTION, index, 0))
     q_std = SCORE_STD / (scale * np.sqrt(R + dr))
-    trees = [_tree_shape(shape, nodes, rng) for shape, nodes in case.trees]
+    trees = [tree_shape(shape, nodes, rng) for shape, nodes in case.trees]
     sizes = np.array([t.n + 1 for t in trees], dtype=np.int64)
     contexts = np.array(case.contexts, dtype=np.int64)
     q_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -260,21 +246,6 @@ ACCEPT_CASES_LARGE = (
 TRAILING_ROWS = 4   # cache rows past the tree: compaction must leave them alone
 
 
-def _random_walk(tree: Tree, vocab: int, rng: np.random.Generator) -> np.ndarray:
-    """Choices [n+1] that follow a random path down `tree` (at each node: a random
-    child with odds 4:1, else a token no child has); off the path, random tokens."""
-    choices = rng.integers(0, vocab, size=tree.n + 1)
-    node = 0
-    while True:
-        children = np.flatnonzero(tree.parents == node)
-        taken = set(tree.tokens[children].tolist())
-        if children.size and rng.random() < 0.8:
-            node_next = int(rng.choice(children))
-            choices[node] = tree.tokens[node_next]
-            node = node_next
-            continue
-        choices[node] = next(int(t) for t in rng.permutation(vocab) if int(t) not in taken)
-        return choices.astype(np.int64)
 
 
 def _accept_case(case: AcceptCase, seed: int, index: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -287,7 +258,7 @@ def _accept_case(case: AcceptCase, seed: int, index: int) -> tuple[dict[str, np.
         logits = rng.standard_normal((15, case.vocab))
         tree = build_tree(*topk_logprobs(logits, case.nodes), case.nodes)
         tree = tree.with_root(int(rng.integers(case.vocab)))
-        choices = _random_walk(tree, case.vocab, rng)
+        choices = random_walk(tree, case.vocab, rng)
     accepted, next_root = accept(tree, choices)
     rows = case.start + tree.n + 1 + TRAILING_ROWS
     c_kv = rng.standard_normal((rows, cfg.kv_lora_rank)).astype(np.float32)
@@ -310,6 +281,7 @@ _KINDS = {
     "tree_build": (_tree_case, TREE_CASES, TREE_CASES_LARGE),
     "verify_attention": (_attention_case, ATTENTION_CASES, ATTENTION_CASES_LARGE),
     "accept_compact": (_accept_case, ACCEPT_CASES, ACCEPT_CASES_LARGE),
+    "paged_kv": (paged_case, PAGED_CASES, ()),            # refgen/paged_cases.py: small cases only
     "corpus": (corpus_case, CORPUS_CASES, ()),          # refgen/corpus.py: small cases only
 }
 

@@ -66,7 +66,7 @@ def assert_one_line_error(result, *fragments: str) -> None:
 def test_verify_passes_on_the_committed_fixtures(refgen_process):
     done = refgen_process("verify")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "passed: 6 of 6" in done.stdout
+    assert "passed: 7 of 7" in done.stdout
 
 
 @pytest.mark.parametrize("rehash", [True, False], ids=["hash-recomputed", "hash-stale"])
@@ -94,7 +94,7 @@ def test_verify_checks_what_a_directory_holds(golden, refgen_cli, tmp_path, monk
     monkeypatch.setattr("refgen.cli.COMMITTED_DIR", tmp_path)
     result = refgen_cli("verify", tmp_path)
     assert result.exit_code == 1
-    assert result.stdout.count("MISSING") == 5 and "tiny.kdtr" in result.stdout
+    assert result.stdout.count("MISSING") == 6 and "tiny.kdtr" in result.stdout
     assert "ok" in result.stdout and "tree_build.kdtr" in result.stdout
 
 

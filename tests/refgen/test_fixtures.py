@@ -22,7 +22,7 @@ from refgen.fixtures import (FixtureError, FixturePlan, TraceSpec, compare, mode
 from refgen.kernel_cases import kernel_fixture
 
 MODEL_FIXTURES = ("tiny", "tiny2")
-KERNEL_FIXTURES = ("tree_build", "verify_attention", "accept_compact")
+KERNEL_FIXTURES = ("tree_build", "verify_attention", "accept_compact", "paged_kv")
 ALL_FIXTURES = [f"{name}.kdtr" for name in MODEL_FIXTURES] + [f"kernels/{k}.kdtr" for k in KERNEL_FIXTURES]
 
 
@@ -326,6 +326,99 @@ def test_verify_attention_cases_match_float64_attention(open_golden):
         assert (c_kv[~read] == refgen.kernel_cases.JUNK).all()
     dims = {(c["heads"], c["kv_lora_rank"], c["qk_rope_head_dim"]) for c in f.metadata["cases"]}
     assert (64, 512, 64) in dims
+
+
+def paged_rows(pool: np.ndarray, table_row: np.ndarray, length: int) -> np.ndarray:
+    """pool [P, page, w], one request's block-table row -> its logical rows [length, w]."""
+    page = pool.shape[1]
+    return np.stack([pool[table_row[s // page], s % page] for s in range(length)])
+
+
+def paged_cases(f, op: str) -> list[dict]:
+    return [case for case in f.metadata["cases"] if case["op"] == op]
+
+
+def check_paging(case: dict, table: np.ndarray, lengths: list[int], sharer_starts: list[int]) -> set[int]:
+    """Block-table structure: each request holds exactly its pages, -1 past them, pages out of
+    order, shared pages only between requests 0 and 1 and only below both starts -> the pages held."""
+    page = case["page_size"]
+    held: dict[int, list[tuple[int, int]]] = {}
+    for b, length in enumerate(lengths):
+        count = -(-length // page)
+        assert (table[b, :count] >= 0).all() and (table[b, count:] == -1).all()
+        for j, p in enumerate(table[b, :count].tolist()):
+            held.setdefault(p, []).append((b, j))
+    shared = sorted(p for p, owners in held.items() if len(owners) > 1)
+    assert shared == case["shared_pages"]
+    for p in shared:
+        owners = held[p]
+        assert [b for b, _ in owners] == [0, 1] and owners[0][1] == owners[1][1]
+        assert (owners[0][1] + 1) * page <= min(sharer_starts)           # context slots only
+    assert any((np.diff(table[b][table[b] >= 0]) < 0).any() for b in range(len(lengths)))    # out of order
+    return set(held)
+
+
+def test_paged_attention_cases_match_float64_attention_through_the_block_table(open_golden):
+    f = open_golden("kernels/paged_kv.kdtr")
+    cases = paged_cases(f, "attention")
+    assert {c["page_size"] for c in cases} == {1, 16, 64}
+    for case in cases:
+        def g(name: str) -> np.ndarray:
+            return f[f"cases/{case['name']}/{name}"]
+
+        c_pool, k_pool, table = g("c_kv_pages"), g("k_pe_pages"), g("block_table")
+        context, sizes, q_offsets, bits = (g(n) for n in ("context", "tree_sizes", "q_offsets", "visibility_bits"))
+        lengths = (context + sizes).tolist()
+        held = check_paging(case, table, lengths, context[:2].tolist())
+        if case["shared_pages"]:
+            assert case["batch"] >= 2
+        read = np.zeros(c_pool.shape[:2], dtype=bool)
+        for b, length in enumerate(lengths):
+            for s in range(length):
+                read[table[b, s // case["page_size"]], s % case["page_size"]] = True
+            c_kv, k_pe = (paged_rows(pool, table[b], length).astype(np.float64) for pool in (c_pool, k_pool))
+            for i in range(sizes[b]):
+                t = q_offsets[b] + i
+                row = [(int(bits[t, j // 32]) >> (j % 32)) & 1 for j in range(32 * bits.shape[1])]
+                visible = np.concatenate([np.ones(context[b], dtype=bool), np.array(row[:sizes[b]], dtype=bool)])
+                scores = (np.einsum("hr,sr->hs", g("q_lat")[t].astype(np.float64), c_kv)
+                          + np.einsum("hr,sr->hs", g("q_pe")[t].astype(np.float64), k_pe))[:, visible] * case["scale"]
+                peak = scores.max(axis=1, keepdims=True)
+                weights = np.exp(scores - peak)
+                np.testing.assert_allclose(g("lse")[t], peak[:, 0] + np.log(weights.sum(axis=1)), rtol=1e-12)
+                np.testing.assert_allclose(g("o_lat")[t], (weights / weights.sum(axis=1, keepdims=True)) @ c_kv[visible],
+                                           rtol=1e-6, atol=1e-6)
+        assert (c_pool[~read] == refgen.kernel_cases.JUNK).all() and (k_pool[~read] == refgen.kernel_cases.JUNK).all()
+        assert len(held) < c_pool.shape[0]                                  # spare pages nobody holds
+
+
+def test_paged_compaction_cases_move_only_the_requests_own_slots(open_golden):
+    f = open_golden("kernels/paged_kv.kdtr")
+    cases = paged_cases(f, "compact")
+    assert {c["page_size"] for c in cases} == {1, 16, 64} and all(c["shared_pages"] for c in cases)
+    prefixes = set()
+    for case in cases:
+        def g(name: str) -> np.ndarray:
+            return f[f"cases/{case['name']}/{name}"]
+
+        table, starts, accepted, offsets = g("block_table"), g("starts"), g("accepted"), g("accept_offsets")
+        lengths = [int(s) + n for s, n in zip(starts, case["nodes"])]
+        check_paging(case, table, lengths, starts[:2].tolist())
+        page = case["page_size"]
+        for name in ("c_kv", "k_pe"):
+            expected = g(f"{name}_pages").copy()
+            for b in range(case["batch"]):
+                path = accepted[offsets[b]:offsets[b + 1]].tolist()
+                assert path[0] == 0 and path == sorted(set(path))
+                prefixes.add(path == list(range(len(path))))
+                for k, node in enumerate(path):
+                    dst, src = starts[b] + k, starts[b] + node
+                    expected[table[b, dst // page], dst % page] = expected[table[b, src // page], src % page]
+            np.testing.assert_array_equal(g(f"{name}_after"), expected)
+        after = g("c_kv_after")
+        for p in case["shared_pages"] + sorted(set(range(after.shape[0])) - set(table[table >= 0].tolist())):
+            np.testing.assert_array_equal(after[p], g("c_kv_pages")[p])
+    assert prefixes == {True, False}
 
 
 def test_accept_compact_cases(open_golden):
