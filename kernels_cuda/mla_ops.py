@@ -284,6 +284,8 @@ def _verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: t
     if batch > 0 and total_tokens > 0 and (max_tree is None or max_kv is None):
         max_tree, max_kv, kv_lens = _check_values(*index, total_tokens, visibility.shape[1])
         keys.check_values(kv_lens, cache_rows, page_size)
+    if max_kv is not None:
+        keys.check_capacity(max_kv, page_size)
     _check_device({"q_lat": q_lat, "q_pe": q_pe, "c_kv": c_kv, "k_pe": k_pe, "visibility": visibility,
                    **dict(zip(_INDEX_NAMES, index)), "block_table" if keys.paged else "kv_offsets": keys.table,
                    "out[0]": o_lat, "out[1]": lse})
@@ -291,7 +293,6 @@ def _verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: t
         return o_lat, lse
     if visibility.shape[1] * 32 < max_tree:
         raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
-    keys.check_capacity(max_kv, page_size)
     fast = (not generic and not invariant and uses_tensor_cores(q_lat.dtype, kv_lora, q_pe.shape[2], q_lat.device)
             and (not keys.paged or paged_tensor_cores(page_size))
             and all(t.data_ptr() % 16 == 0 for t in (q_lat, q_pe, c_kv, k_pe)))   # TMA alignment

@@ -189,7 +189,6 @@ constexpr int kChunkBytes = 64 * 128;     // one [64 rows][64 dims] bf16 chunk
 constexpr int kTileBytes = kChunks * kChunkBytes;  // a Q tile or a key tile: 72 KB
 constexpr int kStages = 2;                // key tiles in flight
 constexpr int kMinBox = 8;                // key rows per TMA box at least: one 1024-byte swizzle period
-constexpr int kMaxBoxes = 64 / kMinBox;   // boxes per chunk of a key tile at most
 constexpr int kThreads = 256;             // two warpgroups
 // Shared memory, from a 1024-byte aligned base (the 128-byte swizzle repeats every 1024 bytes).
 constexpr int kOffQ = 0;
@@ -221,6 +220,7 @@ __host__ __device__ __forceinline__ int key_box(const MlaParams& p) {
 
 namespace k2 {
 constexpr int kBN = 64;  // keys per tile
+constexpr int kMaxBoxes = kBN / kMinBox;  // TMA boxes per chunk of a key tile at most
 constexpr int kBarWg0 = 1;  // named barrier of warpgroup 0 alone (0 is __syncthreads)
 }  // namespace k2
 
