@@ -5,9 +5,13 @@ A ragged batch of B requests (csrc/mla_verify.cu has the math):
     q_lat [T, H, R], q_pe [T, H, dr]     request b's queries are rows q_offsets[b] ..
                                          q_offsets[b] + tree_sizes[b] (T = the sum of tree
                                          sizes, or more with padding rows, left unwritten)
-    c_kv [S, R], k_pe [S, dr]            request b's keys are rows kv_offsets[b] ..
-                                         kv_offsets[b] + context[b] + tree_sizes[b]
-                                         (its cached context, then its tree tokens)
+    c_kv [S, R], k_pe [S, dr]            request b's keys, slots 0 .. context[b] + tree_sizes[b]
+                                         (its cached context, then its tree tokens), are
+                                         rows kv_offsets[b] + s (`mla_verify`)
+    c_kv [P, page, R], k_pe [P, page, dr]  or pages, as vLLM / FlashMLA keep them
+    block_table int32 [B, W]             (`mla_verify_paged`): slot s is row s % page of page
+                                         block_table[b, s // page]; entries past a request's
+                                         last page may be -1 and are never read
     visibility [T, W] int32 / uint32     row t: bit j of word j // 32 = token t sees tree token j
                                          (of its own tree); every context key is visible
     -> o_lat [T, H, R] (q's dtype or float32), lse [T, H] float32 (natural log-sum-exp of the
@@ -15,7 +19,10 @@ A ragged batch of B requests (csrc/mla_verify.cu has the math):
 
 Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. bf16 at Kimi K2
 dims (R 512, dr 64) runs on the tensor cores of a Hopper GPU (wgmma, TMA); every other case
-on a CUDA-core path.
+on a CUDA-core path. Paged, the tensor cores read pages of a multiple of 64 slots (one TMA box
+per 64-key tile and chunk, as contiguous) or of 8, 16 or 32 slots (64 / page boxes); other page
+sizes (1, 2, 4, non-divisors of 64) take the CUDA-core path (`paged_tensor_cores`). Both paths
+compute the same bits paged and contiguous on the same logical keys.
 
 `mla_verify` checks its arguments (a bad one raises `MlaInputError` naming it) and runs the
 op `kdtree::mla_verify_out` on torch's current stream. Long key ranges are split across
@@ -54,7 +61,7 @@ SPLIT_COST_TILES = 4    # a split's fixed cost (its Q tile, pipeline fill, parti
 MAX_SPLITS = 128        # the combine kernel's limit
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_INDEX_NAMES = ("context", "tree_sizes", "q_offsets", "kv_offsets")
+_INDEX_NAMES = ("context", "tree_sizes", "q_offsets")
 
 
 class MlaInputError(ValueError):
@@ -74,6 +81,13 @@ def uses_tensor_cores(dtype: torch.dtype, kv_lora: int, rope_dim: int, device: t
     says its wgmma / TMA code runs on `device` (sm_90a code built in, compute capability 9.0),
     inputs 16-byte aligned as torch allocations are."""
     return dtype == torch.bfloat16 and kv_lora == 512 and rope_dim == 64 and _tensor_cores_on(device)
+
+
+def paged_tensor_cores(page_size: int) -> bool:
+    """Whether the tensor-core path reads pages of `page_size` slots: a multiple of 64 (one TMA
+    box per 64-key tile and chunk), or 8, 16 or 32 (64 / page_size boxes, each at least one
+    1024-byte period of the 128-byte swizzle). Other sizes take the CUDA-core path."""
+    return page_size % KEY_BLOCK == 0 or (KEY_BLOCK % page_size == 0 and page_size >= 8)
 
 
 @functools.cache
@@ -118,37 +132,43 @@ def pack_visibility(visibility: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("kdtree::mla_verify_out", mutates_args=("o_lat", "lse"))
 def mla_verify_out(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                    context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
-                   kv_offsets: torch.Tensor, visibility: torch.Tensor, scale: float, max_tree: int,
+                   kv_offsets: torch.Tensor | None, visibility: torch.Tensor, scale: float, max_tree: int,
                    num_splits: int, split_keys: int, generic: bool,
-                   o_lat: torch.Tensor, lse: torch.Tensor) -> None:
-    """Writes o_lat [T, H, R] and lse [T, H]; arguments already checked by `mla_verify`.
-    num_splits * split_keys (a multiple of 32) covers every request's keys; generic forces
-    the CUDA-core path (the tensor-core one needs bf16, K2 dims, 16-byte aligned inputs and
-    an sm_90a build: Hopper's wgmma and TMA)."""
+                   o_lat: torch.Tensor, lse: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+    """Writes o_lat [T, H, R] and lse [T, H]; arguments already checked by `mla_verify` /
+    `mla_verify_paged`. Keys: kv_offsets [B] with c_kv [S, R], or block_table [B, W] with
+    pools c_kv [P, page, R] (kv_offsets None). num_splits * split_keys (a multiple of 32)
+    covers every request's keys; paged on the tensor cores, split_keys is a multiple of
+    min(page, 64) too. generic forces the CUDA-core path (the tensor-core one needs bf16, K2
+    dims, 16-byte aligned inputs, a page size `paged_tensor_cores` takes, and an sm_90a
+    build: Hopper's wgmma and TMA)."""
     total_tokens, heads, kv_lora = q_lat.shape
     rows = total_tokens * heads
     part_o = part_lse = None
     if num_splits > 1:
         part_o = torch.empty((num_splits, rows, kv_lora), dtype=torch.float32, device=q_lat.device)
         part_lse = torch.empty((num_splits, rows), dtype=torch.float32, device=q_lat.device)
+    paged = block_table is not None
     p = ctypes.c_void_p
     fn = _lib.function("kdtree_mla_verify", (
-        p, p, p, p, p, p, p, p, p, ctypes.c_int, p, p, p, p,
+        p, p, p, p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, p, ctypes.c_int, p, p, p, p,
         ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, p))
     status = fn(
         _lib.ptr(q_lat), _lib.ptr(q_pe), _lib.ptr(c_kv), _lib.ptr(k_pe), _lib.ptr(context),
-        _lib.ptr(tree_sizes), _lib.ptr(q_offsets), _lib.ptr(kv_offsets), _lib.ptr(visibility),
-        visibility.shape[1], _lib.ptr(o_lat), _lib.ptr(lse),
+        _lib.ptr(tree_sizes), _lib.ptr(q_offsets), p(None) if paged else _lib.ptr(kv_offsets),
+        _lib.ptr(block_table) if paged else p(None), block_table.shape[1] if paged else 0,
+        c_kv.shape[1] if paged else 0, _lib.ptr(visibility), visibility.shape[1], _lib.ptr(o_lat), _lib.ptr(lse),
         p(None) if part_o is None else _lib.ptr(part_o), p(None) if part_lse is None else _lib.ptr(part_lse),
-        context.shape[0], total_tokens, c_kv.shape[0], heads, kv_lora, q_pe.shape[2], max_tree, num_splits, split_keys,
-        scale, _DTYPE_CODES[q_lat.dtype], _DTYPE_CODES[o_lat.dtype], int(generic), _lib.stream(q_lat.device))
+        context.shape[0], total_tokens, c_kv.numel() // kv_lora, heads, kv_lora, q_pe.shape[2], max_tree,
+        num_splits, split_keys, scale, _DTYPE_CODES[q_lat.dtype], _DTYPE_CODES[o_lat.dtype], int(generic),
+        _lib.stream(q_lat.device))
     _lib.check(status, "kdtree_mla_verify")
 
 
 @mla_verify_out.register_fake
 def _(q_lat, q_pe, c_kv, k_pe, context, tree_sizes, q_offsets, kv_offsets, visibility, scale,
-      max_tree, num_splits, split_keys, generic, o_lat, lse) -> None:
+      max_tree, num_splits, split_keys, generic, o_lat, lse, block_table=None) -> None:
     return None
 
 
@@ -158,7 +178,8 @@ def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
                max_tree: int | None = None, max_kv: int | None = None,
                out_dtype: torch.dtype | None = None, generic: bool = False, invariant: bool = False,
                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tree-verify attention (module docstring) -> (o_lat [T, H, R], lse [T, H] float32).
+    """Tree-verify attention (module docstring) over c_kv [S, R], k_pe [S, dr], request b's
+    keys at rows kv_offsets[b] .. -> (o_lat [T, H, R], lse [T, H] float32).
 
     max_tree / max_kv: the largest tree size and context + tree size. When either is None,
     the index arrays are read back once (a device sync) and their values are checked too
@@ -167,10 +188,87 @@ def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
     invariant: the invariant plan (module docstring; implies generic).
     out: (o_lat, lse) to write into instead of fresh tensors.
     """
-    _check_tensors(q_lat, q_pe, c_kv, k_pe, visibility)
-    batch = context.shape[0] if context.dim() == 1 else -1
+    keys = _KeyRows(_index_tensor("kv_offsets", kv_offsets, _batch_of(context)), paged=False)
+    return _verify(q_lat, q_pe, c_kv, k_pe, context, tree_sizes, q_offsets, keys, visibility, scale,
+                   max_tree, max_kv, out_dtype, generic, invariant, out)
+
+
+def mla_verify_paged(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                     context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
+                     block_table: torch.Tensor, visibility: torch.Tensor, scale: float, *,
+                     max_tree: int | None = None, max_kv: int | None = None,
+                     out_dtype: torch.dtype | None = None, generic: bool = False, invariant: bool = False,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_verify` with the keys in pages: c_kv [P, page, R], k_pe [P, page, dr] and
+    block_table int32 [B, W] (module docstring) -> (o_lat [T, H, R], lse [T, H] float32).
+
+    The same plan, paths and bits as `mla_verify` on the same logical keys; page sizes that
+    `paged_tensor_cores` rejects (1, 2, 4, non-divisors of 64) take the CUDA-core path. With
+    max_tree / max_kv None the values are checked as by `mla_verify`, and each request's pages
+    (ceil((context + tree) / page) entries of its table row) must lie in [0, P); given, they
+    are trusted and only ceil(max_kv / page) <= W is checked.
+    """
+    if not isinstance(block_table, torch.Tensor):
+        raise MlaInputError(f"block_table: expected a torch.Tensor, got {type(block_table).__name__}")
+    batch = _batch_of(context)
+    if block_table.dtype != torch.int32:
+        raise MlaInputError(f"block_table: dtype {block_table.dtype}, expected int32")
+    if block_table.dim() != 2 or (batch >= 0 and block_table.shape[0] != batch) or block_table.shape[1] == 0:
+        raise MlaInputError(f"block_table: shape {tuple(block_table.shape)}, expected ({batch}, W >= 1)")
+    if not block_table.is_contiguous():
+        raise MlaInputError("block_table: must be contiguous (call .contiguous())")
+    keys = _KeyRows(block_table, paged=True)
+    return _verify(q_lat, q_pe, c_kv, k_pe, context, tree_sizes, q_offsets, keys, visibility, scale,
+                   max_tree, max_kv, out_dtype, generic, invariant, out)
+
+
+@dataclass(frozen=True)
+class _KeyRows:
+    """Where request b's key slots are (module docstring): `table` is kv_offsets [B]
+    (contiguous) or a block table [B, W] (paged: the pools' page size is c_kv.shape[1])."""
+
+    table: torch.Tensor
+    paged: bool
+
+    def check_capacity(self, max_kv: int, page_size: int) -> None:
+        """The table's rows can hold max_kv keys (host values only)."""
+        if self.paged and math.ceil(max_kv / page_size) > self.table.shape[1]:
+            raise MlaInputError(f"block_table: {self.table.shape[1]} pages per request cannot hold {max_kv} keys "
+                                f"in pages of {page_size}")
+
+    def check_values(self, kv_lens: list[int], cache_rows: int, page_size: int) -> None:
+        """Every request's key slots 0 .. kv_lens[b] land on rows of the cache (reads the table back)."""
+        if not self.paged:
+            for b, (k, n) in enumerate(zip(self.table.tolist(), kv_lens)):
+                if k < 0 or k + n > cache_rows:
+                    raise MlaInputError(f"request {b}: keys {k}..{k + n} are outside c_kv's {cache_rows} rows")
+            return
+        pages, width = cache_rows // page_size, self.table.shape[1]
+        for b, (row, n) in enumerate(zip(self.table.tolist(), kv_lens)):
+            need = math.ceil(n / page_size)
+            if need > width:
+                raise MlaInputError(f"request {b}: {n} keys need {need} pages of {page_size}, "
+                                    f"block_table has {width} per request")
+            bad = [(j, v) for j, v in enumerate(row[:need]) if not 0 <= v < pages]
+            if bad:
+                raise MlaInputError(f"request {b}: block_table[{b}, {bad[0][0]}] = {bad[0][1]} is not a page of "
+                                    f"the pool's {pages}")
+
+
+def _batch_of(context: torch.Tensor) -> int:
+    return context.shape[0] if isinstance(context, torch.Tensor) and context.dim() == 1 else -1
+
+
+def _verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+            context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor, keys: _KeyRows,
+            visibility: torch.Tensor, scale: float, max_tree: int | None, max_kv: int | None,
+            out_dtype: torch.dtype | None, generic: bool, invariant: bool,
+            out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_verify` and `mla_verify_paged`: checks, plan, launch (one code path for both layouts)."""
+    _check_tensors(q_lat, q_pe, c_kv, k_pe, visibility, cache_dims=3 if keys.paged else 2)
+    batch = _batch_of(context)
     index = [_index_tensor(name, t, batch + (name == "q_offsets"))
-             for name, t in zip(_INDEX_NAMES, (context, tree_sizes, q_offsets, kv_offsets))]
+             for name, t in zip(_INDEX_NAMES, (context, tree_sizes, q_offsets))]
     if not math.isfinite(scale) or scale <= 0:
         raise MlaInputError(f"scale: must be a finite positive number, got {scale!r}")
     out_dtype = q_lat.dtype if out_dtype is None else out_dtype
@@ -178,37 +276,48 @@ def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
         raise MlaInputError(f"out_dtype: must be the inputs' dtype {q_lat.dtype} or float32, got {out_dtype}")
     total_tokens, heads, kv_lora = q_lat.shape
     o_lat, lse = _outputs(out, (total_tokens, heads, kv_lora), out_dtype, q_lat.device)
-    _check_device(q_lat, q_pe, c_kv, k_pe, visibility, *index, o_lat, lse)
-    if batch == 0 or total_tokens == 0:
-        return o_lat, lse
-    if max_tree is None or max_kv is None:
-        max_tree, max_kv = _check_values(*index, total_tokens, c_kv.shape[0], visibility.shape[1])
-    if max_tree <= 0:
+    page_size = c_kv.shape[1] if keys.paged else 0
+    if keys.paged and min(c_kv.shape[:2]) == 0:
+        raise MlaInputError(f"c_kv: a pool of {c_kv.shape[0]} pages of {page_size} slots "
+                            f"(expected [P >= 1, page_size >= 1, R])")
+    cache_rows = c_kv.numel() // kv_lora
+    if batch > 0 and total_tokens > 0 and (max_tree is None or max_kv is None):
+        max_tree, max_kv, kv_lens = _check_values(*index, total_tokens, visibility.shape[1])
+        keys.check_values(kv_lens, cache_rows, page_size)
+    if max_kv is not None:
+        keys.check_capacity(max_kv, page_size)
+    _check_device({"q_lat": q_lat, "q_pe": q_pe, "c_kv": c_kv, "k_pe": k_pe, "visibility": visibility,
+                   **dict(zip(_INDEX_NAMES, index)), "block_table" if keys.paged else "kv_offsets": keys.table,
+                   "out[0]": o_lat, "out[1]": lse})
+    if batch == 0 or total_tokens == 0 or max_tree <= 0:
         return o_lat, lse
     if visibility.shape[1] * 32 < max_tree:
         raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
     fast = (not generic and not invariant and uses_tensor_cores(q_lat.dtype, kv_lora, q_pe.shape[2], q_lat.device)
+            and (not keys.paged or paged_tensor_cores(page_size))
             and all(t.data_ptr() % 16 == 0 for t in (q_lat, q_pe, c_kv, k_pe)))   # TMA alignment
     sm_count = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
     plan = plan_splits(batch, max_tree, heads, max_kv, fast, sm_count, invariant)
-    torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, visibility, float(scale), max_tree,
-                                    plan.num_splits, plan.split_keys, not fast, o_lat, lse)
+    torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, None if keys.paged else keys.table, visibility,
+                                    float(scale), max_tree, plan.num_splits, plan.split_keys, not fast, o_lat, lse,
+                                    keys.table if keys.paged else None)
     return o_lat, lse
 
 
 def _check_tensors(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                   visibility: torch.Tensor) -> None:
+                   visibility: torch.Tensor, cache_dims: int) -> None:
+    """Types, dims, shapes, dtypes, contiguity; c_kv / k_pe have cache_dims dims ([S, .] or [P, page, .])."""
     named = {"q_lat": q_lat, "q_pe": q_pe, "c_kv": c_kv, "k_pe": k_pe, "visibility": visibility}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise MlaInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    for name, dims in (("q_lat", 3), ("q_pe", 3), ("c_kv", 2), ("k_pe", 2), ("visibility", 2)):
+    for name, dims in (("q_lat", 3), ("q_pe", 3), ("c_kv", cache_dims), ("k_pe", cache_dims), ("visibility", 2)):
         if named[name].dim() != dims:
             raise MlaInputError(f"{name}: expected {dims} dims, got shape {tuple(named[name].shape)}")
     total_tokens, heads, kv_lora = q_lat.shape
     rope_dim = q_pe.shape[2]
-    expected = {"q_pe": (total_tokens, heads, rope_dim), "c_kv": (c_kv.shape[0], kv_lora),
-                "k_pe": (c_kv.shape[0], rope_dim)}
+    slots = tuple(c_kv.shape[:-1])
+    expected = {"q_pe": (total_tokens, heads, rope_dim), "c_kv": (*slots, kv_lora), "k_pe": (*slots, rope_dim)}
     for name, shape in expected.items():
         if tuple(named[name].shape) != shape:
             raise MlaInputError(f"{name}: shape {tuple(named[name].shape)} does not fit q_lat "
@@ -256,27 +365,27 @@ def _outputs(out: tuple[torch.Tensor, torch.Tensor] | None, shape: tuple[int, in
     return o_lat, lse
 
 
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
+def _check_device(named: dict[str, torch.Tensor]) -> None:
+    """Every tensor on q_lat's device, a CUDA one."""
+    device = named["q_lat"].device
     if device.type != "cuda":
         raise MlaInputError(f"inputs must be CUDA tensors, got {device}")
-    for t in tensors:
+    for name, t in named.items():
         if t.device != device:
-            raise MlaInputError(f"all tensors must be on {device}, found one on {t.device}")
+            raise MlaInputError(f"{name}: on {t.device}, q_lat on {device} (all tensors on one device)")
 
 
 def _check_values(context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
-                  kv_offsets: torch.Tensor, total_tokens: int, key_rows: int, vis_words: int) -> tuple[int, int]:
-    """Read the index arrays back once; check them -> (max_tree, max_kv)."""
-    ctx, tree, q_off, kv_off = (t.tolist() for t in (context, tree_sizes, q_offsets, kv_offsets))
-    for b, (c, n, k) in enumerate(zip(ctx, tree, kv_off)):
-        if c < 0 or n < 0 or k < 0:
-            raise MlaInputError(f"request {b}: negative context {c}, tree size {n} or kv offset {k}")
+                  total_tokens: int, vis_words: int) -> tuple[int, int, list[int]]:
+    """Read the index arrays back once; check them -> (max_tree, max_kv, each request's keys)."""
+    ctx, tree, q_off = (t.tolist() for t in (context, tree_sizes, q_offsets))
+    for b, (c, n) in enumerate(zip(ctx, tree)):
+        if c < 0 or n < 0:
+            raise MlaInputError(f"request {b}: negative context {c} or tree size {n}")
         if q_off[b] < 0 or q_off[b] + n > total_tokens:
             raise MlaInputError(f"request {b}: query rows {q_off[b]}..{q_off[b] + n} are outside q_lat's "
                                 f"{total_tokens} tokens")
-        if k + c + n > key_rows:
-            raise MlaInputError(f"request {b}: keys {k}..{k + c + n} run past c_kv's {key_rows} rows")
         if n > 32 * vis_words:
             raise MlaInputError(f"request {b}: tree of {n} tokens needs more than {vis_words} visibility words")
-    return max(tree, default=0), max((c + n for c, n in zip(ctx, tree)), default=0)
+    kv_lens = [c + n for c, n in zip(ctx, tree)]
+    return max(tree, default=0), max(kv_lens, default=0), kv_lens

@@ -292,28 +292,41 @@ def _(parents, tokens, n, choices, cols):
 
 @torch.library.custom_op("kdtree::compact_kv", mutates_args=("c_kv", "k_pe"))
 def compact_kv(c_kv: torch.Tensor, k_pe: torch.Tensor, starts: torch.Tensor, accepted: torch.Tensor,
-               accept_len: torch.Tensor) -> None:
-    """In place, c_kv [layers, B, S, kv_lora] and k_pe [layers, B, S, d_rope] (any one 2+ byte dtype),
-    every layer in one launch: slot starts[b] + k <- slot starts[b] + accepted[b, k] for
-    k < accept_len[b], as if in increasing k (contract section 7; non-prefix paths too).
-    Entries breaking the contract (accepted[b, k] < k, a source past S) are skipped."""
+               accept_len: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+    """In place, every layer in one launch: slot starts[b] + k <- slot starts[b] + accepted[b, k]
+    for k < accept_len[b], as if in increasing k (contract section 7; non-prefix paths too).
+
+    Contiguous (block_table None): c_kv [layers, B, S, kv_lora], k_pe [layers, B, S, d_rope];
+    request b's slot s is row s of [layer, b]. Paged: c_kv [layers, P, page_size, kv_lora],
+    k_pe [layers, P, page_size, d_rope] and block_table int32 [B, W]; slot s is row
+    s % page_size of page block_table[b, s // page_size]. Any one 2+ byte dtype. Entries
+    breaking the contract (accepted[b, k] < k, a source past S or past the table's W pages, a
+    table entry outside [0, P)) are skipped on the device: the op never syncs (CUDA graphs).
+    """
     _check(c_kv, "c_kv", (torch.float32, torch.bfloat16, torch.float16), 4)
     device = c_kv.device
     _check(k_pe, "k_pe", (c_kv.dtype,), 4, device)
-    layers, batch, slots, _ = c_kv.shape
-    _require(k_pe.shape[:3] == c_kv.shape[:3], f"k_pe: leading dims {list(k_pe.shape[:3])} != c_kv's {[layers, batch, slots]}")
+    layers, blocks, slots, _ = c_kv.shape       # blocks: requests, or pages when paged
+    _require(k_pe.shape[:3] == c_kv.shape[:3], f"k_pe: leading dims {list(k_pe.shape[:3])} != c_kv's {[layers, blocks, slots]}")
+    batch = blocks
+    if block_table is not None:
+        _check(block_table, "block_table", (torch.int32,), 2, device)
+        batch = block_table.shape[0]
+        _require(block_table.shape[1] >= 1, f"block_table: expected [B, W >= 1], got {list(block_table.shape)}")
+        _require(slots >= 1, f"c_kv: pages of {slots} slots (expected [layers, P, page_size >= 1, kv_lora])")
     _check_vector(starts, "starts", batch, device)
     _check_vector(accept_len, "accept_len", batch, device)
     _check(accepted, "accepted", (torch.int64,), 2, device)
     _require(accepted.shape[0] == batch and accepted.shape[1] >= 1,
              f"accepted: expected [{batch}, a_max >= 1], got {list(accepted.shape)}")
     row = c_kv.element_size()
+    table_stride = 0 if block_table is None else block_table.shape[1]
     _launch("kdtree_compact_kv", (c_void_p, c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p, c_void_p, c_int,
-                                  c_void_p), device,
+                                  c_void_p, c_void_p, c_int, c_int), device,
             _p(c_kv), _p(k_pe), layers, batch, slots, c_kv.shape[3] * row, k_pe.shape[3] * row, _p(starts),
-            _p(accepted), accepted.shape[1], _p(accept_len))
+            _p(accepted), accepted.shape[1], _p(accept_len), _p(block_table), table_stride, blocks)
 
 
 @compact_kv.register_fake
-def _(c_kv, k_pe, starts, accepted, accept_len):
+def _(c_kv, k_pe, starts, accepted, accept_len, block_table=None):
     return None

@@ -23,7 +23,8 @@ fi
 
 if [[ "$stage" == all || "$stage" == tests ]]; then
     echo "== tests"
-    timeout 150 python3 -m pytest tests/kernels/test_mla_verify.py -q -rfs --durations=5 2>&1 | tee "$OUT/tests.log" | tail -25
+    timeout 240 python3 -m pytest tests/kernels/test_mla_verify.py tests/kernels/test_paged_kv.py -q -rfs --durations=5 \
+        2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 
 if [[ "$stage" == all || "$stage" == sanitize ]]; then
@@ -31,24 +32,38 @@ if [[ "$stage" == all || "$stage" == sanitize ]]; then
     cat >/tmp/mla_small.py <<'EOF'
 import math, torch
 from kernels_cuda.mla_ops import pack_visibility
-# small cases: tiny dims float32 (generic path) and K2 bf16 (tensor-core path), 3 splits then 1
+# small cases: tiny dims float32 (generic path) and K2 bf16 (tensor-core path), 3 splits then 1;
+# then paged (block table, shuffled pages, 2 spare): K2 bf16 page 16 (tensor cores, 4 boxes a
+# chunk; a split of 64 keys and one of 128) and page 1 (CUDA cores)
+ctx, n = 77, 9
+vis = torch.ones(n, n, dtype=torch.bool).tril()
+g = torch.Generator(device="cuda").manual_seed(0)
+i = lambda *v: torch.tensor(v, dtype=torch.int32, device="cuda")
 for heads, lora, rope, dtype in ((4, 64, 16, torch.float32), (64, 512, 64, torch.bfloat16)):
-    ctx, n = 77, 9
-    vis = torch.ones(n, n, dtype=torch.bool).tril()
-    g = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, device="cuda").to(dtype)
-    i = lambda *v: torch.tensor(v, dtype=torch.int32, device="cuda")
     o = torch.empty(n, heads, lora, dtype=dtype, device="cuda"); lse = torch.empty(n, heads, device="cuda")
     for splits, keys in ((3, 32), (1, 96)):
         torch.ops.kdtree.mla_verify_out(r(n, heads, lora), r(n, heads, rope), r(ctx + n + 5, lora), r(ctx + n + 5, rope),
             i(ctx), i(n), i(0, n), i(5), pack_visibility(vis).cuda(), 0.1, n, splits, keys, dtype == torch.float32, o, lse)
     torch.cuda.synchronize()
     assert not o.isnan().any()
+r = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
+o = torch.empty(n, 64, 512, dtype=torch.bfloat16, device="cuda"); lse = torch.empty(n, 64, device="cuda")
+for page, generic in ((16, False), (1, True)):
+    pages = -(-(ctx + n) // page) + 2
+    table = torch.randperm(pages, device="cuda")[:pages - 2].to(torch.int32)[None]
+    for splits, keys in ((2, 64), (1, 128)):
+        torch.ops.kdtree.mla_verify_out(r(n, 64, 512), r(n, 64, 64), r(pages, page, 512), r(pages, page, 64),
+            i(ctx), i(n), i(0, n), None, pack_visibility(vis).cuda(), 0.1, n, splits, keys, generic, o, lse, table)
+    torch.cuda.synchronize()
+    assert not o.isnan().any()
 print("small cases ran")
 EOF
     for tool in memcheck racecheck; do
         echo "-- $tool" | tee -a "$OUT/sanitizer.log"
-        timeout 120 compute-sanitizer --tool "$tool" --kernel-name kns=mla python3 /tmp/mla_small.py >>"$OUT/sanitizer.log" 2>&1
+        # one cudaMalloc per tensor, so that a read past a small tensor (a block table's row) is outside an allocation
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool "$tool" --kernel-name kns=mla \
+            python3 /tmp/mla_small.py >>"$OUT/sanitizer.log" 2>&1
         echo "exit $?" | tee -a "$OUT/sanitizer.log"
     done
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|small cases|exit|rror" "$OUT/sanitizer.log" | head -20
@@ -56,7 +71,7 @@ fi
 
 if [[ "$stage" == all || "$stage" == bench ]]; then
     echo "== benchmarks"
-    KDTREE_BENCH=1 KDTREE_BENCH_OUT="$OUT/mla_bench.json" timeout 200 \
+    KDTREE_BENCH=1 KDTREE_BENCH_OUT="$OUT/mla_bench.json" timeout 260 \
         python3 -m pytest tests/kernels/test_bench_mla.py -q -rs >"$OUT/bench.log" 2>&1
     tail -3 "$OUT/bench.log"
     python3 - "$OUT/mla_bench.json" <<'EOF'
@@ -70,5 +85,10 @@ for r in d["cases"]:
     t = f"{r['torch_ms']:8.3f} {r['speedup_vs_torch']:6.1f}" if "torch_ms" in r else " " * 15
     print(f"{r['context']:>6} {r['tree']:>4} {r['batch']:>3} {r['kernel_ms']:8.3f} {r['call_ms']:7.3f} {r['floor_ms']:7.3f} {r['TBps']:5.2f} "
           f"{100 * r['bw_fraction']:5.1f} {r['TFLOPs']:6.1f} {100 * r['mma_fraction']:5.1f} {t} {g} {r['bound']}")
+print(f"paged KV: {'ctx':>6} {'tree':>4} {'B':>3} {'page':>4} {'path':>12} {'paged':>8} {'contig':>8} {'ratio':>6} bits")
+for r in d.get("paged", []):
+    tc = f"  (tensor cores contiguous {r['tensor_core_ms']:.3f})" if "tensor_core_ms" in r else ""
+    print(f"          {r['context']:>6} {r['tree']:>4} {r['batch']:>3} {r['page_size']:>4} {r['path']:>12} "
+          f"{r['paged_ms']:8.3f} {r['contiguous_ms']:8.3f} {r['ratio']:6.3f} {'equal' if r['bitwise_equal'] else 'DIFFER'}{tc}")
 EOF
 fi

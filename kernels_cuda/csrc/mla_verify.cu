@@ -2,8 +2,13 @@
 //
 // A ragged batch of B requests. Request b has tree[b] query tokens (rows
 // q_offsets[b] .. q_offsets[b] + tree[b] of q_lat / q_pe) and kv_len = context[b] + tree[b]
-// keys (rows kv_offsets[b] .. kv_offsets[b] + kv_len of c_kv / k_pe: its cached context,
-// then its tree tokens). For query token t of request b, head h, key s of request b:
+// keys, slots 0 .. kv_len of its cached context, then its tree tokens. Slot s lives in one
+// row of c_kv / k_pe viewed as [rows, R] / [rows, dr] (`cache_row`), in one of two layouts:
+// - contiguous: row kv_offsets[b] + s;
+// - paged (block_table given; pools [P, page_size, R] as vLLM / FlashMLA keep them): row
+//   block_table[b, s / page_size] * page_size + s % page_size. Table entries past a
+//   request's last page may be -1 and are never read.
+// For query token t of request b, head h, key slot s of request b:
 //
 //   score(t, h, s) = (q_lat[t, h] . c_kv[s] + q_pe[t, h] . k_pe[s]) * scale
 //   visible(t, s)  = s < context[b] || bit (s - context[b]) of visibility row t
@@ -24,7 +29,11 @@
 // - `mla_generic`: any dims, float32 or bf16 inputs; one warp per row, float32 CUDA cores.
 // - `mla_k2_wgmma`: bf16 inputs at kv_lora 512, rope 64, on Hopper (sm_90a); 64 rows x 64
 //   keys a step on the tensor cores (wgmma, float32 accumulation), operands loaded by TMA
-//   with the 128-byte swizzle; c_kv in shared memory serves as both K and V.
+//   with the 128-byte swizzle; c_kv in shared memory serves as both K and V. A 64-key tile
+//   (tiles start at request slots that are multiples of the box height) is one TMA box per
+//   64-dim chunk in the contiguous layout or with pages of a multiple of 64 slots, and
+//   64 / page_size boxes of page_size rows per chunk with pages of 8, 16 or 32 slots. Other
+//   page sizes take the CUDA-core path.
 
 #include "common.cuh"
 
@@ -42,12 +51,14 @@ enum MlaDtype : int { kFloat32 = 0, kBFloat16 = 1 };
 struct MlaParams {
     const void* q_lat;          // [T, H, R]
     const void* q_pe;           // [T, H, dr]
-    const void* c_kv;           // [S, R]
+    const void* c_kv;           // [S, R] rows (a pool [P, page_size, R] is S = P * page_size rows)
     const void* k_pe;           // [S, dr]
     const int32_t* context;     // [B]
     const int32_t* tree;        // [B]
     const int32_t* q_offsets;   // [B + 1]
-    const int32_t* kv_offsets;  // [B]
+    const int32_t* kv_offsets;  // [B] (contiguous layout; null when paged)
+    const int32_t* block_table; // [B, table_stride] (paged layout; null when contiguous)
+    int table_stride, page_size;
     const uint32_t* visibility; // [T, vis_words]
     void* o_lat;                // [T, H, R]
     float* lse;                 // [T, H]
@@ -68,6 +79,12 @@ __device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+// The cache row of request b's key slot s (the layouts at the top of this file).
+__device__ __forceinline__ int cache_row(const MlaParams& p, int b, int s) {
+    if (!p.block_table) return p.kv_offsets[b] + s;
+    return p.block_table[(size_t)b * p.table_stride + s / p.page_size] * p.page_size + s % p.page_size;
+}
 
 // Is key s (request-local) visible to the query token `token` (global row of visibility)?
 // The caller guarantees s < context + tree.
@@ -138,13 +155,12 @@ __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
     for (int d = lane; d < dr; d += 32) q[R + d] = to_float(q_pe[d]);
     __syncwarp();
 
-    const TIn* c_kv = static_cast<const TIn*>(p.c_kv) + (size_t)p.kv_offsets[b] * R;
-    const TIn* k_pe = static_cast<const TIn*>(p.k_pe) + (size_t)p.kv_offsets[b] * dr;
     float m = -CUDART_INF_F, l = 0.f;
     for (int s = key_begin; s < key_end; ++s) {
         if (!key_visible(p, token, s, context)) continue;
-        const TIn* c = c_kv + (size_t)s * R;
-        const TIn* k = k_pe + (size_t)s * dr;
+        const size_t key_row = cache_row(p, b, s);
+        const TIn* c = static_cast<const TIn*>(p.c_kv) + key_row * R;
+        const TIn* k = static_cast<const TIn*>(p.k_pe) + key_row * dr;
         float dot = 0.f;
         for (int d = lane; d < R; d += 32) dot += q[d] * to_float(c[d]);
         for (int d = lane; d < dr; d += 32) dot += q[R + d] * to_float(k[d]);
@@ -172,6 +188,7 @@ constexpr int kChunks = kD / kChunkDims;  // 9: 8 of c_kv / q_lat, 1 of k_pe / q
 constexpr int kChunkBytes = 64 * 128;     // one [64 rows][64 dims] bf16 chunk
 constexpr int kTileBytes = kChunks * kChunkBytes;  // a Q tile or a key tile: 72 KB
 constexpr int kStages = 2;                // key tiles in flight
+constexpr int kMinBox = 8;                // key rows per TMA box at least: one 1024-byte swizzle period
 constexpr int kThreads = 256;             // two warpgroups
 // Shared memory, from a 1024-byte aligned base (the 128-byte swizzle repeats every 1024 bytes).
 constexpr int kOffQ = 0;
@@ -184,7 +201,8 @@ constexpr int kBars = 1 + 2 * kStages + 3;
 constexpr size_t kSmemBytes = kOffBars + kBars * 8 + 1024;
 }  // namespace k2
 
-// The four operands as TMA tensor maps: rows of 64-dim chunks, 64 rows a box, 128-byte swizzle.
+// The four operands as TMA tensor maps: rows of 64-dim chunks, 128-byte swizzle; boxes of 64
+// rows, or of page_size rows for the keys of pages smaller than 64 slots (key_box).
 struct K2Maps {
     CUtensorMap q_lat;  // [T * H rows, 512]
     CUtensorMap q_pe;   // [T * H rows, 64]
@@ -192,10 +210,17 @@ struct K2Maps {
     CUtensorMap k_pe;   // [S rows, 64]
 };
 
+// Key rows per TMA box: 64, or a page when pages are smaller (8, 16 or 32 slots on the
+// tensor-core path), so that no box crosses a page.
+__host__ __device__ __forceinline__ int key_box(const MlaParams& p) {
+    return p.block_table && p.page_size < 64 ? p.page_size : 64;
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // Hopper-only instructions: sm_90a code
 
 namespace k2 {
 constexpr int kBN = 64;  // keys per tile
+constexpr int kMaxBoxes = kBN / kMinBox;  // TMA boxes per chunk of a key tile at most
 constexpr int kBarWg0 = 1;  // named barrier of warpgroup 0 alone (0 is __syncthreads)
 }  // namespace k2
 
@@ -217,19 +242,43 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
 }
-// One [64 rows][64 dims] box of `map` at (dim x, row y) into a swizzled chunk; completes on bar.
+// One box of `map` ([rows][64 dims]) at (dim x, row y) into a swizzled chunk; completes on bar.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y) {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
         ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar)) : "memory");
 }
-// A tile's 9 chunks: rows y .. y + 63 of the latent map (8 chunks) and of the rope map (1).
-__device__ __forceinline__ void tma_load_tile(unsigned char* dst, const CUtensorMap* lat, const CUtensorMap* pe,
+// One box per chunk: rows y .. y + box - 1 of the latent map (8 chunks) and of the rope map (1),
+// at `dst` within each chunk.
+__device__ __forceinline__ void tma_load_rows(unsigned char* dst, const CUtensorMap* lat, const CUtensorMap* pe,
                                               uint64_t* bar, int y) {
-    mbar_expect_tx(bar, k2::kTileBytes);
 #pragma unroll
     for (int c = 0; c < k2::kChunks - 1; ++c) tma_load(dst + c * k2::kChunkBytes, lat, bar, c * k2::kChunkDims, y);
     tma_load(dst + (k2::kChunks - 1) * k2::kChunkBytes, pe, bar, 0, y);
+}
+// The cache rows of the boxes of request b's key tile at slots key0 .. key0 + 63: box j
+// (box = key_box(p) rows; key0 is a multiple of it when paged) starts at slot key0 + j box.
+// A box whose first slot lies past `last` (the split's last key) loads the box holding
+// `last`: a row the table maps, whose contents are zeroed or masked before use.
+__device__ __forceinline__ void key_tile_rows(int (&y)[k2::kMaxBoxes], const MlaParams& p, int b, int key0,
+                                              int last, int box) {
+#pragma unroll
+    for (int j = 0; j < k2::kMaxBoxes; ++j) {
+        if (j * box < 64) {
+            const int s = key0 + j * box;
+            y[j] = cache_row(p, b, s <= last ? s : key0 + (last - key0) / box * box);
+        }
+    }
+}
+// A key tile's 64 rows as 64 / box boxes per chunk at rows y[j]; box j lands at row j box
+// of each chunk (a multiple of 8 rows: 1024-byte aligned, the swizzle's period). The boxes
+// add up to one tile, the byte count the barrier expects.
+__device__ __forceinline__ void tma_load_keys(unsigned char* dst, const CUtensorMap* lat, const CUtensorMap* pe,
+                                              uint64_t* bar, const int (&y)[k2::kMaxBoxes], int box) {
+    mbar_expect_tx(bar, k2::kTileBytes);
+#pragma unroll
+    for (int j = 0; j < k2::kMaxBoxes; ++j)
+        if (j * box < 64) tma_load_rows(dst + j * box * 128, lat, pe, bar, y[j]);
 }
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -319,7 +368,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
     const int key_end = min(kv_len, key_begin + p.split_keys);
     const int n_tiles = (key_end - key_begin + kBN - 1) / kBN;
     const int grow0 = p.q_offsets[b] * p.heads + row0;     // global row of tile row 0
-    const int cache_row0 = p.kv_offsets[b] + key_begin;    // cache row of the split's first key
+    const int box = key_box(p);
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
@@ -339,9 +388,13 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
     }
     __syncthreads();
     if (producer) {
-        tma_load_tile(sQ, &maps.q_lat, &maps.q_pe, q_full, grow0);
-        for (int s = 0; s < kStages && s < n_tiles; ++s)
-            tma_load_tile(sK + s * kTileBytes, &maps.c_kv, &maps.k_pe, &full[s], cache_row0 + s * kBN);
+        mbar_expect_tx(q_full, kTileBytes);
+        tma_load_rows(sQ, &maps.q_lat, &maps.q_pe, q_full, grow0);
+        for (int s = 0; s < kStages && s < n_tiles; ++s) {
+            int y[kMaxBoxes];
+            key_tile_rows(y, p, b, key_begin + s * kBN, key_end - 1, box);
+            tma_load_keys(sK + s * kTileBytes, &maps.c_kv, &maps.k_pe, &full[s], y, box);
+        }
     }
     __syncwarp();
 
@@ -496,9 +549,10 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[stage]);
             if (producer && tile + kStages < n_tiles) {
+                int y[kMaxBoxes];  // looked up first: the table reads overlap the wait
+                key_tile_rows(y, p, b, key_begin + (tile + kStages) * kBN, key_end - 1, box);
                 mbar_wait(&empty[stage], (tile / kStages) & 1);
-                tma_load_tile(sK + stage * kTileBytes, &maps.c_kv, &maps.k_pe, &full[stage],
-                              cache_row0 + (tile + kStages) * kBN);
+                tma_load_keys(sK + stage * kTileBytes, &maps.c_kv, &maps.k_pe, &full[stage], y, box);
             }
             __syncwarp();
         }
@@ -583,13 +637,13 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return encode;
 }
 
-// A bf16 [rows, dims] row-major tensor as boxes of 64 rows x 64 dims with the 128-byte swizzle.
-bool encode_rows(CUtensorMap* map, const void* base, int dims, long long rows) {
+// A bf16 [rows, dims] row-major tensor as boxes of box_rows rows x 64 dims with the 128-byte swizzle.
+bool encode_rows(CUtensorMap* map, const void* base, int dims, long long rows, int box_rows) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (!encode) return false;
     const cuuint64_t size[2] = {(cuuint64_t)dims, (cuuint64_t)rows};
     const cuuint64_t stride[1] = {(cuuint64_t)dims * sizeof(bf16)};
-    const cuuint32_t box[2] = {k2::kChunkDims, 64}, step[2] = {1, 1};
+    const cuuint32_t box[2] = {k2::kChunkDims, (cuuint32_t)box_rows}, step[2] = {1, 1};
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), size, stride, box, step,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
@@ -609,18 +663,26 @@ bool runs_sm90a() {
 #endif
 }
 
+// Whether the tensor-core path reads this layout: contiguous, or pages of a multiple of 64
+// slots, or of 8, 16 or 32 slots (whole boxes of at least one swizzle period per page).
+bool tensor_core_layout(const MlaParams& p) {
+    return !p.block_table || p.page_size % 64 == 0 || (64 % p.page_size == 0 && p.page_size >= k2::kMinBox);
+}
+
 template <typename TOut>
 int launch(const MlaParams& p, int batch, int max_tree, long long cache_rows, int in_dtype, bool generic,
            cudaStream_t stream) {
     const long long max_rows = (long long)max_tree * p.heads;
-    const bool k2_fast =
-        !generic && in_dtype == kBFloat16 && p.kv_lora == k2::kR && p.rope_dim == k2::kDr && runs_sm90a();
+    const bool k2_fast = !generic && in_dtype == kBFloat16 && p.kv_lora == k2::kR && p.rope_dim == k2::kDr &&
+                         tensor_core_layout(p) && runs_sm90a();
     if (k2_fast) {
         static_assert(k2::kSmemBytes <= 227 * 1024, "K2 tiles do not fit in shared memory");
+        if (p.block_table && p.split_keys % key_box(p) != 0) return KDTREE_BAD_SHAPE;  // a box would cross a page
         K2Maps maps;
-        if (!encode_rows(&maps.q_lat, p.q_lat, k2::kR, p.total_rows) ||
-            !encode_rows(&maps.q_pe, p.q_pe, k2::kDr, p.total_rows) ||
-            !encode_rows(&maps.c_kv, p.c_kv, k2::kR, cache_rows) || !encode_rows(&maps.k_pe, p.k_pe, k2::kDr, cache_rows))
+        if (!encode_rows(&maps.q_lat, p.q_lat, k2::kR, p.total_rows, 64) ||
+            !encode_rows(&maps.q_pe, p.q_pe, k2::kDr, p.total_rows, 64) ||
+            !encode_rows(&maps.c_kv, p.c_kv, k2::kR, cache_rows, key_box(p)) ||
+            !encode_rows(&maps.k_pe, p.k_pe, k2::kDr, cache_rows, key_box(p)))
             return KDTREE_BAD_TENSOR_MAP;
         const cudaError_t err = cudaFuncSetAttribute(mla_k2_wgmma<TOut>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                      (int)k2::kSmemBytes);
@@ -647,7 +709,10 @@ int launch(const MlaParams& p, int batch, int max_tree, long long cache_rows, in
 KDTREE_API int kdtree_mla_tensor_cores() { return runs_sm90a() ? 1 : 0; }
 
 // Tree-verify MLA attention (see the top of this file). in_dtype / out_dtype: 0 float32,
-// 1 bfloat16 (q_lat, q_pe, c_kv, k_pe share in_dtype). cache_rows: the rows of c_kv and k_pe.
+// 1 bfloat16 (q_lat, q_pe, c_kv, k_pe share in_dtype). cache_rows: the rows of c_kv and k_pe
+// (P * page_size for pools). Keys: kv_offsets (contiguous; block_table null) or block_table
+// [batch, table_stride] with page_size >= 1 (paged; kv_offsets unused); a paged tensor-core
+// launch needs split_keys to be a multiple of min(page_size, 64).
 // num_splits * split_keys must cover every request's keys; split_keys is a multiple of 32;
 // with num_splits > 1, part_o [num_splits, T * H, kv_lora] and part_lse [num_splits, T * H]
 // float32 are scratch. generic != 0 forces the CUDA-core path (for comparisons); otherwise
@@ -656,14 +721,16 @@ KDTREE_API int kdtree_mla_tensor_cores() { return runs_sm90a() ? 1 : 0; }
 // per request.
 KDTREE_API int kdtree_mla_verify(const void* q_lat, const void* q_pe, const void* c_kv, const void* k_pe,
                                  const int32_t* context, const int32_t* tree_sizes, const int32_t* q_offsets,
-                                 const int32_t* kv_offsets, const uint32_t* visibility, int vis_words, void* o_lat,
+                                 const int32_t* kv_offsets, const int32_t* block_table, int table_stride,
+                                 int page_size, const uint32_t* visibility, int vis_words, void* o_lat,
                                  float* lse, float* part_o, float* part_lse, int batch, int total_tokens,
                                  long long cache_rows, int heads, int kv_lora, int rope_dim, int max_tree,
                                  int num_splits, int split_keys, float scale, int in_dtype, int out_dtype, int generic,
                                  cudaStream_t stream) {
-    if (!q_lat || !q_pe || !c_kv || !k_pe || !context || !tree_sizes || !q_offsets || !kv_offsets || !visibility ||
-        !o_lat || !lse)
+    if (!q_lat || !q_pe || !c_kv || !k_pe || !context || !tree_sizes || !q_offsets || !(kv_offsets || block_table) ||
+        !visibility || !o_lat || !lse)
         return KDTREE_BAD_POINTER;
+    if (block_table && (table_stride <= 0 || page_size <= 0)) return KDTREE_BAD_SHAPE;
     if (num_splits > 1 && (!part_o || !part_lse)) return KDTREE_BAD_POINTER;
     if (batch <= 0 || total_tokens <= 0 || cache_rows <= 0 || heads <= 0 || kv_lora <= 0 || rope_dim <= 0 ||
         max_tree <= 0 || num_splits <= 0 || split_keys <= 0 || split_keys % 32 != 0 || vis_words <= 0 ||
@@ -677,6 +744,7 @@ KDTREE_API int kdtree_mla_verify(const void* q_lat, const void* q_pe, const void
     MlaParams p;
     p.q_lat = q_lat; p.q_pe = q_pe; p.c_kv = c_kv; p.k_pe = k_pe;
     p.context = context; p.tree = tree_sizes; p.q_offsets = q_offsets; p.kv_offsets = kv_offsets;
+    p.block_table = block_table; p.table_stride = block_table ? table_stride : 0; p.page_size = block_table ? page_size : 0;
     p.visibility = visibility; p.vis_words = vis_words;
     p.o_lat = o_lat; p.lse = lse; p.part_o = part_o; p.part_lse = part_lse;
     p.heads = heads; p.kv_lora = kv_lora; p.rope_dim = rope_dim;

@@ -24,6 +24,14 @@ above PEER_TOLERANCE) is void, its time not reported. Without the fetched files 
 peer columns say why they are empty. KDTREE_BENCH_PEERS=0 leaves the peers out;
 KDTREE_BENCH_PEER_BUDGET_MS sets the repeats of each peer timing (default 100 ms).
 
+Paged KV (`test_bench_mla_verify_paged`): the same inputs in shuffled pages of 64 and 16 slots
+(the tensor cores) and of 1 slot (the CUDA-core path), each case timed side by side with the
+contiguous kernel on the same path in the same run (`ratio` = paged / contiguous; page 1 rows also
+give `tensor_core_ms`, the contiguous default, to show what page 1 costs), its bits checked equal
+to the contiguous output. KDTREE_BENCH=1: ctx 8k and 32k x trees 1 / 16 / 64 x batch 8 at pages 64
+and 16, ctx 32k / 1 token / batch 1 at both, and page 1 at four cases; the rows go to the same
+JSON file under "paged". Default: one small case.
+
 FlashInfer's MLA decode is not among the peers: flashinfer-python 0.7.2.post1 is a 62 MB wheel
 on its own (its kernels are compiled with nvcc at first use, minutes per variant) and needs
 apache-tvm-ffi, nvidia-cutlass-dsl, cuda-tile and nvidia-cudnn-frontend, none on the GPU
@@ -41,7 +49,7 @@ import pytest
 import torch
 
 from kdtr_format import PRESETS
-from kernels_cuda.mla_ops import mla_verify, pack_visibility
+from kernels_cuda.mla_ops import mla_verify, mla_verify_paged, pack_visibility, paged_tensor_cores
 from bench_record import record
 from gpu_bench import bf16_matmul_TFLOPs, copy_TBps, cuda_time_ms, graph_time_ms
 from peers import PeerUnavailable, load_sglang
@@ -60,7 +68,13 @@ PEERS = os.environ.get("KDTREE_BENCH_PEERS", "1") == "1"
 PEER_TOLERANCE = 1e-2         # relative Frobenius error between two bf16 outputs of float32 math
 PEER_BUDGET_MS = float(os.environ.get("KDTREE_BENCH_PEER_BUDGET_MS", "100"))   # repeats of a peer timing
 SGLANG_MAX_CONTEXT = 131072   # the model context SGLang sizes its decode splits for (K2: 128k and up)
+PAGED_GRID = ([(c, t, 8, page) for page in (64, 16) for c in (8192, 32768) for t in (1, 16, 64)]
+              + [(32768, 1, 1, 64), (32768, 1, 1, 16)]
+              + [(8192, 1, 8, 1), (32768, 1, 8, 1), (32768, 1, 1, 1), (8192, 16, 8, 1)] if FULL
+              else [(1024, 16, 1, 16)])
+PAGED_BUDGET_MS = 100.0       # repeats of each paged / contiguous timing
 ROWS: list[dict] = []
+PAGED_ROWS: list[dict] = []
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +155,62 @@ def test_bench_mla_verify_k2(benchmark, ceilings, context, tree, batch):
         row.update(time_peers(x, context, tree, batch, kernel_ms, call()[0]))
     record(benchmark, row, "cuda")
     ROWS.append(row)
+    dump(ceilings)
+
+
+def dump(ceilings: dict) -> None:
+    """Every row so far to $KDTREE_BENCH_OUT, after every case: a run cut short keeps its rows."""
     out = os.environ.get("KDTREE_BENCH_OUT")
-    if out:                                      # after every case: a run cut short keeps its rows
+    if out:
         with open(out, "w") as f:
-            json.dump({"ceilings": ceilings, "cases": ROWS}, f, indent=1)
+            json.dump({"ceilings": ceilings, "cases": ROWS, "paged": PAGED_ROWS}, f, indent=1)
+
+
+def page_inputs(x: dict, context: int, tree: int, batch: int, page: int, seed: int) -> dict:
+    """x's keys in a pool of shuffled pages -> {c_kv [P, page, R], k_pe [P, page, dr], block_table
+    int32 [batch, W]}: request b holds W = ceil((context + tree) / page) pages."""
+    keys = context + tree
+    width = -(-keys // page)
+    order = torch.randperm(batch * width, generator=torch.Generator().manual_seed(seed)).to(x["c_kv"].device)
+    pools = {}
+    for name in ("c_kv", "k_pe"):
+        rows = x[name].view(batch, keys, -1)
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, width * page - keys))     # [batch, W * page, d]
+        pool = torch.empty_like(padded).view(batch * width, page, -1)
+        pool[order] = padded.view(batch * width, page, -1)
+        pools[name] = pool
+    return dict(pools, block_table=order.view(batch, width).to(torch.int32))
+
+
+@pytest.mark.parametrize("context,tree,batch,page", PAGED_GRID,
+                         ids=[f"ctx{c}-tree{t}-b{b}-page{p}" for c, t, b, p in PAGED_GRID])
+def test_bench_mla_verify_paged(benchmark, ceilings, context, tree, batch, page):
+    x = make_inputs(context, tree, batch, seed=context + tree + batch)
+    paged = page_inputs(x, context, tree, batch, page, seed=page)
+    shared = {k: x[k] for k in ("q_lat", "q_pe", "context", "tree_sizes", "q_offsets", "visibility", "scale")}
+    fast = paged_tensor_cores(page)             # pages 16 and 64: the tensor cores; page 1: the CUDA cores
+    limits = dict(max_tree=tree, max_kv=context + tree, generic=not fast)
+
+    def paged_call() -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_verify_paged(c_kv=paged["c_kv"], k_pe=paged["k_pe"], block_table=paged["block_table"],
+                                **shared, **limits)
+
+    def contiguous_call(**kw) -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_verify(c_kv=x["c_kv"], k_pe=x["k_pe"], kv_offsets=x["kv_offsets"], **shared, **{**limits, **kw})
+
+    contiguous_ms = graph_time_ms(contiguous_call, PAGED_BUDGET_MS)
+    paged_ms = benchmark.pedantic(lambda: graph_time_ms(paged_call, PAGED_BUDGET_MS), rounds=1, iterations=1)
+    assert isinstance(paged_ms, float) and isinstance(contiguous_ms, float), (paged_ms, contiguous_ms)
+    got, want = paged_call(), contiguous_call()
+    equal = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    row = dict(context=context, tree=tree, batch=batch, page_size=page, path="tensor cores" if fast else "CUDA cores",
+               paged_ms=paged_ms, contiguous_ms=contiguous_ms, ratio=paged_ms / contiguous_ms, bitwise_equal=equal)
+    if not fast:
+        row["tensor_core_ms"] = graph_time_ms(lambda: contiguous_call(generic=False), PAGED_BUDGET_MS)
+    record(benchmark, row, "cuda")
+    PAGED_ROWS.append(row)
+    dump(ceilings)
+    assert equal, "paged and contiguous outputs differ"
 
 
 # ----------------------------------------------------------------------------- peers
