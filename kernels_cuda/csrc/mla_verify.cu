@@ -258,15 +258,18 @@ __device__ __forceinline__ void tma_load_rows(unsigned char* dst, const CUtensor
 }
 // The cache rows of the boxes of request b's key tile at slots key0 .. key0 + 63: box j
 // (box = key_box(p) rows; key0 is a multiple of it when paged) starts at slot key0 + j box.
-// A box whose first slot lies past `last` (the split's last key) loads the box holding
-// `last`: a row the table maps, whose contents are zeroed or masked before use.
-__device__ __forceinline__ void key_tile_rows(int (&y)[k2::kMaxBoxes], const MlaParams& p, int b, int key0,
-                                              int last, int box) {
+// Contiguous rows are base + slot (base = kv_offsets[b], read once: no load a tile); paged
+// ones come from the block table. A box whose first slot lies past `last` (the split's last
+// key) loads the box holding `last`: a row the table maps, whose contents are zeroed or
+// masked before use.
+__device__ __forceinline__ void key_tile_rows(int (&y)[k2::kMaxBoxes], const MlaParams& p, int b, int base,
+                                              int key0, int last, int box) {
 #pragma unroll
     for (int j = 0; j < k2::kMaxBoxes; ++j) {
         if (j * box < 64) {
             const int s = key0 + j * box;
-            y[j] = cache_row(p, b, s <= last ? s : key0 + (last - key0) / box * box);
+            const int slot = s <= last ? s : key0 + (last - key0) / box * box;
+            y[j] = p.block_table ? cache_row(p, b, slot) : base + slot;
         }
     }
 }
@@ -369,6 +372,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
     const int n_tiles = (key_end - key_begin + kBN - 1) / kBN;
     const int grow0 = p.q_offsets[b] * p.heads + row0;     // global row of tile row 0
     const int box = key_box(p);
+    const int base = p.block_table ? 0 : p.kv_offsets[b];  // contiguous: the request's first cache row
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
@@ -392,7 +396,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
         tma_load_rows(sQ, &maps.q_lat, &maps.q_pe, q_full, grow0);
         for (int s = 0; s < kStages && s < n_tiles; ++s) {
             int y[kMaxBoxes];
-            key_tile_rows(y, p, b, key_begin + s * kBN, key_end - 1, box);
+            key_tile_rows(y, p, b, base, key_begin + s * kBN, key_end - 1, box);
             tma_load_keys(sK + s * kTileBytes, &maps.c_kv, &maps.k_pe, &full[s], y, box);
         }
     }
@@ -541,6 +545,9 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
     } else {
         for (int tile = 0; tile < n_tiles; ++tile) {
             const int stage = tile % kStages;
+            const bool refill = producer && tile + kStages < n_tiles;
+            int y[kMaxBoxes];  // the refill's rows, looked up before the P V: block-table reads overlap it
+            if (refill) key_tile_rows(y, p, b, base, key_begin + (tile + kStages) * kBN, key_end - 1, box);
             mbar_wait(p_ready, tile & 1);
             const float alpha[2] = {sAlpha[r_lo], sAlpha[r_lo + 8]};
             rescale_o(alpha);
@@ -548,9 +555,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             if (tile + 1 < n_tiles) mbar_arrive(p_free);
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[stage]);
-            if (producer && tile + kStages < n_tiles) {
-                int y[kMaxBoxes];  // looked up first: the table reads overlap the wait
-                key_tile_rows(y, p, b, key_begin + (tile + kStages) * kBN, key_end - 1, box);
+            if (refill) {
                 mbar_wait(&empty[stage], (tile / kStages) & 1);
                 tma_load_keys(sK + stage * kTileBytes, &maps.c_kv, &maps.k_pe, &full[stage], y, box);
             }
