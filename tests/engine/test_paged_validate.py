@@ -13,7 +13,7 @@ import torch
 
 import kdtr_format
 from engine.adapter import PagedKernels, TorchAdapter, page_rows
-from engine.validate import GOLDEN_DIR, AdapterFault, Status, ValidateError, validate
+from engine.validate import GOLDEN_DIR, Status, ValidateError, validate
 from engine.validate.checked import CheckedV2
 from engine.validate.paged_checks import ATTENTION, COMPACTION, NEEDS_V2, PAGED_ROWS, paged_checks
 from engine.validate.protocol_v2 import PerRequest, offsets_of, sizes
@@ -226,34 +226,3 @@ def test_a_required_paged_capability_no_fixture_checks_fails(tmp_path):
     (row,) = [c for c in report.checks if c.name == "capability paged_attention"]
     assert row.status is Status.FAIL and "no check of" in row.detail and report.failed
 
-
-class Returns:
-    """A v2 adapter whose every method returns `value`."""
-
-    protocol, device = 2, "cpu"
-
-    def __init__(self, value):
-        self.value = value
-
-    def __getattr__(self, name):
-        if name == "value":
-            raise AttributeError(name)
-        return lambda *args: self.value
-
-
-POOLS = (torch.zeros(3, 4, 8), torch.zeros(3, 4, 2))
-TABLE = torch.tensor([[0, 2]], dtype=torch.int32)
-
-
-@pytest.mark.parametrize("method, args, value, message", [
-    ("paged_attention", (torch.zeros(2, 1, 8), torch.zeros(2, 1, 2), *POOLS, TABLE, torch.tensor([0, 2]),
-                         torch.tensor([3]), torch.ones(2, 1, dtype=torch.int32), 1.0),
-     torch.zeros(2, 1, 2), "paged_attention() output o_lat has shape [2, 1, 2], expected [2, 1, 8]"),
-    ("paged_compact", (*POOLS, TABLE, torch.tensor([3]), torch.tensor([0, 2]), torch.tensor([0, 2])),
-     (POOLS[0][:2], POOLS[1]), "paged_compact() output c_kv_pages has shape [2, 4, 8], expected [3, 4, 8]"),
-    ("paged_compact", (*POOLS, TABLE, torch.tensor([3]), torch.tensor([0, 2]), torch.tensor([0, 2])),
-     (POOLS[0], POOLS[1][..., :1]), "output k_pe_pages has shape [3, 4, 1], expected [3, 4, 2]"),
-])
-def test_the_v2_proxy_holds_the_paged_outputs_to_their_declaration(method, args, value, message):
-    with pytest.raises(AdapterFault, match=re.escape(message)):
-        getattr(CheckedV2(Returns(value)), method)(*args)
