@@ -102,8 +102,9 @@ class TorchAdapter:
     device "cuda" takes the CUDA stages and attention kernels when they load
     (`backends` says which ran), the torch paths otherwise. invariant: the model in
     batch-invariant mode (Transformer's `invariant`). world: the model sharded over a
-    tensor-parallel group (Transformer's `world`, docs/tensor-parallel.md). Shapes:
-    protocol_v2's docstring.
+    tensor-parallel group (Transformer's `world`, docs/tensor-parallel.md). page_size: its
+    KV cache paged with pages of this many slots (engine/cache.py; None: contiguous).
+    Shapes: protocol_v2's docstring.
     """
 
     protocol = 2
@@ -111,8 +112,9 @@ class TorchAdapter:
                     "paged_attention", "paged_compact")
 
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 invariant: bool = False, world: World | None = None) -> None:
+                 invariant: bool = False, world: World | None = None, page_size: int | None = None) -> None:
         self.device = torch.device(device)
+        self.page_size = page_size
         self.dtype = dtype
         self.invariant = invariant
         self.world = world
@@ -136,7 +138,8 @@ class TorchAdapter:
         dtype = "" if self.dtype == torch.float32 else f", {str(self.dtype).removeprefix('torch.')}"
         self.name = f"torch engine ({self.device.type}{dtype}, stages: {self.backends['stages'].split()[0]}, " \
                     f"attention: {self.backends['attention'].split()[0]}{', invariant' if self.invariant else ''}" \
-                    f"{f', TP {self.world.size}' if self.world else ''})"
+                    f"{f', TP {self.world.size}' if self.world else ''}" \
+                    f"{f', pages of {self.page_size}' if self.page_size else ''})"
 
     # precision
     def set_dtype(self, dtype: str) -> None:
@@ -154,7 +157,8 @@ class TorchAdapter:
         """weights: torch tensors (any dtype or device) or numpy arrays, named as docs/fixtures.md."""
         self.weights = {name: as_tensor(w) for name, w in weights.items()}
         self.model = Transformer(config, self.weights, device=self.device, dtype=self.dtype,
-                                 attention=self.attention_backend, invariant=self.invariant, world=self.world)
+                                 attention=self.attention_backend, invariant=self.invariant, world=self.world,
+                                 page_size=self.page_size)
 
     def reset(self, batch: int, max_len: int) -> None:
         self.cache = self._model().new_cache(batch, max_len)

@@ -17,6 +17,14 @@ o_lat is zero, so no NaN can leave this function.
 (q_lat, q_pe, c_kv, k_pe, scale) -> o_lat with the metadata every layer shares
 prepared once per forward; `bind_attention` gives a plain callable that form too.
 
+Paged caches (engine/cache.py): the per-layer call then gets the pools c_kv
+[pages, page_size, R], k_pe [pages, page_size, dr], and the block table int32
+[B, T / page_size] maps request b's slot s to row s % page_size of page
+table[b, s // page_size]. A backend with `bind_paged(starts, n_new, new_visibility,
+block_table)` reads the pools through the table itself (the CUDA kernel); for any
+other, `bind_attention` gathers each request's pages into the contiguous [B, T, w]
+form first (the torch backends: a reference, not a fast path).
+
 Two torch backends:
 - `torch_attention`: the whole batch at once, over every cache slot (masked), so it
   reads nothing back to the host and can be captured in a CUDA graph.
@@ -46,8 +54,21 @@ class AttentionBackend(Protocol):
 
 
 def bind_attention(backend: AttentionBackend, starts: torch.Tensor, n_new: torch.Tensor,
-                   new_visibility: torch.Tensor, num_slots: int) -> LayerAttention:
-    """The per-layer call of `backend` for one forward (module docstring)."""
+                   new_visibility: torch.Tensor, num_slots: int,
+                   block_table: torch.Tensor | None = None) -> LayerAttention:
+    """The per-layer call of `backend` for one forward over a cache of num_slots slots per
+    request, paged when block_table int32 [B, num_slots / page_size] is given (module docstring)."""
+    if block_table is not None:
+        bind_paged = getattr(backend, "bind_paged", None)
+        if bind_paged is not None:
+            return bind_paged(starts, n_new, new_visibility, block_table)
+        contiguous = bind_attention(backend, starts, n_new, new_visibility, num_slots)
+        table = block_table.long()
+
+        def gathered(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+            return contiguous(q_lat, q_pe, c_kv[table].flatten(1, 2), k_pe[table].flatten(1, 2), scale)
+        return gathered
     bind = getattr(backend, "bind", None)
     if bind is not None:
         return bind(starts, n_new, new_visibility, num_slots)

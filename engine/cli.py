@@ -2,10 +2,10 @@
 
     kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH]
                     [--junit-xml PATH] [--html PATH] [--impl module:factory] [--require CAPS] [--invariant]
-                    [--tp N]
+                    [--tp N] [--page-size N]
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
-                [--invariant] [--tp N]
+                [--invariant] [--tp N] [--page-size N]
 
 Exit status: 0 passed, 1 a check failed (validate), the two ways differ (diverge) or
 DDTree differed from AR (demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
@@ -198,11 +198,14 @@ def _check_device(device: str) -> None:
 @click.option("--tp", type=click.IntRange(min=1), default=None,
               help="Shard the built-in engine over N ranks (tensor and expert parallel): under torchrun its "
                    "N processes, else N local processes spawned here (CPU: gloo; cuda: NCCL, rank r on cuda:r).")
+@click.option("--page-size", type=click.IntRange(min=1, max=4096), default=None,
+              help="The built-in engine's KV cache in pages of N slots through a block table (as vLLM, SGLang "
+                   "and FlashMLA keep it; 64 is FlashMLA's); default contiguous.")
 def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
                      junit_path: Path | None, html_path: Path | None, impl: str | None, require: str,
-                     invariant: bool, tp: int | None) -> int:
+                     invariant: bool, tp: int | None, page_size: int | None) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
-    for flag, given in (("--invariant", invariant), ("--tp", tp)):
+    for flag, given in (("--invariant", invariant), ("--tp", tp), ("--page-size", page_size)):
         if given and impl:
             raise CliError(f"{flag} is a mode of the built-in engine; it does not apply to --impl")
     if html_path is not None:
@@ -210,11 +213,12 @@ def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: 
     _check_tp(tp, device)
     _check_device(device)
     return _on_ranks(tp, device, _validate, fixtures, device, dtype, json_path, junit_path, html_path, impl, require,
-                     invariant)
+                     invariant, page_size)
 
 
 def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
-              junit_path: Path | None, html_path: Path | None, impl: str | None, require: str, invariant: bool) -> int:
+              junit_path: Path | None, html_path: Path | None, impl: str | None, require: str, invariant: bool,
+              page_size: int | None) -> int:
     """validate's work on one rank (world None: unsharded) -> its exit status."""
     from .validate import load_impl, validate, write_json
 
@@ -226,7 +230,7 @@ def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, json_p
     out = _rank_console(world)
     steps = _Steps(lambda line: out.print(Text(line, style="dim")))
     report = validate(adapter, fixtures, device, log=steps, require=require, invariant=invariant, dtype=dtype,
-                      world=world)
+                      world=world, page_size=page_size)
     report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
     report.timings = steps.timings()
     render(report, out)
@@ -462,9 +466,12 @@ class _DemoModel:
 @click.option("--tp", type=click.IntRange(min=1), default=None,
               help="Shard the built-in engine over N ranks (tensor and expert parallel): under torchrun its "
                    "N processes, else N local processes spawned here (CPU: gloo; cuda: NCCL, rank r on cuda:r).")
+@click.option("--page-size", type=click.IntRange(min=1, max=4096), default=None,
+              help="The built-in engine's KV cache in pages of N slots through a block table (as vLLM, SGLang "
+                   "and FlashMLA keep it; 64 is FlashMLA's); default contiguous.")
 def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | None, max_new_tokens: int,
                  budget: int, block_size: int, accuracy: float, device: str, plot_path: Path | None,
-                 invariant: bool, tp: int | None) -> int:
+                 invariant: bool, tp: int | None, page_size: int | None) -> int:
     """AR and DDTree side by side on a model fixture's weights (oracle and layerskip drafters)."""
     if plot_path is not None:
         _require_matplotlib("--plot")
@@ -476,18 +483,19 @@ def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | N
         raise CliError(f"{model.path} holds no prompts; give --prompt")
     _check_demo_sizes(cfg, tokens, max_new_tokens, ddtree, device)
     return _on_ranks(tp, device, _demo, model, tokens, ddtree, max_new_tokens, accuracy, device, plot_path,
-                     invariant)
+                     invariant, page_size)
 
 
 def _demo(world: Any, model: _DemoModel, tokens: list[int], ddtree: DDTreeConfig, max_new_tokens: int,
-          accuracy: float, device: str, plot_path: Path | None, invariant: bool) -> int:
+          accuracy: float, device: str, plot_path: Path | None, invariant: bool, page_size: int | None) -> int:
     """The demo's runs on one rank (world None: unsharded) -> its exit status."""
     from .adapter import TorchAdapter
     from .decode import ar_decode, ddtree_decode
     from .drafters import LayerSkipDrafter, OracleDrafter
 
     cfg = model.cfg
-    adapter = TorchAdapter(device if world is None else world.device, invariant=invariant, world=world)
+    adapter = TorchAdapter(device if world is None else world.device, invariant=invariant, world=world,
+                           page_size=page_size)
     with _reading(model.path) as reader:
         adapter.load_weights(cfg, {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")})
     target, layers = adapter.model, max(1, cfg.num_hidden_layers // 2)

@@ -12,6 +12,10 @@ tree is N, the longest key range the cache's T slots), so a call reads nothing b
 device and can be captured in a CUDA graph. `bind` packs the visibility and the index arrays
 once per forward for every layer.
 
+Paged caches (`bind_paged`): the kernel reads the pools [pages, page_size, w] through the
+block table itself (`mla_verify_paged`), with the same split plan, so a paged forward gives
+the bits of the contiguous one over the same keys.
+
 invariant=True (`invariant_form()`): the kernel's CUDA-core path with one key split, where each
 query row folds its visible keys one at a time in slot order; a row's output is then a function
 of that key sequence alone, whatever the tree size, the batch and the cache size
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels_cuda.mla_ops import mla_verify, pack_visibility
+from kernels_cuda.mla_ops import mla_verify, mla_verify_paged, pack_visibility
 
 from .attention import LayerAttention
 
@@ -50,10 +54,34 @@ class CudaAttention:
 
     def bind(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
              num_slots: int) -> LayerAttention:
+        def kernel(q_lat, q_pe, c_kv, k_pe, context, tree, q_offsets, bits, scale, n, out):
+            c_rows, stride = _key_rows(c_kv)
+            k_rows, k_stride = _key_rows(k_pe)
+            if k_stride != stride:
+                (c_rows, stride), (k_rows, _) = _key_rows(c_kv.contiguous()), _key_rows(k_pe.contiguous())
+            kv_offsets = torch.arange(len(context), device=context.device, dtype=torch.int32) * stride
+            mla_verify(q_lat, q_pe, c_rows, k_rows, context, tree, q_offsets, kv_offsets, bits, scale,
+                       max_tree=n, max_kv=max(c_kv.shape[1], 1), invariant=self.invariant, out=out)
+        return self._bound(starts, n_new, new_visibility, kernel)
+
+    def bind_paged(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
+                   block_table: torch.Tensor) -> LayerAttention:
+        """The per-layer call over the pools c_kv [pages, page_size, R], k_pe [pages, page_size, dr]."""
+        table = block_table.to(torch.int32).contiguous()
+
+        def kernel(q_lat, q_pe, c_kv, k_pe, context, tree, q_offsets, bits, scale, n, out):
+            mla_verify_paged(q_lat, q_pe, c_kv, k_pe, context, tree, q_offsets, table, bits, scale, max_tree=n,
+                             max_kv=max(table.shape[1] * c_kv.shape[1], 1), invariant=self.invariant, out=out)
+        return self._bound(starts, n_new, new_visibility, kernel)
+
+    def _bound(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
+               kernel) -> LayerAttention:
+        """The per-layer call around `kernel`: the padded batch as the kernel's ragged one
+        (module docstring), visibility packed once."""
         batch, n = new_visibility.shape[:2]
         bits = pack_visibility(new_visibility).view(batch * n, -1)                # [B N, W]
-        index = torch.arange(batch + 1, device=new_visibility.device, dtype=torch.int32)
-        context, tree, q_offsets = starts.to(torch.int32), n_new.to(torch.int32), index * n
+        context, tree = starts.to(torch.int32), n_new.to(torch.int32)
+        q_offsets = torch.arange(batch + 1, device=new_visibility.device, dtype=torch.int32) * n
 
         def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                    scale: float) -> torch.Tensor:
@@ -61,16 +89,10 @@ class CudaAttention:
             o_lat = torch.zeros(batch, n, heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
             if batch == 0 or n == 0 or heads == 0:            # heads 0: a tensor-parallel rank holding none
                 return o_lat
-            c_rows, stride = _key_rows(c_kv)
-            k_rows, k_stride = _key_rows(k_pe)
-            if k_stride != stride:
-                (c_rows, stride), (k_rows, _) = _key_rows(c_kv.contiguous()), _key_rows(k_pe.contiguous())
-            mla_verify(q_lat.reshape(batch * n, heads, kv_lora).contiguous(),
-                       q_pe.reshape(batch * n, heads, q_pe.shape[3]).contiguous(),
-                       c_rows, k_rows, context, tree, q_offsets, index[:batch] * stride, bits, scale,
-                       max_tree=n, max_kv=max(c_kv.shape[1], 1), invariant=self.invariant,
-                       out=(o_lat.view(batch * n, heads, kv_lora),
-                            torch.empty((batch * n, heads), dtype=torch.float32, device=q_lat.device)))
+            lse = torch.empty((batch * n, heads), dtype=torch.float32, device=q_lat.device)
+            kernel(q_lat.reshape(batch * n, heads, kv_lora).contiguous(),
+                   q_pe.reshape(batch * n, heads, q_pe.shape[3]).contiguous(), c_kv, k_pe, context, tree,
+                   q_offsets, bits, scale, n, (o_lat.view(batch * n, heads, kv_lora), lse))
             return o_lat
         return attend
 

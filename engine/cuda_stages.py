@@ -97,4 +97,4 @@ class CudaStages:
     def compact_kv(self, cache: KVCache, starts: torch.Tensor, accepted: torch.Tensor,
                    accept_len: torch.Tensor) -> None:
         """In place on every layer of `cache`; leaves cache.lengths to the caller."""
-        tree_ops.compact_kv(cache.c_kv, cache.k_pe, starts, accepted, accept_len)
+        tree_ops.compact_kv(cache.c_kv, cache.k_pe, starts, accepted, accept_len, block_table=cache.block_table)

@@ -234,7 +234,8 @@ class DDTreeRound:
         def accept() -> torch.Tensor:
             choices = logits.argmax(dim=-1)                                               # [B, W]
             accepted, accept_len, next_root = tree_ops.accept_greedy(parents, tokens, n, choices, depth + 1)
-            tree_ops.compact_kv(cache.c_kv, cache.k_pe, self.starts, accepted, accept_len)
+            tree_ops.compact_kv(cache.c_kv, cache.k_pe, self.starts, accepted, accept_len,
+                                block_table=cache.block_table)
             path = accepted.clamp(min=0)                                                  # [B, L+1]
             return torch.cat([accept_len[:, None].double(), next_root[:, None].double(),
                               tokens.gather(1, path).double(), top2_margins(logits).gather(1, path)], dim=1)

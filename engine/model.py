@@ -273,13 +273,6 @@ class Block:
         return router, experts, out
 
 
-def _write_rows(cache: torch.Tensor, slots: torch.Tensor, real: torch.Tensor, new: torch.Tensor) -> None:
-    """cache [B, T, W] <- new [B, N, W] at slots [B, N] for real [B, N] rows; padding rows
-    write back what their (distinct) slot holds."""
-    index = slots[..., None].expand(*slots.shape, cache.shape[-1])
-    cache.scatter_(1, index, torch.where(real[..., None], new.to(cache.dtype), cache.gather(1, index)))
-
-
 def _stored(name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A weight as the forward keeps it: routing in float32 in any dtype; norm weights rounded
     to the dtype and kept in float32 (their math is float32); the rest in the dtype."""
@@ -306,12 +299,15 @@ class Transformer:
     one for the device and dtype). invariant: batch-invariant mode (module docstring).
     capture: the divergence finder's hook (module docstring). world: this rank's place in
     the tensor-parallel group (module docstring); `weights` are the full weights.
+    page_size: `new_cache` hands out paged caches of this page size (engine/cache.py);
+    None, contiguous ones. `forward` takes either layout.
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor | np.ndarray],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attention: AttentionBackend | None = None, *, invariant: bool = False,
-                 moe: str | None = None, capture: Capture | None = None, world: World | None = None):
+                 moe: str | None = None, capture: Capture | None = None, world: World | None = None,
+                 page_size: int | None = None):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Transformer: dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -331,6 +327,7 @@ class Transformer:
         self.tile = INVARIANT_TILE.get(self.device.type, 64) if invariant else None
         self.moe = "dense" if invariant else (moe or moe_dispatch(self.device, dtype))
         self.capture = capture
+        self.page_size = page_size
         first = 0
         if world is not None:
             weights, first = shard_weights(cfg, weights, world), first_expert(cfg, world)
@@ -348,7 +345,7 @@ class Transformer:
         return cls(cfg, weights, device=device, dtype=dtype, attention=attention, **options)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache.allocate(self.cfg, batch, max_len, self.device, self.dtype)
+        return KVCache.allocate(self.cfg, batch, max_len, self.device, self.dtype, self.page_size)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, new_visibility: torch.Tensor,
@@ -375,17 +372,16 @@ class Transformer:
         flat_real = real.reshape(rows)
         token_ids = tokens.where(real, 0).clamp(0, cfg.vocab_size - 1).reshape(rows)
         slots = (starts[:, None] + column[None, :]).remainder(cache.max_len)         # [B, N], distinct
-        attend = bind_attention(self.attention, starts, n_new, new_visibility, cache.max_len)
+        attend = bind_attention(self.attention, starts, n_new, new_visibility, cache.max_len, cache.block_table)
         keep = self._keeper(batch, n)
         cos, sin = self._rows(self._rope, positions.where(real, 0).clamp(min=0).reshape(rows))
 
         x = self.embed[token_ids]                                                    # [M, D]
         for layer, block in enumerate(self.layers):
             h, q_lat, q_pe, c_kv, k_pe = self._rows(block.attention_in, x, cos, sin)
-            _write_rows(cache.c_kv[layer], slots, real, c_kv.view(batch, n, -1))
-            _write_rows(cache.k_pe[layer], slots, real, k_pe.view(batch, n, -1))
+            cache.write(layer, slots, real, c_kv.view(batch, n, -1), k_pe.view(batch, n, -1))
             o_lat = attend(q_lat.view(batch, n, *q_lat.shape[1:]), q_pe.view(batch, n, *q_pe.shape[1:]),
-                           cache.c_kv[layer], cache.k_pe[layer], self.scale).reshape(q_lat.shape)   # [M, H, R]
+                           *cache.layer(layer), self.scale).reshape(q_lat.shape)   # [M, H, R]
             a = self._sum(self._rows(block.attn.output, o_lat.to(x.dtype)))           # [M, D]
             x_attn = x + a
             router, experts, f = self._rows(

@@ -312,5 +312,6 @@ class TorchStages:
         src, dst = starts[rows] + node, starts[rows] + k
         _check(bool((src < cache.max_len).all()), f"accepted: a source slot lies beyond the cache's "
                                                   f"{cache.max_len} slots")
-        cache.c_kv[:, rows, dst] = cache.c_kv[:, rows, src]
-        cache.k_pe[:, rows, dst] = cache.k_pe[:, rows, src]
+        src_rows, dst_rows = cache.slot_rows(src, rows), cache.slot_rows(dst, rows)   # paged or not
+        for pool in cache.rows():                                           # [layers, rows, w]
+            pool[:, dst_rows] = pool[:, src_rows]

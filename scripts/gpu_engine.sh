@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The engine's GPU part in one call. Run from the checkout root:
 #
-#   KDTREE_COMMIT=<hash> PYTHONPATH=. bash scripts/gpu_engine.sh [all|tests|bench|validate]
+#   KDTREE_COMMIT=<hash> PYTHONPATH=. bash scripts/gpu_engine.sh [all|tests|bench|paged|validate]
 #
 # Stages (all = tests, then bench; each has its own time limit, and a failing stage does not
 # stop the next):
 #   tests     the GPU tests of the forward: CUDA graphs (replay bitwise equal to eager, no host
 #             sync, graphed decoding), invariant mode on CUDA, the verify kernel's invariant plan,
-#             the model's CUDA variants (at most 150 s)                   -> gpu_tests.log
+#             the model's CUDA variants, the paged cache (at most 200 s)  -> gpu_tests.log
 #   bench     tests/engine/test_bench_engine.py -k gpu: ceilings, AR and verify steps against
 #             their floors, the oracle accuracy sweep (tests/engine_bench.Plan: work not begun
 #             within Plan.seconds, 270, is recorded as skipped; the JSON is rewritten after every
 #             point, so a run cut short keeps its figures), then the table and the plot
 #                                                 -> engine_bench.log, engine-gpu-h200.{json,md,png}
+#   paged     tests/engine/test_bench_paged.py: AR and verify forward graphs on paged caches (pages
+#             64, 16, 1) against the contiguous cache, side by side (at most 150 s)
+#                                                 -> paged_bench.log, engine-paged-h200.json
 #   validate  `kdtree validate --device cuda` (not in all: about 3 minutes) -> validate_cuda.{txt,json}
 #
 # Also under $OUT (default ./out): gpu.txt, build.log. KDTREE_BENCH=1 decodes 256 tokens a request
@@ -27,7 +30,8 @@ build_kernels
 
 if [[ "$stage" == all || "$stage" == tests ]]; then
     echo "== GPU tests (graphs, invariant mode, the model's CUDA variants)"
-    timeout 150 python3 -m pytest tests/engine/test_graphs.py tests/engine/test_invariant.py tests/engine/test_model.py \
+    timeout 200 python3 -m pytest tests/engine/test_graphs.py tests/engine/test_invariant.py tests/engine/test_model.py \
+        tests/engine/test_paged.py \
         -k "cuda or graph or replay or host or mla_invariant" -p no:cacheprovider -q -rfs --durations=10 \
         >"$OUT/gpu_tests.log" 2>&1
     echo "exit $?"
@@ -44,6 +48,14 @@ if [[ "$stage" == all || "$stage" == bench ]]; then
     if [[ -s "$OUT/engine-gpu-h200.json" ]]; then
         python3 tests/engine_report.py "$OUT/engine-gpu-h200.json" "$OUT/engine-gpu-h200" | sed -n '/^## Targets/,/^## Steps/p'
     fi
+fi
+
+if [[ "$stage" == all || "$stage" == paged ]]; then
+    echo "== paged KV against contiguous (k2-mid, bf16)"
+    KDTREE_PAGED_OUT="$OUT/engine-paged-h200.json" timeout 150 python3 -m pytest tests/engine/test_bench_paged.py \
+        -p no:cacheprovider -q -rs -s >"$OUT/paged_bench.log" 2>&1
+    echo "exit $?"
+    grep -E "^\{|passed|failed|error" "$OUT/paged_bench.log" | tail -20
 fi
 
 if [[ "$stage" == validate ]]; then

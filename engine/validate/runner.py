@@ -157,15 +157,18 @@ class Validation:
     fixtures have checks for: a declared capability without any is a skipped "validate" row);
     invariant: the built-in engine in batch-invariant mode; dtype: the compute dtype the
     adapter is told (`set_dtype`) and judged in (regime.py); world: the built-in engine
-    sharded over it (engine.parallel); log: told each section as it starts. ValidateError for
-    an adapter or fixtures that cannot be checked."""
+    sharded over it (engine.parallel); page_size: the built-in engine's KV cache paged
+    (engine/cache.py); log: told each section as it starts. ValidateError for an adapter or
+    fixtures that cannot be checked."""
 
     def __init__(self, adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
                  log: Callable[[str], None] = lambda line: None, require: str | Collection[str] | None = None,
-                 invariant: bool = False, dtype: str = "float32", world: World | None = None) -> None:
+                 invariant: bool = False, dtype: str = "float32", world: World | None = None,
+                 page_size: int | None = None) -> None:
         _check_dtype(dtype)
         self.builtin = adapter is None
-        self.adapter = TorchAdapter(device, invariant=invariant, world=world) if self.builtin else adapter
+        self.adapter = (TorchAdapter(device, invariant=invariant, world=world, page_size=page_size) if self.builtin
+                        else adapter)
         _set_dtype(self.adapter, dtype)
         self._checked, self._batched = checked_views(self.adapter)   # protocol v2: also batched (batched.py)
         self.dtype = dtype
@@ -280,9 +283,9 @@ class Validation:
 def validate(adapter: Any | None = None, fixtures: str | os.PathLike | None = None, device: str = "cpu",
              log: Callable[[str], None] = lambda line: None,
              require: str | Collection[str] | None = None, invariant: bool = False,
-             dtype: str = "float32", world: World | None = None) -> Report:
+             dtype: str = "float32", world: World | None = None, page_size: int | None = None) -> Report:
     """Run every check (package docstring) and return the report (Validation's arguments)."""
-    return Validation(adapter, fixtures, device, log, require, invariant, dtype, world).report()
+    return Validation(adapter, fixtures, device, log, require, invariant, dtype, world, page_size).report()
 
 
 def requirements(checks: list[Check], caps: set[str], required: set[str], fixtures: str,

@@ -39,7 +39,8 @@ def test_graphed_model_refuses_a_cpu_model(model_zoo):
 
 @pytest.fixture(scope="module")
 def cuda_models(model_zoo):
-    """-> get(preset, dtype, invariant): (Transformer on CUDA with the kernels' attention, stages)."""
+    """-> get(preset, dtype, invariant, page_size=None): (Transformer on CUDA with the kernels'
+    attention, stages), its caches paged with a page size."""
     from engine.adapter import cuda_backends
 
     stages, attention, notes = cuda_backends()
@@ -47,12 +48,13 @@ def cuda_models(model_zoo):
         pytest.skip(f"kernels_cuda does not load: {notes}")
     built = {}
 
-    def get(preset: str, dtype: str, invariant: bool):
-        if (preset, dtype, invariant) not in built:
+    def get(preset: str, dtype: str, invariant: bool, page_size: int | None = None):
+        key = preset, dtype, invariant, page_size
+        if key not in built:
             case = model_zoo.get(preset)
-            built[preset, dtype, invariant] = Transformer(case.cfg, case.weights, device="cuda", dtype=DTYPES[dtype],
-                                                          attention=attention, invariant=invariant)
-        return built[preset, dtype, invariant], stages
+            built[key] = Transformer(case.cfg, case.weights, device="cuda", dtype=DTYPES[dtype], attention=attention,
+                                     invariant=invariant, page_size=page_size)
+        return built[key], stages
     return get
 
 
@@ -126,16 +128,19 @@ def test_replayed_logits_and_cache_bitwise_equal_to_eager(cuda_models, preset, d
 
 
 def clone_cache(cache):
-    return type(cache)(c_kv=cache.c_kv.clone(), k_pe=cache.k_pe.clone(), lengths=cache.lengths.clone())
+    return type(cache)(c_kv=cache.c_kv.clone(), k_pe=cache.k_pe.clone(), lengths=cache.lengths.clone(),
+                       block_table=cache.block_table)
 
 
 @CUDA
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_graphed_decoding_matches_eager(cuda_models, dtype, invariant):
+def test_graphed_decoding_matches_eager(cuda_models, dtype, invariant, page_size):
     """AR through the step graph and DDTree through the round graphs: the eager AR tokens in
-    float32 (margins within float32 rounding) and in invariant mode bit for bit, margins too."""
-    model, stages = cuda_models("tiny", dtype, invariant)
+    float32 (margins within float32 rounding) and in invariant mode bit for bit, margins too;
+    on a paged cache as on a contiguous one (the round graph compacts through the table)."""
+    model, stages = cuda_models("tiny", dtype, invariant, page_size)
     graphed = GraphedModel(model)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, model.cfg.vocab_size, m).tolist() for m in (4, 11, 7)]
