@@ -1,8 +1,8 @@
 """The built-in torch engine as an adapter of the validation protocol, version 2
 (engine/validate/protocol_v2.py: batched, ragged, on torch tensors on its device), with
-the CUDA stages and attention kernels on CUDA devices when they load, and paged KV
-(verify attention and compaction through a block table) gathered into the contiguous
-layout, or kernels_cuda's paged kernels where they exist.
+the CUDA stages and attention kernels on CUDA devices when they load. Paged KV (verify
+attention and compaction through a block table) goes through the same attention backend
+and stages as the engine's own paged cache (engine/cache.py).
 
 The engine's own layout is padded ([B, width] with a count per request); the adapter
 converts the protocol's ragged rows to it and back on the device. Its host reads are
@@ -11,16 +11,14 @@ the batch's largest sizes (to shape the padded tensors); no tensor goes through 
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from kdtr_format import ModelConfig
 
-from .attention import AttentionBackend, torch_attention
+from .attention import AttentionBackend, bind_attention, torch_attention
 from .cache import KVCache
 from .capture import capturing
 from .model import Transformer
@@ -52,50 +50,6 @@ def cuda_backends() -> tuple[Stages | None, AttentionBackend | None, dict[str, s
     return stages, attention, notes
 
 
-@dataclass(frozen=True)
-class PagedKernels:
-    """The CUDA paged kernels TorchAdapter calls (None each where absent: the torch path)."""
-
-    verify: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None     # mla_ops.mla_verify_paged
-    compact: Callable[..., None] | None = None                                # tree_ops.compact_kv with block_table
-
-    def note(self) -> str:
-        """Which ran, for `backends`."""
-        if self.verify and self.compact:
-            return "cuda"
-        lacking = [what for what, kernel in (("mla_ops.mla_verify_paged", self.verify),
-                                             ("tree_ops.compact_kv(block_table=)", self.compact)) if kernel is None]
-        return f"{'cuda, ' if self.verify or self.compact else ''}torch where kernels_cuda lacks {', '.join(lacking)}"
-
-
-def cuda_paged_kernels(stages: bool, attention: bool) -> PagedKernels:
-    """kernels_cuda's paged verify attention (when the CUDA attention loaded) and paged
-    compaction (when the CUDA stages did), where kernels_cuda defines them."""
-    if not (stages or attention):
-        return PagedKernels()
-    from kernels_cuda import mla_ops, tree_ops
-    compact = tree_ops.compact_kv
-    takes_table = "block_table" in inspect.signature(getattr(compact, "_init_fn", compact)).parameters  # a custom op
-    return PagedKernels(getattr(mla_ops, "mla_verify_paged", None) if attention else None,
-                        compact if stages and takes_table else None)
-
-
-def page_rows(block_table: torch.Tensor, first: torch.Tensor, count: torch.Tensor, page_size: int,
-              pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_table int32 [B, W], first [B], count [B] -> (page [S], row [S]) int64: where request b's
-    slots first[b] .. first[b] + count[b] - 1 lie in a pool of `pages` pages, request after request
-    (S = count.sum()). ValueError for a slot past the table or on an entry that is no page of the pool."""
-    request = torch.repeat_interleave(torch.arange(len(count), device=count.device), count)
-    slot = first[request] + torch.arange(len(request), device=count.device) - offsets_of(count)[request]
-    entry = slot // page_size
-    if bool((entry >= block_table.shape[1]).any()):
-        raise ValueError(f"block_table: a request's slot lies past its {block_table.shape[1]} entries")
-    page = block_table[request, entry].long()
-    if bool(((page < 0) | (page >= pages)).any()):
-        raise ValueError(f"block_table: a request's slot lies on an entry that is not one of the pool's {pages} pages")
-    return page, slot % page_size
-
-
 class TorchAdapter:
     """The built-in torch engine (engine.model, engine.stages, engine.attention) as a v2 adapter.
 
@@ -121,13 +75,10 @@ class TorchAdapter:
         self.stages: Stages = TorchStages()
         self.attention_backend: AttentionBackend = torch_attention
         self.backends = {"stages": "torch", "attention": "torch"}
-        self.paged = PagedKernels()
         if self.device.type == "cuda":
             stages, attention, self.backends = cuda_backends()
             self.stages = stages or self.stages
             self.attention_backend = attention or self.attention_backend
-            self.paged = cuda_paged_kernels(stages is not None, attention is not None)
-            self.backends["paged"] = self.paged.note()
         self.name = ""
         self._name()
         self.model: Transformer | None = None
@@ -237,63 +188,57 @@ class TorchAdapter:
     def compact(self, c_kv: torch.Tensor, k_pe: torch.Tensor, starts: torch.Tensor, accepted: torch.Tensor,
                 accept_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c_kv [B, S, R], k_pe [B, S, dr] (one layer) -> the compacted copies."""
-        cache = KVCache(c_kv=c_kv.clone()[None], k_pe=k_pe.clone()[None], lengths=starts.clone())
-        self._compact(cache, starts, accepted, accept_offsets)
-        return cache.c_kv[0], cache.k_pe[0]
+        return self._compacted(c_kv, k_pe, None, starts, accepted, accept_offsets)
+
+    def paged_compact(self, c_kv_pages: torch.Tensor, k_pe_pages: torch.Tensor, block_table: torch.Tensor,
+                      starts: torch.Tensor, accepted: torch.Tensor,
+                      accept_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """c_kv_pages [P, page, R], k_pe_pages [P, page, dr], block_table int32 [B, W] -> the compacted
+        copies: the stages' compaction through the table, as of the engine's paged cache (each moved
+        row written at its slot's page and row, nothing else)."""
+        return self._compacted(c_kv_pages, k_pe_pages, block_table, starts, accepted, accept_offsets)
 
     def attention(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                   q_offsets: torch.Tensor, kv_offsets: torch.Tensor, contexts: torch.Tensor,
                   visibility_bits: torch.Tensor, scale: float) -> torch.Tensor:
         """q_lat [T, H, R], q_pe [T, H, dr], c_kv [S, R], k_pe [S, dr] -> o_lat [T, H, R] (the backend's
         padded form: request b's keys gathered into row b)."""
-        n = sizes(q_offsets)
-        width = widest(n)
-        keys = widest(contexts + n)
+        keys = widest(contexts + sizes(q_offsets))
         rows = (kv_offsets[:, None] + torch.arange(keys, device=c_kv.device)).clamp(max=c_kv.shape[0] - 1)
-        visibility = unpack_visibility(to_padded(visibility_bits, q_offsets, width), width)
-        o_lat = self.attention_backend(to_padded(q_lat, q_offsets, width), to_padded(q_pe, q_offsets, width),
-                                       c_kv[rows], k_pe[rows], contexts, n, visibility, scale)
-        return to_ragged(o_lat, n)
+        return self._verify(q_lat, q_pe, c_kv[rows], k_pe[rows], None, q_offsets, contexts, visibility_bits, scale)
 
     def paged_attention(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv_pages: torch.Tensor,
                         k_pe_pages: torch.Tensor, block_table: torch.Tensor, q_offsets: torch.Tensor,
                         contexts: torch.Tensor, visibility_bits: torch.Tensor, scale: float) -> torch.Tensor:
         """q_lat [T, H, R], q_pe [T, H, dr], c_kv_pages [P, page, R], k_pe_pages [P, page, dr], block_table
-        int32 [B, W] -> o_lat [T, H, R]: the CUDA paged kernel where it loaded, else each request's
-        keys gathered through its table row into `attention`'s contiguous rows."""
-        n = sizes(q_offsets)
-        if self.paged.verify is not None:
-            return self.paged.verify(q_lat, q_pe, c_kv_pages, k_pe_pages, contexts, n, q_offsets, block_table,
-                                     visibility_bits, scale)[0]
-        keys = contexts + n
-        page, row = page_rows(block_table, torch.zeros_like(keys), keys, c_kv_pages.shape[1], c_kv_pages.shape[0])
-        return self.attention(q_lat, q_pe, c_kv_pages[page, row], k_pe_pages[page, row], q_offsets,
-                              offsets_of(keys)[:-1], contexts, visibility_bits, scale)
+        int32 [B, W] -> o_lat [T, H, R]: the backend over the pools as the engine's paged forward calls it
+        (the CUDA kernel reads through the table; the torch backends gather each request's pages)."""
+        return self._verify(q_lat, q_pe, c_kv_pages, k_pe_pages, block_table, q_offsets, contexts, visibility_bits,
+                            scale)
 
-    def paged_compact(self, c_kv_pages: torch.Tensor, k_pe_pages: torch.Tensor, block_table: torch.Tensor,
-                      starts: torch.Tensor, accepted: torch.Tensor,
-                      accept_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """c_kv_pages [P, page, R], k_pe_pages [P, page, dr], block_table int32 [B, W] -> the compacted
-        copies: the CUDA kernel through the table where it loaded; else each request's tree window
-        (slots starts[b] .. starts[b] + its path's last node) gathered through its table row, moved
-        by `compact`, and only its moved slots starts[b] .. starts[b] + a_b - 1 written back."""
-        c_kv_pages, k_pe_pages = c_kv_pages.clone(), k_pe_pages.clone()
-        length = sizes(accept_offsets)
-        if not bool(length.any()):
-            return c_kv_pages, k_pe_pages
-        if self.paged.compact is not None:
-            path = to_padded(accepted, accept_offsets, widest(length), fill=-1)         # [B, a_max]
-            self.paged.compact(c_kv_pages[None], k_pe_pages[None], starts, path, length, block_table=block_table)
-            return c_kv_pages, k_pe_pages
-        page_size, pages = c_kv_pages.shape[1], c_kv_pages.shape[0]
-        span = torch.where(length > 0, accepted[(accept_offsets[1:] - 1).clamp(min=0)] + 1, 0)   # [B]
-        page, row = page_rows(block_table, starts, span, page_size, pages)
-        window = [to_padded(pool[page, row], offsets_of(span), widest(span)) for pool in (c_kv_pages, k_pe_pages)]
-        moved = self.compact(*window, torch.zeros_like(starts), accepted, accept_offsets)   # [B, span, R / dr]
-        page, row = page_rows(block_table, starts, length, page_size, pages)
-        for pool, window in zip((c_kv_pages, k_pe_pages), moved):
-            pool[page, row] = to_ragged(window, length)
-        return c_kv_pages, k_pe_pages
+    def _verify(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                block_table: torch.Tensor | None, q_offsets: torch.Tensor, contexts: torch.Tensor,
+                visibility_bits: torch.Tensor, scale: float) -> torch.Tensor:
+        """Ragged queries [T, H, *] over c_kv, k_pe: [B, slots, *] per request, or the pools
+        [P, page, *] with block_table [B, W] -> o_lat [T, H, R], through the attention backend."""
+        n = sizes(q_offsets)
+        width = widest(n)
+        slots = c_kv.shape[1] if block_table is None else block_table.shape[1] * c_kv.shape[1]
+        visibility = unpack_visibility(to_padded(visibility_bits, q_offsets, width), width)
+        attend = bind_attention(self.attention_backend, contexts, n, visibility, slots, block_table)
+        return to_ragged(attend(to_padded(q_lat, q_offsets, width), to_padded(q_pe, q_offsets, width), c_kv, k_pe,
+                                scale), n)
+
+    def _compacted(self, c_kv: torch.Tensor, k_pe: torch.Tensor, block_table: torch.Tensor | None,
+                   starts: torch.Tensor, accepted: torch.Tensor,
+                   accept_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's c_kv, k_pe ([B, S, *], or the pools [P, page, *] with block_table) compacted on copies."""
+        cache = KVCache(c_kv=c_kv.clone()[None], k_pe=k_pe.clone()[None], lengths=starts.clone(),
+                        block_table=block_table)
+        if block_table is not None:      # an empty path's self-copy at slot 0: a held page, where its start may not be
+            starts = torch.where(sizes(accept_offsets) > 0, starts, 0)
+        self._compact(cache, starts, accepted, accept_offsets)
+        return cache.c_kv[0], cache.k_pe[0]
 
     def _compact(self, cache: KVCache, starts: torch.Tensor, accepted: torch.Tensor,
                  accept_offsets: torch.Tensor) -> None:

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import kdtr_format
-from engine.adapter import PagedKernels, TorchAdapter, page_rows
+from engine.adapter import TorchAdapter
+from engine.attention import bind_attention, torch_attention
+from engine.stages import TorchStages
 from engine.validate import GOLDEN_DIR, Status, ValidateError, validate
 from engine.validate.checked import CheckedV2
 from engine.validate.paged_checks import ATTENTION, COMPACTION, NEEDS_V2, PAGED_ROWS, paged_checks
@@ -54,50 +56,56 @@ def test_the_builtin_engine_passes_every_paged_row(reader, dtype):
     assert ("tolerances_bf16" in found[ATTENTION].regime) == (dtype == "bfloat16")
 
 
-class FakeKernels:
-    """kernels_cuda's paged kernels as their signatures promise (branch pkern), in plain torch on the
-    CPU: TorchAdapter's CUDA branch hands them its arguments, they answer as the kernels would."""
+class PagedSeams:
+    """The attention backend and stages the engine's paged cache uses, recording what TorchAdapter's
+    paged methods hand them: the CUDA backend and stages take the same calls (`bind_paged`,
+    compact_kv of a paged cache), so these are what runs on a GPU."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.stages = TorchStages()
 
-    def verify(self, q_lat, q_pe, c_kv, k_pe, context, tree_sizes, q_offsets, block_table, visibility, scale):
-        assert block_table.dtype == torch.int32 and visibility.dtype == torch.int32
-        assert torch.equal(tree_sizes, sizes(q_offsets))
-        self.calls.append("verify")
-        o_lat = TorchAdapter().paged_attention(q_lat, q_pe, c_kv, k_pe, block_table, q_offsets, context, visibility,
-                                               scale)
-        return o_lat, torch.zeros(o_lat.shape[:2])
+    def bind_paged(self, starts, n_new, new_visibility, block_table):
+        self.calls.append("bind_paged")
+        assert block_table.dtype == torch.int32 and block_table.dim() == 2
 
-    def compact(self, c_kv, k_pe, starts, accepted, accept_len, block_table=None):
-        """c_kv [layers, P, page, R] in place: slot starts[b] + k <- starts[b] + accepted[b, k], k < accept_len[b]."""
-        assert c_kv.dim() == 4 and accepted.dtype == torch.int64 and block_table is not None
-        self.calls.append("compact")
-        page = c_kv.shape[2]
-        for b in range(len(starts)):
-            for k in range(int(accept_len[b])):
-                src, dst = int(starts[b] + accepted[b, k]), int(starts[b]) + k
-                for pool in (c_kv, k_pe):
-                    pool[:, block_table[b, dst // page], dst % page] = pool[:, block_table[b, src // page], src % page]
+        def attend(q_lat, q_pe, c_kv, k_pe, scale):          # the pools [P, page, w]: gathered by the torch path
+            slots = block_table.shape[1] * c_kv.shape[1]
+            return bind_attention(torch_attention, starts, n_new, new_visibility, slots, block_table)(
+                q_lat, q_pe, c_kv, k_pe, scale)
+        return attend
+
+    def compact_kv(self, cache, starts, accepted, accept_len):
+        self.calls.append("compact_kv")
+        assert cache.paged and cache.c_kv.dim() == 4
+        moved = torch.arange(accepted.shape[1])[None, :] < accept_len[:, None]
+        for slots in (starts[:, None] + accepted, starts[:, None] + torch.arange(accepted.shape[1])):
+            entries = cache.block_table.long().gather(1, slots // cache.page_size)
+            assert bool((entries[moved] >= 0).all()), "the stages are handed a slot on a -1 entry"
+        self.stages.compact_kv(cache, starts, accepted, accept_len)
 
 
-def test_the_cuda_branch_hands_the_paged_kernels_their_signatures(reader):
-    adapter, fake = TorchAdapter(), FakeKernels()
-    adapter.paged = PagedKernels(fake.verify, fake.compact)
+def test_the_paged_methods_go_through_the_engines_paged_seams(reader):
+    adapter, seams = TorchAdapter(), PagedSeams()
+    adapter.attention_backend, adapter.stages = seams, seams
     found = rows(adapter, reader)
     assert found[ATTENTION].status in (Status.EXACT, Status.WITHIN), found[ATTENTION].text()
     assert found[COMPACTION].status is Status.EXACT, found[COMPACTION].text()
-    assert set(fake.calls) == {"verify", "compact"}
+    assert set(seams.calls) == {"bind_paged", "compact_kv"}
 
 
-def test_page_rows_finds_slots_through_the_table_and_refuses_minus_one_entries():
-    table = torch.tensor([[2, -1], [0, 1]], dtype=torch.int32)                   # page size 2, pool of 3 pages
-    page, row = page_rows(table, torch.tensor([0, 3]), torch.tensor([2, 1]), 2, 3)
-    assert page.tolist() == [2, 2, 1] and row.tolist() == [0, 1, 1]
-    with pytest.raises(ValueError, match="not one of the pool's 3 pages"):
-        page_rows(table, torch.tensor([0, 3]), torch.tensor([3, 1]), 2, 3)           # request 0's slot 2: entry -1
-    with pytest.raises(ValueError, match="past its 2 entries"):
-        page_rows(table, torch.tensor([0, 3]), torch.tensor([2, 2]), 2, 3)           # request 1's slot 4
+def test_a_request_with_an_empty_path_is_untouched_and_hands_no_minus_one_entry():
+    """Request 0 sits the round out, its start past its only page; request 1's path [0, 2] moves its
+    slot 3 to slot 2."""
+    adapter, seams = TorchAdapter(), PagedSeams()
+    adapter.stages = seams
+    c_kv, k_pe = torch.arange(12.0).view(3, 2, 2), torch.arange(6.0).view(3, 2, 1)       # 3 pages of 2 slots
+    table = torch.tensor([[0, -1], [2, 1]], dtype=torch.int32)
+    c_after, k_after = adapter.paged_compact(c_kv, k_pe, table, torch.tensor([2, 1]), torch.tensor([0, 2]),
+                                             torch.tensor([0, 0, 2]))
+    want_c, want_k = c_kv.clone(), k_pe.clone()
+    want_c[1, 0], want_k[1, 0] = c_kv[1, 1], k_pe[1, 1]            # request 1: slot 2 (page 1 row 0) <- slot 3
+    assert torch.equal(c_after, want_c) and torch.equal(k_after, want_k) and seams.calls == ["compact_kv"]
 
 
 # ---- one adapter per paging bug, each failing its row ----
@@ -149,10 +157,8 @@ class WritesFirstPage(TorchAdapter):
         page = c_kv.shape[1]
         for b, length in enumerate(sizes(accept_offsets).tolist()):
             slots = starts[b] + torch.arange(length)
-            own, first = page_rows(table, starts[b:b + 1].clone(), torch.tensor([length]), page, len(c_kv)), \
-                int(table[b, 0])
             for pool in (c_kv, k_pe):
-                pool[first, slots % page] = pool[own[0], own[1]]
+                pool[table[b, 0], slots % page] = pool[table[b, slots // page].long(), slots % page]
         return c_kv, k_pe
 
 
