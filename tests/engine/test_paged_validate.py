@@ -56,6 +56,18 @@ def test_the_builtin_engine_passes_every_paged_row(reader, dtype):
     assert ("tolerances_bf16" in found[ATTENTION].regime) == (dtype == "bfloat16")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA variant: no CUDA GPU is visible "
+                                                          "(torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_cuda_the_paged_kernels_pass_every_paged_row(reader, dtype):
+    """kernels_cuda's mla_verify_paged and compact_kv(block_table=), through the engine's CUDA backends."""
+    adapter = TorchAdapter("cuda")
+    assert adapter.backends == {"stages": "cuda", "attention": "cuda"}, adapter.backends
+    found = rows(adapter, reader, dtype=dtype)
+    assert found[ATTENTION].status in (Status.EXACT, Status.WITHIN), found[ATTENTION].text()
+    assert found[COMPACTION].status is Status.EXACT, found[COMPACTION].text()
+
+
 class PagedSeams:
     """The attention backend and stages the engine's paged cache uses, recording what TorchAdapter's
     paged methods hand them: the CUDA backend and stages take the same calls (`bind_paged`,
