@@ -183,6 +183,16 @@ class OtherRequestsTable(TorchAdapter):
         return super().paged_compact(c_kv, k_pe, torch.where(other < 0, len(c_kv) - 1, other).to(table.dtype), *rest)
 
 
+class WritesSparePage(TorchAdapter):
+    """Compaction that also writes each request's first moved row into a page no request holds."""
+
+    def paged_compact(self, c_kv, k_pe, table, starts, accepted, accept_offsets):
+        c_kv, k_pe = super().paged_compact(c_kv, k_pe, table, starts, accepted, accept_offsets)
+        spare = sorted(set(range(len(c_kv))) - set(table.flatten().tolist()))[0]
+        c_kv[spare, 0] = c_kv[table[0, int(starts[0]) // c_kv.shape[1]], int(starts[0]) % c_kv.shape[1]]
+        return c_kv, k_pe
+
+
 class MovesLatentOnly(TorchAdapter):
     """Compaction that moves c_kv and leaves the rotary pool as it was."""
 
@@ -199,7 +209,9 @@ SAYS = {ATTENTION: r"\(case attention_\w+ request \d+\)$", COMPACTION: r"pages d
     (WritesFirstPage, {COMPACTION}, "compaction wrote page"),
     (OtherRequestsTable, {COMPACTION}, "compaction wrote page"),
     (MovesLatentOnly, {COMPACTION}, "holds the wrong row"),
-], ids=["ignores the table", "reads a -1 entry", "writes a shared page", "another request's table", "k_pe unmoved"])
+    (WritesSparePage, {COMPACTION}, "which no request holds"),
+], ids=["ignores the table", "reads a -1 entry", "writes a shared page", "another request's table", "k_pe unmoved",
+        "writes an unheld page"])
 def test_each_paging_bug_fails_its_row(reader, broken, caught, says):
     found = rows(broken(), reader)
     failed = {name for name, c in found.items() if c.status is Status.FAIL}
