@@ -1,6 +1,8 @@
 """The built-in torch engine as an adapter of the validation protocol, version 2
 (engine/validate/protocol_v2.py: batched, ragged, on torch tensors on its device), with
-the CUDA stages and attention kernels on CUDA devices when they load.
+the CUDA stages and attention kernels on CUDA devices when they load. Paged KV (verify
+attention and compaction through a block table) goes through the same attention backend
+and stages as the engine's own paged cache (engine/cache.py).
 
 The engine's own layout is padded ([B, width] with a count per request); the adapter
 converts the protocol's ragged rows to it and back on the device. Its host reads are
@@ -16,7 +18,7 @@ import torch
 
 from kdtr_format import ModelConfig
 
-from .attention import AttentionBackend, torch_attention
+from .attention import AttentionBackend, bind_attention, torch_attention
 from .cache import KVCache
 from .capture import capturing
 from .model import Transformer
@@ -60,7 +62,8 @@ class TorchAdapter:
     """
 
     protocol = 2
-    capabilities = ("model", "topk", "tree", "compile", "accept", "sample_accept", "compact", "attention")
+    capabilities = ("model", "topk", "tree", "compile", "accept", "sample_accept", "compact", "attention",
+                    "paged_attention", "paged_compact")
 
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  invariant: bool = False, world: World | None = None, page_size: int | None = None) -> None:
@@ -185,23 +188,57 @@ class TorchAdapter:
     def compact(self, c_kv: torch.Tensor, k_pe: torch.Tensor, starts: torch.Tensor, accepted: torch.Tensor,
                 accept_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c_kv [B, S, R], k_pe [B, S, dr] (one layer) -> the compacted copies."""
-        cache = KVCache(c_kv=c_kv.clone()[None], k_pe=k_pe.clone()[None], lengths=starts.clone())
-        self._compact(cache, starts, accepted, accept_offsets)
-        return cache.c_kv[0], cache.k_pe[0]
+        return self._compacted(c_kv, k_pe, None, starts, accepted, accept_offsets)
+
+    def paged_compact(self, c_kv_pages: torch.Tensor, k_pe_pages: torch.Tensor, block_table: torch.Tensor,
+                      starts: torch.Tensor, accepted: torch.Tensor,
+                      accept_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """c_kv_pages [P, page, R], k_pe_pages [P, page, dr], block_table int32 [B, W] -> the compacted
+        copies: the stages' compaction through the table, as of the engine's paged cache (each moved
+        row written at its slot's page and row, nothing else)."""
+        return self._compacted(c_kv_pages, k_pe_pages, block_table, starts, accepted, accept_offsets)
 
     def attention(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                   q_offsets: torch.Tensor, kv_offsets: torch.Tensor, contexts: torch.Tensor,
                   visibility_bits: torch.Tensor, scale: float) -> torch.Tensor:
         """q_lat [T, H, R], q_pe [T, H, dr], c_kv [S, R], k_pe [S, dr] -> o_lat [T, H, R] (the backend's
         padded form: request b's keys gathered into row b)."""
+        keys = widest(contexts + sizes(q_offsets))
+        rows = (kv_offsets[:, None] + torch.arange(keys, device=c_kv.device)).clamp(max=c_kv.shape[0] - 1)
+        return self._verify(q_lat, q_pe, c_kv[rows], k_pe[rows], None, q_offsets, contexts, visibility_bits, scale)
+
+    def paged_attention(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv_pages: torch.Tensor,
+                        k_pe_pages: torch.Tensor, block_table: torch.Tensor, q_offsets: torch.Tensor,
+                        contexts: torch.Tensor, visibility_bits: torch.Tensor, scale: float) -> torch.Tensor:
+        """q_lat [T, H, R], q_pe [T, H, dr], c_kv_pages [P, page, R], k_pe_pages [P, page, dr], block_table
+        int32 [B, W] -> o_lat [T, H, R]: the backend over the pools as the engine's paged forward calls it
+        (the CUDA kernel reads through the table; the torch backends gather each request's pages)."""
+        return self._verify(q_lat, q_pe, c_kv_pages, k_pe_pages, block_table, q_offsets, contexts, visibility_bits,
+                            scale)
+
+    def _verify(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                block_table: torch.Tensor | None, q_offsets: torch.Tensor, contexts: torch.Tensor,
+                visibility_bits: torch.Tensor, scale: float) -> torch.Tensor:
+        """Ragged queries [T, H, *] over c_kv, k_pe: [B, slots, *] per request, or the pools
+        [P, page, *] with block_table [B, W] -> o_lat [T, H, R], through the attention backend."""
         n = sizes(q_offsets)
         width = widest(n)
-        keys = widest(contexts + n)
-        rows = (kv_offsets[:, None] + torch.arange(keys, device=c_kv.device)).clamp(max=c_kv.shape[0] - 1)
+        slots = c_kv.shape[1] if block_table is None else block_table.shape[1] * c_kv.shape[1]
         visibility = unpack_visibility(to_padded(visibility_bits, q_offsets, width), width)
-        o_lat = self.attention_backend(to_padded(q_lat, q_offsets, width), to_padded(q_pe, q_offsets, width),
-                                       c_kv[rows], k_pe[rows], contexts, n, visibility, scale)
-        return to_ragged(o_lat, n)
+        attend = bind_attention(self.attention_backend, contexts, n, visibility, slots, block_table)
+        return to_ragged(attend(to_padded(q_lat, q_offsets, width), to_padded(q_pe, q_offsets, width), c_kv, k_pe,
+                                scale), n)
+
+    def _compacted(self, c_kv: torch.Tensor, k_pe: torch.Tensor, block_table: torch.Tensor | None,
+                   starts: torch.Tensor, accepted: torch.Tensor,
+                   accept_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's c_kv, k_pe ([B, S, *], or the pools [P, page, *] with block_table) compacted on copies."""
+        cache = KVCache(c_kv=c_kv.clone()[None], k_pe=k_pe.clone()[None], lengths=starts.clone(),
+                        block_table=block_table)
+        if block_table is not None:      # an empty path's self-copy at slot 0: a held page, where its start may not be
+            starts = torch.where(sizes(accept_offsets) > 0, starts, 0)
+        self._compact(cache, starts, accepted, accept_offsets)
+        return cache.c_kv[0], cache.k_pe[0]
 
     def _compact(self, cache: KVCache, starts: torch.Tensor, accepted: torch.Tensor,
                  accept_offsets: torch.Tensor) -> None:

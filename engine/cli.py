@@ -191,9 +191,9 @@ def _check_device(device: str) -> None:
                    "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
 @click.option("--require", type=str, default="declared", show_default=True,
               help="Capabilities whose checks must run, comma-separated (model, topk, tree, compile, accept, "
-                   "sample_accept, compact, attention); `declared`: the adapter's `capabilities`, else what it "
-                   "implements; `none`: nothing required. A required capability that is skipped or that no "
-                   "fixture exercises is a FAIL.")
+                   "sample_accept, compact, attention, paged_attention, paged_compact); `declared`: the "
+                   "adapter's `capabilities`, else what it implements; `none`: nothing required. A required "
+                   "capability that is skipped or that no fixture exercises is a FAIL.")
 @click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
 @click.option("--tp", type=click.IntRange(min=1), default=None,
               help="Shard the built-in engine over N ranks (tensor and expert parallel): under torchrun its "

@@ -14,7 +14,7 @@ and writes the new tokens' rows back to their pages; compaction moves rows betwe
 Nothing is copied to the host but sizes.
 
 Declared: model, topk, accept, compact. Left out on purpose (their rows are skipped): tree,
-compile, sample_accept, attention.
+compile, sample_accept, attention, paged_attention, paged_compact.
 """
 
 from __future__ import annotations

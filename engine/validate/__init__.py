@@ -20,7 +20,8 @@ Sections of the report, each a list of `Check` rows:
 3. Kernel cases (`kernels/*.kdtr`): top-k from draft logits, tree build
    (float64 scores too) and compile (positions, visibility bits, EAGLE links)
    bit-exact from the given top-k, accept and compaction exact, verify
-   attention within tolerance.
+   attention within tolerance; paged KV (`kernels/paged_kv.kdtr`, protocol v2
+   only: paged_checks.py): verify attention and compaction through a block table.
 4. The invariant (the built-in engine only): DDTree greedy == AR greedy for
    every preset, with the oracle, random and layerskip drafters: on each model
    fixture's weights and prompts, and on seeded random weights and prompts for
@@ -54,7 +55,7 @@ row), `regime` (how a dtype judges rows, the routing watch), `fixtures`
 (finding them), `model_checks`, `kernel_checks` and `invariant` (the sections
 above), `deviations` (what an adapter declares about where it differs from the
 reference, noted on the rows it affects), `batched` and `batched_model` (the
-batched rows), `runner` (all of them in order, then the requirements; or one case,
+batched rows), `paged_checks` (the paged-KV rows), `runner` (all of them in order, then the requirements; or one case,
 one row, at a time: `plan`, `Validation`), and the report's other forms, `junit`
 (JUnit XML) and `html` (a self-contained page).
 `distribution` (the statistical test of a sampler's law, for implementations

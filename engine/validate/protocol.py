@@ -35,6 +35,9 @@ R kv_lora, dr d_rope, a accepted nodes):
 - attention: ``attention(q_lat [n, H, R], q_pe [n, H, dr], c_kv [S, R], k_pe [S, dr],
   visibility [n, S] bool, scale: float) -> o_lat [n, H, R]`` (the tree-verify kernel;
   the last n rows of c_kv / k_pe are the tree tokens, every earlier row is visible).
+- paged_attention, paged_compact: protocol 2 only (protocol_v2.py; verify attention and
+  compaction through a block table). A v1 adapter is handed one request's numpy arrays
+  and has no pages: it cannot declare them, and their rows are skipped for it.
 - known deviations (optional, any adapter): ``deviations() -> list[Deviation]``, where the
   engine differs from the reference on purpose; noted on the rows named, never changing a
   verdict (deviations.py).
@@ -108,6 +111,8 @@ CAPABILITIES: dict[str, tuple[str, ...]] = {
     "sample_accept": ("sample_accept",),
     "compact": ("compact",),
     "attention": ("attention",),
+    "paged_attention": (),           # protocol 2 only: no v1 methods
+    "paged_compact": (),
 }
 
 
@@ -228,7 +233,7 @@ def capability_table(adapter: Any) -> Mapping[str, tuple[str, ...]]:
 def capabilities(adapter: Any, table: Mapping[str, tuple[str, ...]] | None = None) -> set[str]:
     """The capabilities whose every method the adapter defines (table: default the adapter's protocol's)."""
     table = table or capability_table(adapter)
-    return {cap for cap in table if not _missing(adapter, cap, table)}
+    return {cap for cap in table if table[cap] and not _missing(adapter, cap, table)}
 
 
 def _missing(adapter: Any, capability: str, table: Mapping[str, tuple[str, ...]]) -> list[str]:
@@ -261,11 +266,15 @@ def resolve_capabilities(adapter: Any, require: str | Collection[str] | None = N
     require: None or "declared" (the adapter's declaration, else what it implements), "none",
     or capability names (a collection, or one comma-separated string). ValidateError for an
     adapter that implements nothing, a partly implemented or a declared but missing
-    capability, and unknown names."""
+    capability (a v1 adapter declaring a protocol 2 one), and unknown names."""
     declared = declared_capabilities(adapter)
     name = adapter_name(adapter)
     table = capability_table(adapter)
     for cap in table:
+        if declared is not None and cap in declared and not table[cap]:
+            raise ValidateError(f"adapter {name} declares capability {cap!r}, which needs protocol 2 (paged KV: "
+                                f"a protocol 1 adapter has no pages); set `protocol = 2` and implement "
+                                f"{cap}() (engine/validate/protocol_v2.py)")
         missing = _missing(adapter, cap, table)
         if declared is not None and cap in declared and missing:
             raise ValidateError(f"adapter {name} declares capability {cap!r} but has no "
@@ -276,7 +285,7 @@ def resolve_capabilities(adapter: Any, require: str | Collection[str] | None = N
                                 f"but not {', '.join(m + '()' for m in missing)}")
     run = capabilities(adapter, table)
     if not run:
-        options = "; ".join(f"{cap}: {', '.join(methods)}" for cap, methods in table.items())
+        options = "; ".join(f"{cap}: {', '.join(methods)}" for cap, methods in table.items() if methods)
         raise ValidateError(f"adapter {name} implements no capability (each needs all of its methods: "
                             f"{options})")
     if require is None or require == "declared":

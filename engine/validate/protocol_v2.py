@@ -23,7 +23,8 @@ when the row sees its own request's token j; W = ceil(widest request / 32) words
 those past a request's size zero.
 
 Capabilities and their methods (T new tokens, N tree nodes, A accepted nodes, V vocab,
-L depths, K = min(k, V), S cache rows, H heads, R kv_lora, dr d_rope):
+L depths, K = min(k, V), S cache rows, P pages of `page` slots, H heads, R kv_lora,
+dr d_rope):
 
 - model: ``load_weights(config: ModelConfig, weights: dict[str, Tensor])`` (names as
   docs/fixtures.md, float32 on the device, layout [out, in]);
@@ -63,9 +64,23 @@ L depths, K = min(k, V), S cache rows, H heads, R kv_lora, dr d_rope):
   q_offsets[b+1], its keys rows kv_offsets[b] .. kv_offsets[b] + contexts[b] + n_b (its
   context, then its n_b tree tokens); a query sees every context key and the tree keys
   its bits name.
+- paged_attention: ``paged_attention(q_lat [T, H, R], q_pe [T, H, dr], c_kv_pages [P, page,
+  R], k_pe_pages [P, page, dr], block_table int32 [B, W], q_offsets [B+1], contexts [B],
+  visibility_bits int32 [T, W'], scale: float) -> o_lat [T, H, R]``: attention's keys kept
+  in pages, as vLLM, SGLang and FlashMLA keep them. Request b's key slot s is row s % page
+  of page block_table[b, s // page]; its keys are its contexts[b] cached slots, then its
+  n_b tree tokens at slots contexts[b] .. contexts[b] + n_b - 1; entries past its last page
+  are -1 (never to be read). Requests may share pages (a common prompt prefix).
+- paged_compact: ``paged_compact(c_kv_pages [P, page, R], k_pe_pages [P, page, dr],
+  block_table int32 [B, W], starts [B], accepted [A], accept_offsets [B+1]) ->
+  (c_kv_pages, k_pe_pages)``: compact's move through the table (in place or on copies):
+  request b's slot starts[b] + k <- its slot starts[b] + p[k]. Nothing else of either pool
+  may change: not a page another request holds (a shared page holds context only, below
+  every sharer's start), not a page no request holds.
 - known deviations (optional): ``deviations() -> list[Deviation]``, as v1.
 
-Declarations (``capabilities``, ``--require``) and names are v1's (protocol.py).
+Declarations (``capabilities``, ``--require``) and names are v1's (protocol.py); the
+paged capabilities are protocol 2's alone.
 
 How the runner takes both versions through one set of checks. A v1 adapter holds one
 request's cache, so it cannot be batched by looping; a v2 adapter can run any request
@@ -78,14 +93,15 @@ finiteness) before `PerRequest` copies them to numpy, then the numpy results aga
 v1's declarations as for any adapter. What a batch of one cannot show (a request
 leaking into another, ragged offsets, the adapter's compaction of its own cache, time
 per stage) is batched.py: the fixture's requests in one batch through the checked v2
-adapter, compared by the same comparisons (compare.py), timed per stage.
+adapter, compared by the same comparisons (compare.py), timed per stage. Paged KV has no
+v1 form at all: its rows (paged_checks.py) call the v2 adapter alone.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import numpy as np
 import torch
@@ -109,6 +125,8 @@ CAPABILITIES_V2: dict[str, tuple[str, ...]] = {
     "sample_accept": ("sample_accept",),
     "compact": ("compact",),
     "attention": ("attention",),
+    "paged_attention": ("paged_attention",),
+    "paged_compact": ("paged_compact",),
 }
 
 # The stage of a DDTree round each method is timed as (batched.py; forward: "prefill" or "verify").
@@ -165,6 +183,12 @@ METHODS_V2: dict[str, Method] = {
                                                  "dr": k_pe.shape[2]}),
     "attention": Method("attention", (Output("o_lat", "float", ("T", "H", "R")),),
                         lambda q_lat, *rest: dict(zip(("T", "H", "R"), q_lat.shape))),
+    "paged_attention": Method("paged_attention", (Output("o_lat", "float", ("T", "H", "R")),),
+                              lambda q_lat, *rest: dict(zip(("T", "H", "R"), q_lat.shape))),
+    "paged_compact": Method("paged_compact", (Output("c_kv_pages", "float", ("P", "page", "R")),
+                                              Output("k_pe_pages", "float", ("P", "page", "dr"))),
+                            lambda c_kv, k_pe, *rest: {"P": c_kv.shape[0], "page": c_kv.shape[1], "R": c_kv.shape[2],
+                                                       "dr": k_pe.shape[2]}),
 }
 
 
@@ -209,7 +233,11 @@ class PerRequest:
 
     @property
     def capabilities(self) -> Any:
-        return getattr(self.adapter, "capabilities", None)
+        """The v2 adapter's declaration, less the capabilities v1 has no methods for (paged KV)."""
+        declared = getattr(self.adapter, "capabilities", None)
+        if isinstance(declared, str) or not isinstance(declared, Collection):
+            return declared
+        return [cap for cap in declared if CAPABILITIES.get(cap, True)]     # unknown names stay, to be refused
 
     def _put(self, array: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.tensor(np.asarray(array), dtype=dtype, device=self.device)

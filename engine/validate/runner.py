@@ -7,8 +7,9 @@ own requirements), its check name and the capabilities it exercises. Its id,
 `section::name`, is the same in every run and for every adapter, because the plan depends
 on the fixture files and the dtype's regime alone: the built-in engine's own rows are
 cases of every plan, skipped for any other adapter; the batched rows (batched.py) are
-cases, skipped for a protocol v1 adapter; and bf16's routing row is a case, skipped where
-the adapter's model did not run.
+cases, skipped for a protocol v1 adapter; a paged_kv fixture's rows (paged_checks.py) are
+its cases, skipped rows in a v1 adapter's report too; and bf16's routing row is a case,
+skipped where the adapter's model did not run.
 
     validation = Validation(adapter, fixtures, require="declared", dtype="float32")
     row = validation.check(case)          # one case: its fixture's checks run once, then kept
@@ -50,7 +51,9 @@ from .fixtures import _kdtr_files, find_fixtures
 from .invariant import INVARIANT_ROWS, preset_invariant_checks
 from .kernel_checks import KERNEL_KINDS, KERNEL_ROWS, kernel_checks
 from .model_checks import ENGINE_AR, ENGINE_REPLAY, ROWS, _model_fixture
+from .paged_checks import PAGED_KIND, PAGED_ROWS, paged_checks
 from .protocol import CAPABILITIES, resolve_capabilities
+from .protocol_v2 import CAPABILITIES_V2
 from .regime import DTYPES, CasesView, Regime
 from .report import Check, Report, Status, ValidateError
 
@@ -136,8 +139,9 @@ def _per_request_cases(reader, section: str, dtype: str) -> tuple[Case, ...]:
         return (*cases, *(Case(section, name, (), True) for name in (ENGINE_AR, ENGINE_REPLAY, *INVARIANT_ROWS)))
     if kind == "corpus":
         return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in corpus_rows(reader))
-    if kind in KERNEL_ROWS:
-        return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in KERNEL_ROWS[kind].items())
+    rows = PAGED_ROWS if kind == PAGED_KIND else KERNEL_ROWS.get(kind)
+    if rows is not None:
+        return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in rows.items())
     return (Case(section, "fixture"),)
 
 
@@ -242,6 +246,8 @@ class Validation:
             if regime is not None:
                 checks = with_trace_acceptance(checks, CasesView(reader, regime))
             return _stamped(with_deviations(self._report, self.adapter, checks, section), "exact")
+        if kind == PAGED_KIND:            # protocol 2 only: the v2 view (None for a v1 adapter)
+            return _stamped(paged_checks(self._batched, self.caps, reader, section, self.dtype), "")
         if kind in KERNEL_KINDS:
             return _stamped(kernel_checks(kind, self._checked, self.caps, reader, section),
                             "float32: the kernel case's tolerance (float32 inputs)")
@@ -303,7 +309,8 @@ def requirements(checks: list[Check], caps: set[str], required: set[str], fixtur
 def unmet(cap: str, checks: list[Check], caps: set[str], fixtures: str) -> str | None:
     """Why a required capability is not met by these rows; None when one of them exercised it."""
     if cap not in caps:
-        return f"required, but the adapter has no {', '.join(m + '()' for m in CAPABILITIES[cap])}"
+        methods = CAPABILITIES[cap] or CAPABILITIES_V2[cap]      # a protocol 2 capability has no v1 methods
+        return f"required, but the adapter has no {', '.join(m + '()' for m in methods)}"
     if any(cap in c.needs and c.status is not Status.SKIPPED for c in checks):
         return None
     return f"required, but no check of {fixtures} exercised it"

@@ -264,6 +264,8 @@ def ints(*values):
 
 TREE = (ints(-1, 0, 0, -1, 0), ints(5, 6, 7, 1, 2), ints(7, 1, 2, 3, 4), ints(0, 3, 5))       # two trees: 3 + 2
 FORWARD = (ints(1, 2), ints(0, 1), ints(0, 2), ints(0), torch.ones(2, 1, dtype=torch.int32))
+POOLS = (torch.zeros(3, 4, 8), torch.zeros(3, 4, 2))                   # paged: 3 pages of 4 slots
+TABLE = torch.tensor([[0, 2]], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("method, args, value, message", [
@@ -287,6 +289,13 @@ FORWARD = (ints(1, 2), ints(0, 1), ints(0, 2), ints(0), torch.ones(2, 1, dtype=t
     ("compile_trees", (TREE[0], ints(0, 1, 1, 0, 1), TREE[3], ints(4, 9)),
      (ints(4, 5, 5, 9, 10), torch.zeros(5, 1, dtype=torch.int64), ints(1, -1, -1, 1, -1), ints(-1, 2, -1, -1, -1)),
      "visibility_bits has dtype torch.int64, expected uint32 or int32 words"),
+    ("paged_attention", (torch.zeros(2, 1, 8), torch.zeros(2, 1, 2), *POOLS, TABLE, ints(0, 2), ints(3),
+                         torch.ones(2, 1, dtype=torch.int32), 1.0),
+     torch.zeros(2, 1, 2), "paged_attention() output o_lat has shape [2, 1, 2], expected [2, 1, 8]"),
+    ("paged_compact", (*POOLS, TABLE, ints(3), ints(0, 2), ints(0, 2)), (POOLS[0][:2], POOLS[1]),
+     "paged_compact() output c_kv_pages has shape [2, 4, 8], expected [3, 4, 8]"),
+    ("paged_compact", (*POOLS, TABLE, ints(3), ints(0, 2), ints(0, 2)), (POOLS[0], POOLS[1][..., :1]),
+     "output k_pe_pages has shape [3, 4, 1], expected [3, 4, 2]"),
 ])
 def test_the_v2_proxy_holds_every_output_to_its_declaration(method, args, value, message):
     with pytest.raises(AdapterFault, match=re.escape(message)):
