@@ -10,14 +10,9 @@
 // (scores -inf, positions -1, first_child/next_sibling -1) and their visibility row sees
 // itself only. Every output element is written.
 //
-// The best-first loop runs on one warp: the frontier is an unordered array in shared memory,
-// lane l owns slots l, l + 32, ... and keeps the best of them in registers, and a pop is a
-// warp argmax by shuffles (5 steps) after which only the lanes whose slots changed rescan
-// theirs. The popped slot takes the node's next sibling (or the last slot's candidate), the
-// first child is appended. The contract's order is total (higher score, then the smaller
-// rank path), so the argmax is unique and the pops are those of any exact best-first loop.
-// A node's rank path is never stored: on an exact score tie the two candidates' paths are
-// rebuilt by walking parents (depth <= 32).
+// The heap runs in one thread on shared memory: a node's rank path is never stored; on an
+// exact score tie the two candidates' paths are rebuilt by walking parents (depth <= 32).
+// A popped node's sibling replaces the heap top (one sift-down for pop + push).
 #include "common.cuh"
 
 namespace {
@@ -38,8 +33,8 @@ struct BuildSmem {
     int* parent;        // [width]
     uint32_t* node;     // [width] pack(parent, depth, rank) per node
     double* score;      // [width]
-    double* cand_score; // [width] the frontier, slots 0 .. size - 1
-    uint32_t* cand_key; // [width]
+    double* heap_score; // [width + 1], 1-based
+    uint32_t* heap_key; // [width + 1]
 };
 
 // Rank path of candidate p (ranks from depth 1 to its depth) into ranks[]; returns its length.
@@ -65,84 +60,56 @@ __device__ __forceinline__ bool better(double sa, uint32_t pa, double sb, uint32
     return sa != sb ? sa > sb : path_less(pa, pb, node);
 }
 
-// A frontier candidate and its slot (slot -1: none).
-struct Candidate {
-    double score;
-    uint32_t key;
-    int slot;
-};
-
-__device__ __forceinline__ bool beats(const Candidate& a, const Candidate& b, const uint32_t* node) {
-    return a.slot >= 0 && (b.slot < 0 || better(a.score, a.key, b.score, b.key, node));
-}
-
-// The best of this lane's slots lane, lane + 32, ... below size.
-__device__ Candidate lane_best(const BuildSmem& s, int size, int lane) {
-    Candidate best{0.0, 0u, -1};
-    for (int i = lane; i < size; i += 32) {
-        const Candidate c{s.cand_score[i], s.cand_key[i], i};
-        if (beats(c, best, s.node)) best = c;
+__device__ void sift_down(BuildSmem& s, int size, double sc, uint32_t key) {
+    int i = 1;
+    for (int c = 2; c <= size; c = 2 * i) {
+        if (c + 1 <= size && better(s.heap_score[c + 1], s.heap_key[c + 1], s.heap_score[c], s.heap_key[c], s.node)) ++c;
+        if (!better(s.heap_score[c], s.heap_key[c], sc, key, s.node)) break;
+        s.heap_score[i] = s.heap_score[c];
+        s.heap_key[i] = s.heap_key[c];
+        i = c;
     }
-    return best;
+    s.heap_score[i] = sc;
+    s.heap_key[i] = key;
 }
 
-// The warp's best candidate, in every lane (the order is total: every lane ends with the same one).
-__device__ __forceinline__ Candidate warp_best(Candidate mine, const uint32_t* node) {
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) {
-        const Candidate other{__shfl_xor_sync(0xFFFFFFFFu, mine.score, mask),
-                              __shfl_xor_sync(0xFFFFFFFFu, mine.key, mask),
-                              __shfl_xor_sync(0xFFFFFFFFu, mine.slot, mask)};
-        if (beats(other, mine, node)) mine = other;
+__device__ void sift_up(BuildSmem& s, int i, double sc, uint32_t key) {
+    for (int p = i / 2; i > 1 && better(sc, key, s.heap_score[p], s.heap_key[p], s.node); p = i / 2) {
+        s.heap_score[i] = s.heap_score[p];
+        s.heap_key[i] = s.heap_key[p];
+        i = p;
     }
-    return mine;
+    s.heap_score[i] = sc;
+    s.heap_key[i] = key;
 }
 
-// The best-first loop on warp 0 (all 32 lanes; lane 0 writes shared memory). Returns n, the
-// non-root nodes built.
+// The serial best-first loop (thread 0). Returns n, the non-root nodes built.
 __device__ int best_first(BuildSmem& s, int L, int Kb, int budget) {
-    const int lane = threadIdx.x & 31;
+    s.node[0] = pack(0, 0, 0);
+    s.score[0] = 0.0;
     int size = 0, n = 0;
-    if (lane == 0) {
-        s.node[0] = pack(0, 0, 0);
-        s.score[0] = 0.0;
-    }
     if (L > 0 && Kb > 0 && budget > 0) {
         size = 1;
-        if (lane == 0) {
-            s.cand_score[0] = static_cast<double>(s.lp[0]);
-            s.cand_key[0] = pack(0, 1, 0);
-        }
+        s.heap_score[1] = static_cast<double>(s.lp[0]);
+        s.heap_key[1] = pack(0, 1, 0);
     }
-    __syncwarp();
-    Candidate mine = lane_best(s, size, lane);
-    while (n < budget) {
-        const Candidate top = warp_best(mine, s.node);
-        if (top.slot < 0) break;
-        const int parent = parent_of(top.key), d = depth_of(top.key), r = rank_of(top.key);
-        const bool sibling = r + 1 < Kb, child = d < L;
-        const int last = size - 1;
+    while (size > 0 && n < budget) {
+        const double sc = s.heap_score[1];
+        const uint32_t key = s.heap_key[1];
+        const int parent = parent_of(key), d = depth_of(key), r = rank_of(key);
         ++n;
-        __syncwarp();                                       // every lane's reads of this round are done
-        if (lane == 0) {
-            s.node[n] = top.key;
-            s.score[n] = top.score;
-            s.cand_score[top.slot] = sibling ? s.score[parent] + static_cast<double>(s.lp[(d - 1) * Kb + r + 1])
-                                             : s.cand_score[last];
-            s.cand_key[top.slot] = sibling ? pack(parent, d, r + 1) : s.cand_key[last];
+        s.node[n] = key;
+        s.score[n] = sc;
+        if (r + 1 < Kb) {
+            sift_down(s, size, s.score[parent] + static_cast<double>(s.lp[(d - 1) * Kb + r + 1]), pack(parent, d, r + 1));
+        } else {
+            --size;
+            if (size > 0) sift_down(s, size, s.heap_score[size + 1], s.heap_key[size + 1]);
         }
-        if (!sibling) --size;
-        if (child) {
-            if (lane == 0) {
-                s.cand_score[size] = top.score + static_cast<double>(s.lp[d * Kb]);
-                s.cand_key[size] = pack(n, d + 1, 0);
-            }
+        if (d < L) {
             ++size;
+            sift_up(s, size, sc + static_cast<double>(s.lp[d * Kb]), pack(n, d + 1, 0));
         }
-        __syncwarp();
-        const bool changed = (top.slot & 31) == lane || (!sibling && (last & 31) == lane) ||
-                             (child && ((size - 1) & 31) == lane);
-        if (changed) mine = lane_best(s, size, lane);
     }
     return n;
 }
@@ -207,9 +174,9 @@ __global__ void __launch_bounds__(kThreads) build_trees_kernel(BuildArgs a) {
     const int b = blockIdx.x, width = a.width, L = a.L;
     BuildSmem s;
     s.score = reinterpret_cast<double*>(smem_raw);
-    s.cand_score = s.score + width;
-    s.cand_key = reinterpret_cast<uint32_t*>(s.cand_score + width + 1);
-    s.node = s.cand_key + width + 1;
+    s.heap_score = s.score + width;
+    s.heap_key = reinterpret_cast<uint32_t*>(s.heap_score + width + 1);
+    s.node = s.heap_key + width + 1;
     s.parent = reinterpret_cast<int*>(s.node + width);
     s.lp = reinterpret_cast<float*>(s.parent + width);
     __shared__ int n_shared;
@@ -219,10 +186,7 @@ __global__ void __launch_bounds__(kThreads) build_trees_kernel(BuildArgs a) {
     const float* lp = a.topk_lp + static_cast<size_t>(b) * L * a.K;
     for (int i = threadIdx.x; i < L * Kb; i += blockDim.x) s.lp[i] = lp[(i / Kb) * a.K + i % Kb];
     __syncthreads();
-    if (threadIdx.x < 32) {
-        const int built = best_first(s, L, Kb, budget);
-        if (threadIdx.x == 0) n_shared = built;
-    }
+    if (threadIdx.x == 0) n_shared = best_first(s, L, Kb, budget);
     __syncthreads();
     const int n = n_shared;
 
