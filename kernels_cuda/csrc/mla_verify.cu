@@ -257,19 +257,23 @@ __device__ __forceinline__ void tma_load_rows(unsigned char* dst, const CUtensor
     tma_load(dst + (k2::kChunks - 1) * k2::kChunkBytes, pe, bar, 0, y);
 }
 // The cache rows of the boxes of request b's key tile at slots key0 .. key0 + 63: box j
-// (box = key_box(p) rows; key0 is a multiple of it when paged) starts at slot key0 + j box.
-// Contiguous rows are base + slot (base = kv_offsets[b], read once: no load a tile); paged
-// ones come from the block table. A box whose first slot lies past `last` (the split's last
-// key) loads the box holding `last`: a row the table maps, whose contents are zeroed or
-// masked before use.
+// (box rows; key0 is a multiple of box when paged) starts at slot key0 + j box. Contiguous
+// rows are base + slot (base = kv_offsets[b], read once: no load a tile, one box of 64);
+// paged ones come from the block table. A box whose first slot lies past `last` (the
+// split's last key) loads the box holding `last`: a row the table maps, whose contents are
+// zeroed or masked before use.
+template <bool kPaged>
 __device__ __forceinline__ void key_tile_rows(int (&y)[k2::kMaxBoxes], const MlaParams& p, int b, int base,
                                               int key0, int last, int box) {
+    if constexpr (!kPaged) {
+        y[0] = base + key0;
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < k2::kMaxBoxes; ++j) {
         if (j * box < 64) {
             const int s = key0 + j * box;
-            const int slot = s <= last ? s : key0 + (last - key0) / box * box;
-            y[j] = p.block_table ? cache_row(p, b, slot) : base + slot;
+            y[j] = cache_row(p, b, s <= last ? s : key0 + (last - key0) / box * box);
         }
     }
 }
@@ -341,7 +345,7 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t p, uint64_t v
 // (K-major) and V (MN-major). One thread of warpgroup 1 issues the TMA loads: the Q tile, then
 // key tiles into a ring of kStages, each refilled once all 8 warps have released it. Every
 // hand-off between the warpgroups is an mbarrier.
-template <typename TOut>
+template <typename TOut, bool kPaged>
 __global__ void __launch_bounds__(k2::kThreads, 1)
     mla_k2_wgmma(const __grid_constant__ MlaParams p, const __grid_constant__ K2Maps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma exists only in sm_90a code
@@ -371,8 +375,8 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
     const int key_end = min(kv_len, key_begin + p.split_keys);
     const int n_tiles = (key_end - key_begin + kBN - 1) / kBN;
     const int grow0 = p.q_offsets[b] * p.heads + row0;     // global row of tile row 0
-    const int box = key_box(p);
-    const int base = p.block_table ? 0 : p.kv_offsets[b];  // contiguous: the request's first cache row
+    const int box = kPaged ? key_box(p) : 64;                // key rows per TMA box (compile-time when contiguous)
+    const int base = kPaged ? 0 : p.kv_offsets[b];          // contiguous: the request's first cache row
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
@@ -396,7 +400,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
         tma_load_rows(sQ, &maps.q_lat, &maps.q_pe, q_full, grow0);
         for (int s = 0; s < kStages && s < n_tiles; ++s) {
             int y[kMaxBoxes];
-            key_tile_rows(y, p, b, base, key_begin + s * kBN, key_end - 1, box);
+            key_tile_rows<kPaged>(y, p, b, base, key_begin + s * kBN, key_end - 1, box);
             tma_load_keys(sK + s * kTileBytes, &maps.c_kv, &maps.k_pe, &full[s], y, box);
         }
     }
@@ -547,7 +551,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             const int stage = tile % kStages;
             const bool refill = producer && tile + kStages < n_tiles;
             int y[kMaxBoxes];  // the refill's rows, looked up before the P V: block-table reads overlap it
-            if (refill) key_tile_rows(y, p, b, base, key_begin + (tile + kStages) * kBN, key_end - 1, box);
+            if (refill) key_tile_rows<kPaged>(y, p, b, base, key_begin + (tile + kStages) * kBN, key_end - 1, box);
             mbar_wait(p_ready, tile & 1);
             const float alpha[2] = {sAlpha[r_lo], sAlpha[r_lo + 8]};
             rescale_o(alpha);
@@ -689,11 +693,14 @@ int launch(const MlaParams& p, int batch, int max_tree, long long cache_rows, in
             !encode_rows(&maps.c_kv, p.c_kv, k2::kR, cache_rows, key_box(p)) ||
             !encode_rows(&maps.k_pe, p.k_pe, k2::kDr, cache_rows, key_box(p)))
             return KDTREE_BAD_TENSOR_MAP;
-        const cudaError_t err = cudaFuncSetAttribute(mla_k2_wgmma<TOut>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     (int)k2::kSmemBytes);
+        // Two instances: the contiguous one has no block-table code at all (measured: the table's
+        // per-tile lookups in the shared instance cost 20-27% of the contiguous kernel's time).
+        const auto kernel = p.block_table ? mla_k2_wgmma<TOut, true> : mla_k2_wgmma<TOut, false>;
+        const cudaError_t err =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)k2::kSmemBytes);
         if (err != cudaSuccess) return (int)err;
         const dim3 grid((unsigned)((max_rows + k2::kBM - 1) / k2::kBM), p.num_splits, batch);
-        mla_k2_wgmma<TOut><<<grid, k2::kThreads, k2::kSmemBytes, stream>>>(p, maps);
+        kernel<<<grid, k2::kThreads, k2::kSmemBytes, stream>>>(p, maps);
     } else {
         const size_t smem = (size_t)kGenericWarps * (2 * p.kv_lora + p.rope_dim) * sizeof(float);
         if (smem > 48 * 1024) return KDTREE_BAD_LIMIT;
