@@ -5,7 +5,8 @@ and stages: one CUDA-graph forward per (layout, batch, width) over a cache prefi
 tokens a request, timed by its replays (CUDA events). Widths 1 (an AR step) and 65 (a budget-64
 tree verify); pages of 64 and 16 slots (the kernel's tensor-core path reads them by TMA) and of
 1 slot (its CUDA-core path). The figure is each paged step's time over the contiguous step's in
-the same run, and the logits are checked equal bit for bit first (a paged step that computes
+the same run, and the logits are checked first: bit for bit where the kernel takes the same
+path, within bf16 rounding (relative 2e-2) on the CUDA-core path (a paged step that computes
 something else is not timed). The JSON goes to $KDTREE_PAGED_OUT; nothing is asserted about speed.
 Skipped without CUDA.
 """
@@ -56,6 +57,7 @@ def step_graph(model, batch: int, width: int):
 def test_bench_gpu_paged_steps(benchmark):
     from engine.adapter import cuda_backends
     from engine.model import Transformer
+    from kernels_cuda.mla_ops import paged_tensor_cores
     from engine.validate import random_weights
 
     stages, attention, notes = cuda_backends()
@@ -73,9 +75,15 @@ def test_bench_gpu_paged_steps(benchmark):
                     model = Transformer(cfg, weights, device="cuda", dtype=torch.bfloat16, attention=attention,
                                         page_size=page_size)
                     graph, logits = step_graph(model, batch, width)
-                    row = {"batch": batch, "width": width, "context": CONTEXT, "page_size": page_size}
-                    if flat_logits is not None and not torch.equal(logits, flat_logits):
-                        row["void"] = "logits differ from the contiguous cache's"
+                    row = {"batch": batch, "width": width, "context": CONTEXT, "page_size": page_size,
+                           "attention": "tensor cores" if page_size is None or paged_tensor_cores(page_size)
+                           else "CUDA cores"}
+                    if flat_logits is not None:
+                        row["logits_error"] = float((logits - flat_logits).float().norm() / flat_logits.float().norm())
+                    if flat_logits is not None and row["attention"] == "tensor cores" and row["logits_error"] != 0:
+                        row["void"] = "logits differ from the contiguous cache's on the same kernel path"
+                    elif flat_logits is not None and row["logits_error"] > 2e-2:
+                        row["void"] = "logits beyond bf16 rounding of the contiguous cache's"
                     else:
                         row["ms"] = replay_ms(graph.graph, reps=20)
                         if flat_ms is None:
