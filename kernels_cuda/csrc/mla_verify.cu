@@ -256,39 +256,24 @@ __device__ __forceinline__ void tma_load_rows(unsigned char* dst, const CUtensor
     for (int c = 0; c < k2::kChunks - 1; ++c) tma_load(dst + c * k2::kChunkBytes, lat, bar, c * k2::kChunkDims, y);
     tma_load(dst + (k2::kChunks - 1) * k2::kChunkBytes, pe, bar, 0, y);
 }
-// The cache rows of the boxes of request b's key tile at slots key0 .. key0 + 63, in two
-// steps so that a block-table read never stalls the producer's warp (GPUs issue in order:
-// the first instruction that uses a loaded value waits for it; the kernel reads a tile's
-// pages one loop iteration before it needs them). Box j (box rows; key0 is a multiple of
-// box when paged) starts at slot key_box_slot(j); a box whose first slot lies past `last`
-// (the split's last key) takes the box holding `last`: a row the table maps, whose
-// contents are zeroed or masked before use.
-// 1. key_tile_pages: contiguous, y[0] = base + key0 (base = kv_offsets[b], read once: no load
-//    a tile, one box of 64); paged, y[j] = the page of box j, loads left in flight.
-// 2. key_tile_rows: paged, y[j] = page * page_size + the slot's offset in it.
-__device__ __forceinline__ int key_box_slot(int j, int key0, int last, int box) {
-    const int s = key0 + j * box;
-    return s <= last ? s : key0 + (last - key0) / box * box;
-}
+// The cache rows of the boxes of request b's key tile at slots key0 .. key0 + 63: box j
+// (box rows; key0 is a multiple of box when paged) starts at slot key0 + j box. Contiguous
+// rows are base + slot (base = kv_offsets[b], read once: no load a tile, one box of 64);
+// paged ones come from the block table. A box whose first slot lies past `last` (the
+// split's last key) loads the box holding `last`: a row the table maps, whose contents are
+// zeroed or masked before use.
 template <bool kPaged>
-__device__ __forceinline__ void key_tile_pages(int (&y)[k2::kMaxBoxes], const MlaParams& p, int b, int base,
-                                               int key0, int last, int box) {
+__device__ __forceinline__ void key_tile_rows(int (&y)[k2::kMaxBoxes], const MlaParams& p, int b, int base,
+                                              int key0, int last, int box) {
     if constexpr (!kPaged) {
         y[0] = base + key0;
-    } else {
-        const int32_t* table = p.block_table + (size_t)b * p.table_stride;
-#pragma unroll
-        for (int j = 0; j < k2::kMaxBoxes; ++j)
-            if (j * box < 64) y[j] = table[key_box_slot(j, key0, last, box) / p.page_size];
+        return;
     }
-}
-template <bool kPaged>
-__device__ __forceinline__ void key_tile_rows(int (&y)[k2::kMaxBoxes], const MlaParams& p, int key0, int last,
-                                              int box) {
-    if constexpr (kPaged) {
 #pragma unroll
-        for (int j = 0; j < k2::kMaxBoxes; ++j) {
-            if (j * box < 64) y[j] = y[j] * p.page_size + key_box_slot(j, key0, last, box) % p.page_size;
+    for (int j = 0; j < k2::kMaxBoxes; ++j) {
+        if (j * box < 64) {
+            const int s = key0 + j * box;
+            y[j] = cache_row(p, b, s <= last ? s : key0 + (last - key0) / box * box);
         }
     }
 }
@@ -410,17 +395,14 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    int pages_ahead[kMaxBoxes];  // the producer's: the pages of the first refill (tile kStages), in flight
     if (producer) {
         mbar_expect_tx(q_full, kTileBytes);
         tma_load_rows(sQ, &maps.q_lat, &maps.q_pe, q_full, grow0);
         for (int s = 0; s < kStages && s < n_tiles; ++s) {
             int y[kMaxBoxes];
-            key_tile_pages<kPaged>(y, p, b, base, key_begin + s * kBN, key_end - 1, box);
-            key_tile_rows<kPaged>(y, p, key_begin + s * kBN, key_end - 1, box);
+            key_tile_rows<kPaged>(y, p, b, base, key_begin + s * kBN, key_end - 1, box);
             tma_load_keys(sK + s * kTileBytes, &maps.c_kv, &maps.k_pe, &full[s], y, box);
         }
-        if (kStages < n_tiles) key_tile_pages<kPaged>(pages_ahead, p, b, base, key_begin + kStages * kBN, key_end - 1, box);
     }
     __syncwarp();
 
@@ -568,14 +550,8 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
         for (int tile = 0; tile < n_tiles; ++tile) {
             const int stage = tile % kStages;
             const bool refill = producer && tile + kStages < n_tiles;
-            const int refill_key0 = key_begin + (tile + kStages) * kBN;
-            int y[kMaxBoxes];  // the refill's pages, read one iteration ago; the next refill's read now
-            if (refill) {
-#pragma unroll
-                for (int j = 0; j < kMaxBoxes; ++j) y[j] = pages_ahead[j];
-                if (tile + kStages + 1 < n_tiles)
-                    key_tile_pages<kPaged>(pages_ahead, p, b, base, refill_key0 + kBN, key_end - 1, box);
-            }
+            int y[kMaxBoxes];  // the refill's rows, looked up before the P V: block-table reads overlap it
+            if (refill) key_tile_rows<kPaged>(y, p, b, base, key_begin + (tile + kStages) * kBN, key_end - 1, box);
             mbar_wait(p_ready, tile & 1);
             const float alpha[2] = {sAlpha[r_lo], sAlpha[r_lo + 8]};
             rescale_o(alpha);
@@ -585,7 +561,6 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             if (lane == 0) mbar_arrive(&empty[stage]);
             if (refill) {
                 mbar_wait(&empty[stage], (tile / kStages) & 1);
-                key_tile_rows<kPaged>(y, p, refill_key0, key_end - 1, box);
                 tma_load_keys(sK + stage * kTileBytes, &maps.c_kv, &maps.k_pe, &full[stage], y, box);
             }
             __syncwarp();
