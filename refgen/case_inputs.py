@@ -1,8 +1,10 @@
 """Random inputs the kernel-case modules share (kernel_cases, paged_cases): placeholder
-tree shapes, random walks down a tree, the junk value of rows no kernel may read."""
+tree shapes, random walks down a tree, the junk value of rows no kernel may read, and the
+bf16 rounding of attention inputs."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from .ddtree import Tree, build_tree, topk_logprobs
@@ -43,3 +45,9 @@ def random_walk(tree: Tree, vocab: int, rng: np.random.Generator) -> np.ndarray:
             continue
         choices[node] = next(int(t) for t in rng.permutation(vocab) if int(t) not in taken)
         return choices.astype(np.int64)
+
+
+def bf16_rounded(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest, ties to even), as float32: what a bf16
+    kernel loads from them. Attention cases' bf16 expectations are computed from these."""
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)

@@ -21,7 +21,7 @@ import numpy as np
 
 from kdtr_format import PRESETS
 
-from .case_inputs import JUNK, SCORE_STD, random_walk, tree_shape
+from .case_inputs import JUNK, SCORE_STD, bf16_rounded, random_walk, tree_shape
 from .corpus import CORPUS_CASES, corpus_case
 from .ddtree import Tree, accept, build_tree, compact, compile_tree, topk_logprobs
 from .fixtures import (FIXTURE_FORMAT, Fixture, FixtureError, Progress, generator_info, sub_seed,
@@ -186,8 +186,8 @@ def _attention_case(case: AttentionCase, seed: int, index: int) -> tuple[dict[st
     c_kv = np.full((S, R), JUNK, dtype=np.float32)
     k_pe = np.full((S, dr), JUNK, dtype=np.float32)
     visibility_bits = np.zeros((T, words), dtype=np.uint32)
-    o_lat = np.zeros((T, H, R), dtype=np.float32)
-    lse = np.zeros((T, H))
+    expected = {name: np.zeros((T, H, R), dtype=np.float32) if name.startswith("o_lat") else np.zeros((T, H))
+                for name in ("o_lat", "lse", "o_lat_bf16", "lse_bf16")}
     for b, tree in enumerate(trees):
         keys = slice(kv_offsets[b], kv_offsets[b] + contexts[b] + sizes[b])
         queries = slice(q_offsets[b], q_offsets[b + 1])
@@ -198,13 +198,13 @@ def _attention_case(case: AttentionCase, seed: int, index: int) -> tuple[dict[st
         visibility_bits[queries, :compiled.visibility_bits.shape[1]] = compiled.visibility_bits
         visibility = np.concatenate([np.ones((sizes[b], contexts[b]), dtype=bool),
                                      compiled.visibility], axis=1)
-        o, l = absorbed_attention(q_lat[queries].astype(np.float64), q_pe[queries].astype(np.float64),
-                                  c_kv[keys].astype(np.float64), k_pe[keys].astype(np.float64),
-                                  visibility, scale)
-        o_lat[queries], lse[queries] = o, l
+        inputs = (q_lat[queries], q_pe[queries], c_kv[keys], k_pe[keys])
+        for suffix, rounding in (("", np.asarray), ("_bf16", bf16_rounded)):
+            o, l = absorbed_attention(*(rounding(x) for x in inputs), visibility, scale)
+            expected["o_lat" + suffix][queries], expected["lse" + suffix][queries] = o, l
     tensors = {"q_lat": q_lat, "q_pe": q_pe, "c_kv": c_kv, "k_pe": k_pe, "context": contexts,
                "tree_sizes": sizes, "q_offsets": q_offsets, "kv_offsets": kv_offsets,
-               "visibility_bits": visibility_bits, "o_lat": o_lat, "lse": lse}
+               "visibility_bits": visibility_bits, **expected}
     meta = {"name": case.name, "preset": case.preset, "heads": H, "kv_lora_rank": R,
             "qk_rope_head_dim": dr, "scale": scale, "batch": len(trees), "tokens": T, "keys": S,
             "trees": [shape for shape, _ in case.trees]}

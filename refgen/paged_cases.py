@@ -17,7 +17,8 @@ a kernel that reads them is visibly wrong.
 
 Attention cases give the queries of each request's tree and expect `o_lat`, `lse` from
 the float64 reference over the request's logical keys (context, then tree tokens), built
-before any paging, so the expected values do not depend on the block table at all.
+before any paging, so the expected values do not depend on the block table at all; and
+`o_lat_bf16`, `lse_bf16`, the same from the inputs rounded to bf16 (what a bf16 kernel loads).
 Compaction cases give a tree written at each request's slots start .. start + n and an
 accepted path per request (a random walk down the tree; non-prefix paths included), and
 expect the whole pools after the move (contract section 7): every other slot, every
@@ -33,7 +34,7 @@ import numpy as np
 
 from kdtr_format import PRESETS
 
-from .case_inputs import JUNK, SCORE_STD, random_walk, tree_shape
+from .case_inputs import JUNK, SCORE_STD, bf16_rounded, random_walk, tree_shape
 from .ddtree import accept, compact, compile_tree
 from .fixtures import FixtureError, sub_seed
 from .model import absorbed_attention, softmax_scale
@@ -143,18 +144,21 @@ def _attention_case(case: PagedCase, rng: np.random.Generator) -> tuple[dict[str
     q_lat = (q_std * rng.standard_normal((T, H, R))).astype(np.float32)
     q_pe = (q_std * rng.standard_normal((T, H, dr))).astype(np.float32)
     visibility_bits = np.zeros((T, words), dtype=np.uint32)
-    o_lat = np.zeros((T, H, R), dtype=np.float32)
-    lse = np.zeros((T, H))
+    expected = {name: np.zeros((T, H, R), dtype=np.float32) if name.startswith("o_lat") else np.zeros((T, H))
+                for name in ("o_lat", "lse", "o_lat_bf16", "lse_bf16")}
     for b, tree in enumerate(trees):
         queries = slice(q_offsets[b], q_offsets[b + 1])
         compiled = compile_tree(tree, int(contexts[b]))
         visibility_bits[queries, :compiled.visibility_bits.shape[1]] = compiled.visibility_bits
         visibility = np.concatenate([np.ones((sizes[b], contexts[b]), dtype=bool), compiled.visibility], axis=1)
-        o_lat[queries], lse[queries] = absorbed_attention(q_lat[queries], q_pe[queries], *keys[b], visibility, scale)
+        for suffix, rounding in (("", np.asarray), ("_bf16", bf16_rounded)):
+            o, l = absorbed_attention(*(rounding(x) for x in (q_lat[queries], q_pe[queries], *keys[b])), visibility,
+                                      scale)
+            expected["o_lat" + suffix][queries], expected["lse" + suffix][queries] = o, l
     c_pool, k_pool = _pools(table, pages, case.page_size, keys)
     tensors = {"q_lat": q_lat, "q_pe": q_pe, "c_kv_pages": c_pool, "k_pe_pages": k_pool, "block_table": table,
                "context": contexts, "tree_sizes": sizes, "q_offsets": q_offsets,
-               "visibility_bits": visibility_bits, "o_lat": o_lat, "lse": lse}
+               "visibility_bits": visibility_bits, **expected}
     meta = {"scale": scale, "heads": H, "kv_lora_rank": R, "qk_rope_head_dim": dr, "tokens": T,
             "trees": [shape for shape, _ in case.trees]}
     return tensors, meta

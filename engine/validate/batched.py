@@ -277,22 +277,22 @@ def _accept_compact_cases(adapter: CheckedV2, caps: set[str], reader, section: s
             row(section, "batched KV compaction", {"compact"}, caps, compacted)]
 
 
-def _verify_attention_cases(adapter: CheckedV2, caps: set[str], reader, section: str) -> list[Check]:
-    from .kernel_checks import DEFAULT_ATTENTION_TOLERANCE
+def _verify_attention_cases(adapter: CheckedV2, caps: set[str], reader, section: str,
+                            dtype: str = "float32") -> list[Check]:
+    from .kernel_checks import AttentionRule
 
-    rule = reader.metadata.get("tolerances", {}).get("o_lat", DEFAULT_ATTENTION_TOLERANCE)
     rows: list[Check] = []
     for case in _cases(reader) if "attention" in caps else []:
+        rule = AttentionRule.of(reader.metadata, case.has("o_lat_bf16"), dtype)
         scale = float(case.meta["scale"]) if "scale" in case.meta else float(reader.metadata["scale"])
         with fault_into(rows, section, "batched verify attention", case.where):
-            o_lat = host(adapter.attention(*(put(adapter, case[w]) for w in ("q_lat", "q_pe", "c_kv", "k_pe")),
+            o_lat = host(adapter.attention(*(put(adapter, rule.inputs(case[w])) for w in ("q_lat", "q_pe", "c_kv", "k_pe")),
                                            *(put(adapter, case[w], torch.int64)
                                              for w in ("q_offsets", "kv_offsets", "context")),
                                            put(adapter, words32(case["visibility_bits"])), scale))
             bounds = case["q_offsets"]
-            for b, (got, want) in enumerate(zip(split(o_lat, bounds), split(case["o_lat"], bounds))):
-                rows.append(compare_close(section, "verify attention", got, want, rule["rtol"], rule["atol"],
-                                          f"{case.where} request {b}"))
+            for b, (got, want) in enumerate(zip(split(o_lat, bounds), split(case[rule.expected], bounds))):
+                rows.append(rule.compare(section, "verify attention", got, want, f"{case.where} request {b}"))
     return [row(section, "batched verify attention", {"attention"}, caps, rows)]
 
 
@@ -316,7 +316,8 @@ def batched_checks(adapter: CheckedV2 | None, caps: set[str], reader, section: s
     kind = reader.metadata.get("kind")
     if kind == "model":
         return batched_model_checks(adapter, caps, reader, section, dtype)
-    checks = {"tree_build": _tree_build_cases, "accept_compact": _accept_compact_cases,
-              "verify_attention": _verify_attention_cases}.get(kind)
+    if kind == "verify_attention":
+        return _verify_attention_cases(adapter, caps, reader, section, dtype)
+    checks = {"tree_build": _tree_build_cases, "accept_compact": _accept_compact_cases}.get(kind)
     return checks(adapter, caps, reader, section) if checks else []
 

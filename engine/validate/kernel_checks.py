@@ -3,12 +3,22 @@ scores too) and compile (positions, visibility bits, EAGLE links) bit-exact from
 given top-k, accept and compaction exact, verify attention within tolerance. Every
 adapter call goes through the checked adapter; a fault is the FAIL row of its check.
 `KERNEL_ROWS` names each kind's rows and the capabilities each needs (the corpus: one row
-per case, corpus_checks.corpus_rows)."""
+per case, corpus_checks.corpus_rows).
+
+Verify attention in a regime (`AttentionRule`, shared by the per-request, batched and
+paged rows): float32 hands the case's float32 inputs and compares with `o_lat` by the
+case's tolerance; bfloat16 hands the inputs rounded to bf16 (as float32 values: what a bf16
+kernel loads from them) and compares with `o_lat_bf16`, the float64 result from those
+rounded inputs, by `tolerances_bf16`, so a kernel that computes in bf16 is judged on its
+arithmetic, not on the rounding of its inputs. A case without `o_lat_bf16` (a fixture of
+an older refgen) is judged as in float32."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from .checked import fault_into
@@ -18,6 +28,37 @@ from .report import Check
 
 DEFAULT_ATTENTION_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 Found = dict[str, list[Check]]           # row name -> the comparisons merged into that row
+
+
+@dataclass(frozen=True)
+class AttentionRule:
+    """How a verify-attention row judges in one regime (module docstring)."""
+
+    expected: str               # the fixture tensor the output is compared with
+    rtol: float
+    atol: float
+    regime: str
+    bf16_inputs: bool           # the float inputs go in rounded to bf16
+
+    @classmethod
+    def of(cls, metadata: Mapping[str, Any], has_bf16_case: bool, dtype: str) -> "AttentionRule":
+        if dtype == "bfloat16" and has_bf16_case:
+            rule = metadata["tolerances_bf16"]["o_lat"]
+            return cls("o_lat_bf16", rule["rtol"], rule["atol"],
+                       "bf16: the kernel case's tolerances_bf16 (inputs rounded to bf16)", True)
+        rule = metadata.get("tolerances", {}).get("o_lat", DEFAULT_ATTENTION_TOLERANCE)
+        return cls("o_lat", rule["rtol"], rule["atol"], "float32: the kernel case's tolerance (float32 inputs)", False)
+
+    def inputs(self, array: np.ndarray) -> np.ndarray:
+        """A float input as the adapter gets it in this regime."""
+        if not self.bf16_inputs:
+            return array
+        return np.asarray(array, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    def compare(self, section: str, name: str, actual: Any, expected: Any, where: str) -> Check:
+        check = compare_close(section, name, actual, expected, self.rtol, self.atol, where)
+        check.regime = self.regime
+        return check
 
 KERNEL_ROWS: dict[str, dict[str, set[str]]] = {
     "tree_build": {"top-k log-probs": {"topk"}, "tree build": {"tree"}, "tree compile": {"compile"}},
@@ -79,14 +120,16 @@ def _accept_compact_cases(adapter, caps: set[str], reader, section: str, found: 
                     compare_exact(section, "k_pe after", k_pe, np.asarray(reader[p + "k_pe_after"]), where)]
 
 
-def _verify_attention_cases(adapter, caps: set[str], reader, section: str, found: Found) -> None:
-    rule = reader.metadata.get("tolerances", {}).get("o_lat", DEFAULT_ATTENTION_TOLERANCE)
+def _verify_attention_cases(adapter, caps: set[str], reader, section: str, found: Found,
+                            dtype: str = "float32") -> None:
     rows = found["verify attention (o_lat)"]
     for case in _cases(reader) if "attention" in caps else []:
         p = f"cases/{case['name']}/"
-        q_lat, q_pe, c_kv, k_pe, context, trees, q_off, kv_off, bits, expected = (
-            np.asarray(reader[p + k]) for k in ("q_lat", "q_pe", "c_kv", "k_pe", "context", "tree_sizes",
-                                                "q_offsets", "kv_offsets", "visibility_bits", "o_lat"))
+        rule = AttentionRule.of(reader.metadata, p + "o_lat_bf16" in reader, dtype)
+        q_lat, q_pe, c_kv, k_pe = (rule.inputs(np.asarray(reader[p + k])) for k in ("q_lat", "q_pe", "c_kv", "k_pe"))
+        context, trees, q_off, kv_off, bits, expected = (
+            np.asarray(reader[p + k]) for k in ("context", "tree_sizes", "q_offsets", "kv_offsets", "visibility_bits",
+                                                rule.expected))
         scale = float(case["scale"]) if "scale" in case else float(reader.metadata["scale"])
         for b in range(len(context)):
             where = f"case {case['name']} request {b}"
@@ -96,8 +139,7 @@ def _verify_attention_cases(adapter, caps: set[str], reader, section: str, found
             visibility = np.concatenate([np.ones((n, ctx), dtype=bool), unpack_bits(bits[q], n)], axis=1)
             with fault_into(rows, section, "verify attention (o_lat)", where):
                 o_lat = adapter.attention(q_lat[q], q_pe[q], c_kv[kv], k_pe[kv], visibility, scale)
-                rows.append(compare_close(section, "verify attention", o_lat, expected[q], rule["rtol"],
-                                          rule["atol"], where))
+                rows.append(rule.compare(section, "verify attention", o_lat, expected[q], where))
 
 
 _KERNEL_CASES: dict[str, Callable[..., None]] = {
@@ -108,10 +150,14 @@ _KERNEL_CASES: dict[str, Callable[..., None]] = {
 KERNEL_KINDS = (*KERNEL_ROWS, "corpus")
 
 
-def kernel_checks(kind: str, adapter, caps: set[str], reader, section: str) -> list[Check]:
-    """A kernel fixture's rows (KERNEL_ROWS[kind], in that order; the corpus: one per case)."""
+def kernel_checks(kind: str, adapter, caps: set[str], reader, section: str, dtype: str = "float32") -> list[Check]:
+    """A kernel fixture's rows (KERNEL_ROWS[kind], in that order; the corpus: one per case);
+    verify attention in the regime of `dtype` (module docstring)."""
     if kind == "corpus":
         return corpus_cases(adapter, caps, reader, section)
     found: Found = {name: [] for name in KERNEL_ROWS[kind]}
-    _KERNEL_CASES[kind](adapter, caps, reader, section, found)
+    if kind == "verify_attention":
+        _verify_attention_cases(adapter, caps, reader, section, found, dtype)
+    else:
+        _KERNEL_CASES[kind](adapter, caps, reader, section, found)
     return [row(section, name, needs, caps, found[name]) for name, needs in KERNEL_ROWS[kind].items()]

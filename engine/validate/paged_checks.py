@@ -2,9 +2,10 @@
 `paged_attention` and `paged_compact` (protocol_v2.py), one call per case with every
 request of the case in it.
 
-- "paged verify attention": each request's o_lat within the fixture's `o_lat` tolerance,
-  or under `--dtype bfloat16` its `tolerances_bf16` (room for an adapter that computes in
-  bfloat16). A failure names the case and the request.
+- "paged verify attention": each request's o_lat by kernel_checks.AttentionRule: float32
+  inputs against `o_lat` by the fixture's tolerance, or under `--dtype bfloat16` the inputs
+  rounded to bf16 against `o_lat_bf16` by its `tolerances_bf16`. A failure names the case
+  and the request.
 - "paged KV compaction": both pools after the call, bit for bit. A differing page is
   named by who reads it. A correct compaction writes only request b's slots starts[b] ..
   starts[b] + a_b - 1, all in its own pages, so a change to a page two requests share
@@ -13,9 +14,7 @@ request of the case in it.
   outside its moved slots the first with the slot; a moved slot holding the wrong row is
   a wrong move. The first of those, in that order, is the row's detail.
 
-Inputs are the fixture's float32 tensors in either regime, as for the other kernel cases
-(their expected values are computed from them, not from bfloat16-rounded ones). A protocol
-1 adapter is handed one request's numpy arrays and has no pages: for it both rows are
+A protocol 1 adapter is handed one request's numpy arrays and has no pages: for it both rows are
 skipped rows saying so.
 """
 
@@ -26,7 +25,8 @@ import torch
 
 from .batched import Request, host, put, split, words32
 from .checked import CheckedV2, fault_into
-from .compare import compare_close, row
+from .compare import row
+from .kernel_checks import AttentionRule
 from .report import Check, Status
 
 PAGED_KIND = "paged_kv"
@@ -43,34 +43,30 @@ def paged_checks(adapter: CheckedV2 | None, caps: set[str], reader, section: str
         return [Check(section, name, Status.SKIPPED, detail=NEEDS_V2, needs=tuple(sorted(needs)))
                 for name, needs in PAGED_ROWS.items()]
     found: dict[str, list[Check]] = {name: [] for name in PAGED_ROWS}
-    tolerances = reader.metadata["tolerances" if dtype == "float32" else "tolerances_bf16"]
     for case in reader.metadata.get("cases", []):
         request = Request(f"case {case['name']}", reader, f"cases/{case['name']}/", meta=case)
         if case["op"] not in ("attention", "compact"):
             raise ValueError(f"{request.where}: unknown paged op {case['op']!r} (attention, compact)")
         if case["op"] == "attention" and "paged_attention" in caps:
-            _attention(adapter, section, request, dtype, tolerances["o_lat"], found[ATTENTION])
+            rule = AttentionRule.of(reader.metadata, request.has("o_lat_bf16"), dtype)
+            _attention(adapter, section, request, rule, found[ATTENTION])
         elif case["op"] == "compact" and "paged_compact" in caps:
             _compaction(adapter, section, request, found[COMPACTION])
     return [row(section, name, needs, caps, found[name]) for name, needs in PAGED_ROWS.items()]
 
 
-def _attention(adapter: CheckedV2, section: str, case: Request, dtype: str, rule: dict, rows: list[Check]) -> None:
+def _attention(adapter: CheckedV2, section: str, case: Request, rule: AttentionRule, rows: list[Check]) -> None:
     """One paged_attention call for the case's batch; each request's o_lat [n_b, H, R] by `rule`."""
-    regime = "bf16: the kernel case's tolerances_bf16 (float32 inputs)" if dtype == "bfloat16" else \
-        "float32: the kernel case's tolerance (float32 inputs)"
     with fault_into(rows, section, ATTENTION, case.where):
-        o_lat = adapter.paged_attention(*(put(adapter, case[w]) for w in ("q_lat", "q_pe", "c_kv_pages", "k_pe_pages")),
+        o_lat = adapter.paged_attention(*(put(adapter, rule.inputs(case[w]))
+                                          for w in ("q_lat", "q_pe", "c_kv_pages", "k_pe_pages")),
                                         put(adapter, case["block_table"], torch.int32),
                                         put(adapter, case["q_offsets"], torch.int64),
                                         put(adapter, case["context"], torch.int64),
                                         put(adapter, words32(case["visibility_bits"])), float(case.meta["scale"]))
         bounds = case["q_offsets"]
-        for b, (got, want) in enumerate(zip(split(host(o_lat), bounds), split(case["o_lat"], bounds))):
-            check = compare_close(section, "paged verify attention", got, want, rule["rtol"], rule["atol"],
-                                  f"{case.where} request {b}")
-            check.regime = regime
-            rows.append(check)
+        for b, (got, want) in enumerate(zip(split(host(o_lat), bounds), split(case[rule.expected], bounds))):
+            rows.append(rule.compare(section, "paged verify attention", got, want, f"{case.where} request {b}"))
 
 
 def _compaction(adapter: CheckedV2, section: str, case: Request, rows: list[Check]) -> None:

@@ -249,7 +249,7 @@ class Validation:
         if kind == PAGED_KIND:            # protocol 2 only: the v2 view (None for a v1 adapter)
             return _stamped(paged_checks(self._batched, self.caps, reader, section, self.dtype), "")
         if kind in KERNEL_KINDS:
-            return _stamped(kernel_checks(kind, self._checked, self.caps, reader, section),
+            return _stamped(kernel_checks(kind, self._checked, self.caps, reader, section, self.dtype),
                             "float32: the kernel case's tolerance (float32 inputs)")
         return [Check(section, "fixture", Status.FAIL, detail=f"unknown fixture kind {kind!r}")]
 

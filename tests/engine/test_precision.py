@@ -326,3 +326,39 @@ def test_cli_report_json_carries_the_regime(tmp_path, capsys):
                              "--impl", f"{adapter}:Stages"], capsys)
     assert code == 0 and "[exact]" in out
     assert {c["regime"] for c in json.loads(report.read_text())["checks"] if c["status"] != "skipped"} == {"exact"}
+
+
+class Bf16Attention:
+    """An attention backend that computes as a bf16 tensor-core kernel does: bf16 operands
+    with float32 accumulation (a product of two bf16 values is exact in float32), a float32
+    softmax, P rounded to bf16 for P V, the output rounded to bf16."""
+
+    def bind(self, starts, n_new, new_visibility, num_slots):
+        from engine.attention import visible_slots
+
+        visible = visible_slots(starts, n_new, new_visibility, num_slots)[:, :, None, :]     # [B, N, 1, T]
+        bf16 = lambda x: x.to(torch.bfloat16).float()                                       # noqa: E731
+
+        def attend(q_lat, q_pe, c_kv, k_pe, scale):
+            scores = (torch.einsum("bnhr,btr->bnht", bf16(q_lat), bf16(c_kv))
+                      + torch.einsum("bnhd,btd->bnht", bf16(q_pe), bf16(k_pe))) * scale
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+            return bf16(torch.einsum("bnht,btr->bnhr", bf16(probs), bf16(c_kv))).to(q_lat.dtype)
+        return attend
+
+
+def attention_rows(report) -> dict[str, Check]:
+    return {c.name: c for c in report.checks if "verify attention" in c.name}
+
+
+def test_a_bf16_attention_kernel_is_judged_on_its_arithmetic_not_its_inputs_rounding(tmp_path):
+    """Under --dtype bfloat16 the attention rows (per request, batched, paged) hand the inputs
+    rounded to bf16 and compare with the reference on those inputs: a kernel computing in bf16
+    passes them, while the same kernel fails the float32 rule (so the adapter really is bf16)."""
+    directory = fixture_dir(tmp_path, "kernels/verify_attention.kdtr", "kernels/paged_kv.kdtr")
+    adapter = TorchAdapter()
+    adapter.attention_backend = Bf16Attention()
+    rows = attention_rows(validate(adapter, directory, dtype="bfloat16"))
+    assert set(rows) == {"verify attention (o_lat)", "batched verify attention", "paged verify attention"}
+    assert all(c.status is Status.WITHIN and "rounded to bf16" in c.regime for c in rows.values()), rows
+    assert all(c.status is Status.FAIL for c in attention_rows(validate(adapter, directory)).values())

@@ -9,6 +9,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -302,30 +303,36 @@ def test_verify_attention_cases_match_float64_attention(open_golden):
         def g(name: str) -> np.ndarray:
             return f[f"cases/{case['name']}/{name}"]
 
-        q_lat, q_pe, c_kv, k_pe = (g(n).astype(np.float64) for n in ("q_lat", "q_pe", "c_kv", "k_pe"))
         context, sizes, q_offsets, kv_offsets, bits = (g(n) for n in ("context", "tree_sizes", "q_offsets",
                                                                       "kv_offsets", "visibility_bits"))
-        assert q_lat.shape[1:] == (case["heads"], case["kv_lora_rank"])
-        read = np.zeros(len(c_kv), dtype=bool)
-        for b in range(case["batch"]):
-            keys = slice(kv_offsets[b], kv_offsets[b] + context[b] + sizes[b])
-            read[keys] = True
-            for i in range(sizes[b]):
-                t = q_offsets[b] + i
-                row = [(int(bits[t, j // 32]) >> (j % 32)) & 1 for j in range(32 * bits.shape[1])]
-                assert row[i] == 1 and row[0] == 1 and not any(row[sizes[b]:])
-                visible = np.concatenate([np.ones(context[b], dtype=bool), np.array(row[:sizes[b]], dtype=bool)])
-                scores = (np.einsum("hr,sr->hs", q_lat[t], c_kv[keys]) +
-                          np.einsum("hr,sr->hs", q_pe[t], k_pe[keys]))[:, visible] * case["scale"]
-                peak = scores.max(axis=1, keepdims=True)
-                weights = np.exp(scores - peak)
-                lse = peak[:, 0] + np.log(weights.sum(axis=1))
-                o = (weights / weights.sum(axis=1, keepdims=True)) @ c_kv[keys][visible]
-                np.testing.assert_allclose(g("lse")[t], lse, rtol=1e-12)
-                np.testing.assert_allclose(g("o_lat")[t], o, rtol=1e-6, atol=1e-6)
-        assert (c_kv[~read] == refgen.kernel_cases.JUNK).all()
+        for suffix, rounding in (("", lambda x: x), ("_bf16", bf16_values)):
+            q_lat, q_pe, c_kv, k_pe = (rounding(g(n)).astype(np.float64) for n in ("q_lat", "q_pe", "c_kv", "k_pe"))
+            assert q_lat.shape[1:] == (case["heads"], case["kv_lora_rank"])
+            read = np.zeros(len(c_kv), dtype=bool)
+            for b in range(case["batch"]):
+                keys = slice(kv_offsets[b], kv_offsets[b] + context[b] + sizes[b])
+                read[keys] = True
+                for i in range(sizes[b]):
+                    t = q_offsets[b] + i
+                    row = [(int(bits[t, j // 32]) >> (j % 32)) & 1 for j in range(32 * bits.shape[1])]
+                    assert row[i] == 1 and row[0] == 1 and not any(row[sizes[b]:])
+                    visible = np.concatenate([np.ones(context[b], dtype=bool), np.array(row[:sizes[b]], dtype=bool)])
+                    scores = (np.einsum("hr,sr->hs", q_lat[t], c_kv[keys]) +
+                              np.einsum("hr,sr->hs", q_pe[t], k_pe[keys]))[:, visible] * case["scale"]
+                    peak = scores.max(axis=1, keepdims=True)
+                    weights = np.exp(scores - peak)
+                    lse = peak[:, 0] + np.log(weights.sum(axis=1))
+                    o = (weights / weights.sum(axis=1, keepdims=True)) @ c_kv[keys][visible]
+                    np.testing.assert_allclose(g("lse" + suffix)[t], lse, rtol=1e-12)
+                    np.testing.assert_allclose(g("o_lat" + suffix)[t], o, rtol=1e-6, atol=1e-6)
+            assert (g("c_kv")[~read] == refgen.kernel_cases.JUNK).all()
     dims = {(c["heads"], c["kv_lora_rank"], c["qk_rope_head_dim"]) for c in f.metadata["cases"]}
     assert (64, 512, 64) in dims
+
+
+def bf16_values(x: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bfloat16 values (ties to even), as float32."""
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def paged_rows(pool: np.ndarray, table_row: np.ndarray, length: int) -> np.ndarray:
@@ -376,18 +383,23 @@ def test_paged_attention_cases_match_float64_attention_through_the_block_table(o
         for b, length in enumerate(lengths):
             for s in range(length):
                 read[table[b, s // case["page_size"]], s % case["page_size"]] = True
-            c_kv, k_pe = (paged_rows(pool, table[b], length).astype(np.float64) for pool in (c_pool, k_pool))
-            for i in range(sizes[b]):
-                t = q_offsets[b] + i
-                row = [(int(bits[t, j // 32]) >> (j % 32)) & 1 for j in range(32 * bits.shape[1])]
-                visible = np.concatenate([np.ones(context[b], dtype=bool), np.array(row[:sizes[b]], dtype=bool)])
-                scores = (np.einsum("hr,sr->hs", g("q_lat")[t].astype(np.float64), c_kv)
-                          + np.einsum("hr,sr->hs", g("q_pe")[t].astype(np.float64), k_pe))[:, visible] * case["scale"]
-                peak = scores.max(axis=1, keepdims=True)
-                weights = np.exp(scores - peak)
-                np.testing.assert_allclose(g("lse")[t], peak[:, 0] + np.log(weights.sum(axis=1)), rtol=1e-12)
-                np.testing.assert_allclose(g("o_lat")[t], (weights / weights.sum(axis=1, keepdims=True)) @ c_kv[visible],
-                                           rtol=1e-6, atol=1e-6)
+            for suffix, rounding in (("", lambda x: x), ("_bf16", bf16_values)):
+                c_kv, k_pe = (rounding(paged_rows(pool, table[b], length)).astype(np.float64)
+                              for pool in (c_pool, k_pool))
+                q_lat, q_pe = (rounding(g(n)).astype(np.float64) for n in ("q_lat", "q_pe"))
+                for i in range(sizes[b]):
+                    t = q_offsets[b] + i
+                    row = [(int(bits[t, j // 32]) >> (j % 32)) & 1 for j in range(32 * bits.shape[1])]
+                    visible = np.concatenate([np.ones(context[b], dtype=bool), np.array(row[:sizes[b]], dtype=bool)])
+                    scores = (np.einsum("hr,sr->hs", q_lat[t], c_kv)
+                              + np.einsum("hr,sr->hs", q_pe[t], k_pe))[:, visible] * case["scale"]
+                    peak = scores.max(axis=1, keepdims=True)
+                    weights = np.exp(scores - peak)
+                    np.testing.assert_allclose(g("lse" + suffix)[t], peak[:, 0] + np.log(weights.sum(axis=1)),
+                                               rtol=1e-12)
+                    np.testing.assert_allclose(g("o_lat" + suffix)[t],
+                                               (weights / weights.sum(axis=1, keepdims=True)) @ c_kv[visible],
+                                               rtol=1e-6, atol=1e-6)
         assert (c_pool[~read] == refgen.kernel_cases.JUNK).all() and (k_pool[~read] == refgen.kernel_cases.JUNK).all()
         assert len(held) < c_pool.shape[0]                                  # spare pages nobody holds
 
