@@ -54,6 +54,16 @@ def test_bad_metadata_is_a_writer_error_naming_the_field(tmp_path, metadata, mat
     assert list(tmp_path.iterdir()) == []
 
 
+class _Unmovable(torch.Tensor):
+    """A tensor whose copy to the CPU fails, as one on a lost device does."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to:
+            raise RuntimeError("device lost")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def _torch_cases() -> dict[str, object]:
     dense = torch.arange(6.0).reshape(2, 3)
     with warnings.catch_warnings():
@@ -65,6 +75,7 @@ def _torch_cases() -> dict[str, object]:
         "sparse_coo": (dense.to_sparse(), "a torch.sparse_coo torch tensor"),
         "sparse_csr": (csr, "a torch.sparse_csr torch tensor"),
         "quantized": (quantized, "unsupported torch dtype torch.qint8"),
+        "unmovable": (dense.as_subclass(_Unmovable), "cannot copy a cpu tensor to the CPU: device lost"),
     }
 
 
