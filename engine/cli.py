@@ -171,6 +171,18 @@ def _check_device(device: str) -> None:
 
 # ---------------------------------------------------------------------------- validate
 
+def _engine_layout_options(command: Callable) -> Callable:
+    """--tp and --page-size: how the built-in engine is laid out (validate and demo)."""
+    command = click.option(
+        "--page-size", type=click.IntRange(min=1, max=4096), default=None,
+        help="The built-in engine's KV cache in pages of N slots through a block table (as vLLM, SGLang "
+             "and FlashMLA keep it; 64 is FlashMLA's); default contiguous.")(command)
+    return click.option(
+        "--tp", type=click.IntRange(min=1), default=None,
+        help="Shard the built-in engine over N ranks (tensor and expert parallel): under torchrun its "
+             "N processes, else N local processes spawned here (CPU: gloo; cuda: NCCL, rank r on cuda:r).")(command)
+
+
 @cli.command("validate")
 @click.option("--fixtures", type=click.Path(exists=True, path_type=Path), default=None,
               help="A fixture directory, or one fixture file (then only that file is checked). "
@@ -195,12 +207,7 @@ def _check_device(device: str) -> None:
                    "adapter's `capabilities`, else what it implements; `none`: nothing required. A required "
                    "capability that is skipped or that no fixture exercises is a FAIL.")
 @click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
-@click.option("--tp", type=click.IntRange(min=1), default=None,
-              help="Shard the built-in engine over N ranks (tensor and expert parallel): under torchrun its "
-                   "N processes, else N local processes spawned here (CPU: gloo; cuda: NCCL, rank r on cuda:r).")
-@click.option("--page-size", type=click.IntRange(min=1, max=4096), default=None,
-              help="The built-in engine's KV cache in pages of N slots through a block table (as vLLM, SGLang "
-                   "and FlashMLA keep it; 64 is FlashMLA's); default contiguous.")
+@_engine_layout_options
 def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
                      junit_path: Path | None, html_path: Path | None, impl: str | None, require: str,
                      invariant: bool, tp: int | None, page_size: int | None) -> int:
@@ -463,12 +470,7 @@ class _DemoModel:
 @click.option("--plot", "plot_path", type=OutputFile(), default=None,
               help="Save a PNG histogram of acceptance lengths (needs matplotlib: the `plot` extra).")
 @click.option("--invariant", is_flag=True, help="Run the engine in batch-invariant mode.")
-@click.option("--tp", type=click.IntRange(min=1), default=None,
-              help="Shard the built-in engine over N ranks (tensor and expert parallel): under torchrun its "
-                   "N processes, else N local processes spawned here (CPU: gloo; cuda: NCCL, rank r on cuda:r).")
-@click.option("--page-size", type=click.IntRange(min=1, max=4096), default=None,
-              help="The built-in engine's KV cache in pages of N slots through a block table (as vLLM, SGLang "
-                   "and FlashMLA keep it; 64 is FlashMLA's); default contiguous.")
+@_engine_layout_options
 def demo_command(preset: str | None, fixture: Path | None, prompt: list[int] | None, max_new_tokens: int,
                  budget: int, block_size: int, accuracy: float, device: str, plot_path: Path | None,
                  invariant: bool, tp: int | None, page_size: int | None) -> int:
