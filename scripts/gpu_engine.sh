@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine's GPU part in one call. Run from the checkout root:
 #
-#   KDTREE_COMMIT=<hash> PYTHONPATH=. bash scripts/gpu_engine.sh [all|tests|bench|paged|validate]
+#   KDTREE_COMMIT=<hash> PYTHONPATH=. bash scripts/gpu_engine.sh [all|tests|bench|validate]
 #
 # Stages (all = tests, then bench; each has its own time limit, and a failing stage does not
 # stop the next):
@@ -13,12 +13,10 @@
 #             within Plan.seconds, 270, is recorded as skipped; the JSON is rewritten after every
 #             point, so a run cut short keeps its figures), then the table and the plot
 #                                                 -> engine_bench.log, engine-gpu-h200.{json,md,png}
-#   paged     tests/engine/test_bench_paged.py: AR and verify forward graphs on paged caches (pages
-#             64, 16, 1) against the contiguous cache, side by side (at most 150 s)
-#                                                 -> paged_bench.log, engine-paged-h200.json
 #   validate  `kdtree validate --device cuda` (not in all: about 3 minutes) -> validate_cuda.{txt,json}
 #
-# Also under $OUT (default ./out): gpu.txt, build.log. KDTREE_BENCH=1 decodes 256 tokens a request
+# The paged-KV cycle (its tests, validate on a paged cache, the paged-vs-contiguous benchmark)
+# is scripts/gpu_paged.sh. Also under $OUT (default ./out): gpu.txt, build.log. KDTREE_BENCH=1 decodes 256 tokens a request
 # instead of 96 (longer). A kernels library named by $KDTREE_KERNELS_LIB is used as it is.
 set -uo pipefail
 stage="${1:-all}"
@@ -48,14 +46,6 @@ if [[ "$stage" == all || "$stage" == bench ]]; then
     if [[ -s "$OUT/engine-gpu-h200.json" ]]; then
         python3 tests/engine_report.py "$OUT/engine-gpu-h200.json" "$OUT/engine-gpu-h200" | sed -n '/^## Targets/,/^## Steps/p'
     fi
-fi
-
-if [[ "$stage" == all || "$stage" == paged ]]; then
-    echo "== paged KV against contiguous (k2-mid, bf16)"
-    KDTREE_PAGED_OUT="$OUT/engine-paged-h200.json" timeout 150 python3 -m pytest tests/engine/test_bench_paged.py \
-        -p no:cacheprovider -q -rs -s >"$OUT/paged_bench.log" 2>&1
-    echo "exit $?"
-    grep -E "^\{|passed|failed|error" "$OUT/paged_bench.log" | tail -20
 fi
 
 if [[ "$stage" == validate ]]; then
