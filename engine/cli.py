@@ -49,8 +49,9 @@ from kdtr_format.clikit import Cli, CliError, FiniteFloat, OutputFile, atomic_ou
 
 if TYPE_CHECKING:
     from .decode import DecodeResult
-    from .diverge import Divergence, Way
+    from .diverge import Divergence
     from .diverge_run import Subject
+    from .diverge_ways import Way
     from .validate import Report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -363,7 +364,8 @@ def render(report: Report, out: Console) -> None:
 def diverge_command(fixture: Path | None, config: str | None, prompt: str | None, prompt_length: int,
                     prompt_seed: int, seed: int, way: str, count: int, trace: str | None, batch: int, dtype: str,
                     device: str, impl: str | None, invariant: bool, json_path: Path | None) -> int:
-    """The first op where AR decode and a verify of the same tokens differ bit for bit (exit 1 if any)."""
+    """Where AR decode and a verify of the same tokens differ: the first op beyond the dtype's noise, the
+    first bit for bit (exit 1 if any)."""
     if (fixture is None) == (config is None):
         raise CliError("give exactly one of --fixture PATH and --config NAME")
     if invariant and impl is not None:
@@ -421,12 +423,15 @@ def render_divergence(subject: Subject, a: Way, b: Way, divergence: Divergence, 
         out.print(Text(f"  {line}"))
     differing = [p for p in divergence.points if p.tokens]
     if differing:
-        points = table("layer", "point", "tokens differ", "values differ", "max ulp (row scale)", "cause",
-                       title="points that differ, in compute order")
+        points = table("layer", "point", "tokens", "values differ", "max ulp", "x noise", "verdict",
+                       title=f"points that differ, in compute order (max ulp at the row's scale; x noise: of "
+                             f"the {divergence.dtype} noise; cause: every input agrees)",
+                       right=("tokens", "max ulp", "x noise"))
         for p in differing[:rows]:
             points.add_row("-" if p.layer is None else str(p.layer), p.point, str(len(p.tokens)),
                            f"{p.values} / {p.size}", "-" if p.max_ulps is None else f"{p.max_ulps:.3g}",
-                           "yes" if p.inputs_agree else "")
+                           "-" if p.noise_ratio is None else f"{p.noise_ratio:.2g}",
+                           f"{p.verdict}, cause" if p.inputs_agree else p.verdict)
         out.print(points)
         if len(differing) > rows:
             out.print(Text(f"  ... and {len(differing) - rows} more points"))

@@ -26,7 +26,8 @@ from kdtr_format import CONFIGS, PRESETS, DDTreeConfig
 
 from .adapter import TorchAdapter
 from .decode import ddtree_decode
-from .diverge import Divergence, Way, batch_way, chunk_way, compare_ways, decode_way, tree_way
+from .diverge import Divergence, compare_ways
+from .diverge_ways import Way, batch_way, chunk_way, decode_way, tree_way
 from .drafters import OracleDrafter
 from .validate import random_weights
 
