@@ -4,7 +4,8 @@ kernels, make q_lat differ between row counts: simulated here by a q_lat that is
 ulps with M > 1), and a correct engine's report headlines nothing; in the invariant model, where
 nothing else depends on the call, planted row-count- and batch-dependent reductions are named as
 the first op that is not invariant, and called rounding; identical ways report no divergence;
-nondeterminism, expert flips and adapters that report a subset of the points are handled; the CLI."""
+nondeterminism, expert flips and adapters that report a subset of the points are handled; a
+--config run states the memory it needs and is refused beyond what the machine has; the CLI."""
 
 from __future__ import annotations
 
@@ -16,17 +17,22 @@ import numpy as np
 import pytest
 import torch
 
+import engine.cli
+import engine.diverge_run
 import engine.model
 import kdtr_format
 from engine.adapter import TorchAdapter
 from engine.attention import torch_attention, visible_slots
 from engine.capture import capturing, to_numpy
 from engine.diverge import OPS, Noise, compare_ways, ulps_at_scale
-from engine.diverge_run import from_fixture, run
+from engine.diverge_run import from_fixture, memory_needed, run
 from engine.diverge_ways import Way, batch_way, chunk_way, decode_way, tree_visibility, tree_way
+from engine.validate import random_weights
 from engine.validate.protocol_v2 import PerRequest
 from engine.weights import load_fixture_weights
 from kdtr_format.precision import FLOAT32_LOGIT_ATOL, FLOAT32_LOGIT_RTOL, bf16_bounds
+from kdtr_format import CONFIGS, PRESETS
+from refgen.weights import weight_shapes as refgen_weight_shapes
 
 from .test_cli import needs, run_main
 
@@ -367,6 +373,21 @@ def needs_path(name: str):
     return GOLDEN_DIR / name
 
 
+# ---- memory ----
+
+@pytest.mark.parametrize("name", [*PRESETS, *CONFIGS])
+def test_the_weights_estimate_is_what_refgen_and_the_engine_make(name):
+    """One estimate (kdtr_format.weight_bytes) sizes `refgen generate --config-file` and
+    `kdtree diverge --config`: refgen's own weight table agrees with it, and so do the bf16
+    weights the engine makes (the presets: small enough to make)."""
+    cfg = {**PRESETS, **CONFIGS}[name]
+    assert kdtr_format.weight_bytes(cfg, 4) == 4 * sum(int(np.prod(s)) for s in refgen_weight_shapes(cfg).values())
+    need = memory_needed(cfg, "bfloat16", prompt_length=64, tokens=16)
+    if name in PRESETS:
+        assert need.weights == sum(w.nbytes for w in random_weights(cfg, dtype=torch.bfloat16).values())
+    assert need.total > need.device > need.weights > 0
+
+
 def planted_module(tmp_path) -> str:
     """An --impl file: the built-in engine with the mask bug planted."""
     path = tmp_path / "planted.py"
@@ -388,6 +409,34 @@ def test_cli_headlines_a_planted_bug_and_writes_json(tmp_path, capsys):
     assert finding["dtype"] == "float32"
 
 
+def test_cli_states_the_memory_a_config_needs_and_refuses_beyond_what_is_available(capsys, monkeypatch):
+    need = memory_needed(PRESETS["tiny"], "float32", prompt_length=64, tokens=16).total
+    monkeypatch.setattr(engine.cli, "_free_bytes", lambda device: need - 1)
+    code, out, err = run_main(["diverge", "--config", "tiny"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("kdtree: error: --config tiny needs about ") and "available on cpu" in lines[0]
+    monkeypatch.setattr(engine.cli, "_free_bytes", lambda device: need)
+    code, out, err = run_main(["diverge", "--config", "tiny", "--tokens", "2"], capsys)
+    assert code in (0, 1) and "kdtree diverge: tiny" in out
+    assert err.startswith("kdtree: note: --config tiny needs about "), err
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                              "22548578304 bytes. Error code 12 (Cannot allocate memory)"),
+                                 torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 21.00 GiB"),
+                                 MemoryError()], ids=["cpu", "cuda", "numpy"])
+def test_cli_running_out_of_memory_is_one_line_not_an_internal_error(capsys, monkeypatch, exc):
+    def out_of_memory(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(engine.diverge_run, "run", out_of_memory)
+    code, _, err = run_main(["diverge", "--config", "tiny"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("kdtree: error: ran out of memory on cpu") and \
+        "internal error" not in err, err
+
+
 @pytest.mark.parametrize("args, message", [
     (["diverge"], "exactly one of --fixture PATH and --config NAME"),
     (["diverge", "--config", "nope"], "unknown config 'nope'"),
@@ -398,6 +447,7 @@ def test_cli_headlines_a_planted_bug_and_writes_json(tmp_path, capsys):
     (["diverge", "--config", "tiny", "--impl", "no_such_module_xyz:make"], "cannot import"),
     (["diverge", "--fixture", "KERNEL"], "not a model fixture"),
     (["diverge", "--fixture", "TINY", "--prompt", "p9"], "has no prompt 'p9'"),
+    (["diverge", "--config", "kimi-k2-full", "--dtype", "bfloat16"], "needs about 2."),      # TB: no machine has it
 ])
 def test_cli_bad_input_is_one_line(capsys, args, message):
     args = [needs_path("kernels/tree_build.kdtr").as_posix() if a == "KERNEL" else
