@@ -228,19 +228,17 @@ def test_a_planted_bug_is_headlined_beyond_the_rounding_before_it(tiny, monkeypa
             d.explanation
 
 
-@pytest.mark.parametrize("noise", [False, True], ids=NOISE_IDS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_correct_engine_headlines_nothing_beyond_noise(tiny, monkeypatch, dtype, noise):
-    if noise:
-        plant_row_count_noise(monkeypatch, ROUNDING_ULPS[dtype])
+def test_a_correct_engine_headlines_nothing_beyond_noise(tiny, monkeypatch, dtype):
+    """This machine's rounding, and on top of it the simulated cuBLAS's at q_lat."""
+    plant_row_count_noise(monkeypatch, ROUNDING_ULPS[dtype])
     subject = from_fixture(needs_path("tiny.kdtr"), None, engine_adapter(tiny, dtype))
     for way in ("chunk", "tree", "batch"):
-        _, _, d = run(subject, way, 8)
+        _, _, d = run(subject, way, 6)
         assert d.headline is None, (way, d.explanation)
-        assert d.explanation[0].startswith(f"no divergence beyond {dtype} noise" if d.first else "no divergence: all")
-        if noise:
-            assert (d.first.layer, d.first.point) == (0, "q_lat"), (way, d.explanation)
-            assert d.explanation[1].startswith("first bitwise divergence: layer 0 q_lat"), d.explanation
+        assert (d.first.layer, d.first.point) == (0, "q_lat"), (way, d.explanation)
+        assert d.explanation[0].startswith(f"no divergence beyond {dtype} noise"), d.explanation
+        assert d.explanation[1].startswith("first bitwise divergence: layer 0 q_lat"), d.explanation
 
 
 def flipped_ways(scores_differ: bool) -> tuple[Way, Way]:
@@ -291,8 +289,6 @@ def test_planted_row_count_dependent_reduction_is_named(tiny):
     assert "M = 1" in d.explanation[2] and f"M = {len(NEW)}" in d.explanation[2]
     assert any(line.startswith("keys: ") for line in d.explanation)
     assert not any(p.inputs_agree for p in d.points if p.tokens and p is not d.first)   # consequences only
-    clean = engine_adapter(tiny, invariant=True)
-    assert compare_ways(decode_way(clean, PROMPT, NEW), chunk_way(clean, PROMPT, NEW)).first is None
 
 
 def test_tree_way_compares_the_path_rows(tiny):
@@ -308,7 +304,7 @@ def test_batch_way_names_a_batch_dependent_op_the_chunk_way_cannot_see(tiny):
     adapter = engine_adapter(tiny, attention=split_keys_when_batched, invariant=True)
     decoded = decode_way(adapter, PROMPT, NEW)
     assert compare_ways(decoded, chunk_way(adapter, PROMPT, NEW)).first is None
-    batched = batch_way(adapter.model, [PROMPT, [1, 2, 3], list(range(40, 60))], [NEW, [4, 5], [6] * 9])
+    batched = batch_way(adapter.model, [PROMPT, [1, 2, 3], list(range(40, 50))], [NEW, [4, 5], [6] * 7])
     assert batched.batch[0] == 3 and batched.rows[0] == len(PROMPT)
     d = compare_ways(decoded, batched)
     assert (d.first.layer, d.first.point) == (0, "o_lat") and min(d.first.tokens) < len(PROMPT)  # prefill rows too
@@ -379,11 +375,11 @@ def needs_path(name: str):
 def test_the_weights_estimate_is_what_refgen_and_the_engine_make(name):
     """One estimate (kdtr_format.weight_bytes) sizes `refgen generate --config-file` and
     `kdtree diverge --config`: refgen's own weight table agrees with it, and so do the bf16
-    weights the engine makes (the presets: small enough to make)."""
+    weights the engine makes (the small presets)."""
     cfg = {**PRESETS, **CONFIGS}[name]
     assert kdtr_format.weight_bytes(cfg, 4) == 4 * sum(int(np.prod(s)) for s in refgen_weight_shapes(cfg).values())
     need = memory_needed(cfg, "bfloat16", prompt_length=64, tokens=16)
-    if name in PRESETS:
+    if name in ("tiny", "tiny2"):
         assert need.weights == sum(w.nbytes for w in random_weights(cfg, dtype=torch.bfloat16).values())
     assert need.total > need.device > need.weights > 0
 
