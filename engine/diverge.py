@@ -143,7 +143,8 @@ class Noise:
         rms = np.sqrt(np.mean(magnitude ** 2, axis=1)) if magnitude.shape[1] else np.zeros(rows)
         bound = 2 * (self.atol * rms * math.sqrt(depth) + self.rtol * magnitude.max(1, initial=0.0))
         with np.errstate(invalid="ignore", over="ignore"):
-            ratio = np.abs(a64 - b64).max(1, initial=0.0) / np.maximum(bound, np.finfo(np.float64).tiny)
+            difference = np.where(a64 == b64, 0.0, np.abs(a64 - b64))          # equal infinities: no difference
+            ratio = difference.max(1, initial=0.0) / np.maximum(bound, np.finfo(np.float64).tiny)
         return np.where(np.isfinite(ratio), ratio, np.inf)
 
 

@@ -157,6 +157,7 @@ def test_the_noise_is_twice_the_regimes_tolerance_at_the_rows_scale(dtype):
     assert noise.ratios(row, row - [[0.999 * bound, 0, 0, 0]], depth=4)[0] < 1 < \
         noise.ratios(row, row - [[1.001 * bound, 0, 0, 0]], depth=4)[0]
     assert noise.ratios(row, row, depth=1).tolist() == [0.0]
+    assert noise.ratios(row, np.where(row == 3.0, np.nan, row), depth=1).tolist() == [np.inf]    # a NaN in one way
 
 
 def test_tree_visibility():
