@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import click
 import numpy as np
 from rich.console import Console
+from rich.filesize import decimal
 from rich.text import Text
 
 import kdtr_format
@@ -49,8 +50,9 @@ from kdtr_format.clikit import Cli, CliError, FiniteFloat, OutputFile, atomic_ou
 
 if TYPE_CHECKING:
     from .decode import DecodeResult
-    from .diverge import Divergence, Way
-    from .diverge_run import Subject
+    from .diverge import Divergence
+    from .diverge_run import Memory, Subject
+    from .diverge_ways import Way
     from .validate import Report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -363,7 +365,8 @@ def render(report: Report, out: Console) -> None:
 def diverge_command(fixture: Path | None, config: str | None, prompt: str | None, prompt_length: int,
                     prompt_seed: int, seed: int, way: str, count: int, trace: str | None, batch: int, dtype: str,
                     device: str, impl: str | None, invariant: bool, json_path: Path | None) -> int:
-    """The first op where AR decode and a verify of the same tokens differ bit for bit (exit 1 if any)."""
+    """Where AR decode and a verify of the same tokens differ: the first op beyond the dtype's noise, the
+    first bit for bit (exit 1 if any)."""
     if (fixture is None) == (config is None):
         raise CliError("give exactly one of --fixture PATH and --config NAME")
     if invariant and impl is not None:
@@ -377,8 +380,8 @@ def diverge_command(fixture: Path | None, config: str | None, prompt: str | None
             raise CliError(f"--trace {trace!r}: expected TRACE/ROUND, e.g. t1/0")
         pick = (name, int(number))
     _check_device(device)
+    from . import diverge_run
     from .adapter import TorchAdapter
-    from .diverge_run import from_config, from_fixture, run
     from .validate import load_impl, write_json
 
     try:
@@ -391,18 +394,45 @@ def diverge_command(fixture: Path | None, config: str | None, prompt: str | None
         if callable(set_dtype):
             set_dtype(dtype)
         if fixture is not None:
-            subject = _reading_subject(fixture, prompt, adapter, from_fixture)
+            subject = _reading_subject(fixture, prompt, adapter, diverge_run.from_fixture)
         elif not isinstance(adapter, TorchAdapter):
             raise CliError("--config builds the built-in engine; use --fixture with --impl")
         else:
-            subject = from_config(config, adapter, seed, prompt_length, prompt_seed)
-        a, b, divergence = run(subject, way, count, batch, pick)
+            need = diverge_run.memory_needed(diverge_run.named_config(config), dtype, prompt_length, count)
+            _check_memory(f"--config {config}", need, device)
+            subject = diverge_run.from_config(config, adapter, seed, prompt_length, prompt_seed)
+        a, b, divergence = diverge_run.run(subject, way, count, batch, pick)
     except ValueError as exc:          # the fixture, config, prompt, trace or way named does not fit
         raise CliError(str(exc)) from None
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        raise CliError(f"ran out of memory on {device} ({type(exc).__name__}: {exc}); a smaller config, prompt "
+                       "or --tokens needs less") from None
     render_divergence(subject, a, b, divergence, console())
     if json_path is not None:
         write_json(divergence, json_path)
     return 1 if divergence.first is not None else 0
+
+
+def _check_memory(what: str, need: Memory, device: str) -> None:
+    """State on stderr what a run needs, or refuse it when the device (its weights) or the host
+    (the captured values; everything on the CPU) has less available."""
+    parts = [(need.total, "cpu")] if device == "cpu" else [(need.device, device), (need.captures, "cpu")]
+    for size, where in parts:
+        free = _free_bytes(where)
+        if size > free:
+            raise CliError(f"{what} needs {need}: more than the {decimal(free)} available on {where}; take a "
+                           "smaller config (e.g. k2-mid) or a fixture")
+    click.echo(f"kdtree: note: {what} needs {need}; {decimal(_free_bytes(device))} available on {device}", err=True)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether an exception is an allocation that failed (numpy's MemoryError, torch's CPU
+    allocator or a CUDA out-of-memory error)."""
+    import torch
+
+    return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in str(exc)
 
 
 def _reading_subject(fixture: Path, prompt: str | None, adapter: Any, from_fixture: Callable) -> Subject:
@@ -421,12 +451,15 @@ def render_divergence(subject: Subject, a: Way, b: Way, divergence: Divergence, 
         out.print(Text(f"  {line}"))
     differing = [p for p in divergence.points if p.tokens]
     if differing:
-        points = table("layer", "point", "tokens differ", "values differ", "max ulp (row scale)", "cause",
-                       title="points that differ, in compute order")
+        points = table("layer", "point", "tokens", "values differ", "max ulp", "x noise", "verdict",
+                       title=f"points that differ, in compute order (max ulp at the row's scale; x noise: of "
+                             f"the {divergence.dtype} noise; cause: every input agrees)",
+                       right=("tokens", "max ulp", "x noise"))
         for p in differing[:rows]:
             points.add_row("-" if p.layer is None else str(p.layer), p.point, str(len(p.tokens)),
                            f"{p.values} / {p.size}", "-" if p.max_ulps is None else f"{p.max_ulps:.3g}",
-                           "yes" if p.inputs_agree else "")
+                           "-" if p.noise_ratio is None else f"{p.noise_ratio:.2g}",
+                           f"{p.verdict}, cause" if p.inputs_agree else p.verdict)
         out.print(points)
         if len(differing) > rows:
             out.print(Text(f"  ... and {len(differing) - rows} more points"))

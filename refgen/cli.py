@@ -33,7 +33,6 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Iterator  # noqa: E402
 
 import click  # noqa: E402
-import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
@@ -48,7 +47,6 @@ from .checkpoint import (CheckpointError, checkpoint_fixture, fixture_name, load
 from .fixtures import (DEFAULT_PLAN, GOLDEN_PRESETS, REGEN_RTOL, Fixture, FixtureError,  # noqa: E402
                        check_plan, compare, model_fixture, stored_hash_problem, write_fixture)
 from .kernel_cases import KERNEL_KINDS, kernel_cases, kernel_fixture, kernel_path  # noqa: E402
-from .weights import weight_shapes  # noqa: E402
 
 DEFAULT_DIR = "tests/golden"
 COMMITTED_DIR = Path(__file__).resolve().parents[1] / DEFAULT_DIR   # this checkout's golden fixtures
@@ -84,7 +82,7 @@ def list_command() -> int:
     for name, cfg in PRESETS.items():
         presets.add_row(name, str(cfg.vocab_size), str(cfg.hidden_size), str(cfg.num_hidden_layers),
                         str(cfg.num_attention_heads), str(cfg.kv_lora_rank), str(cfg.n_routed_experts),
-                        f"{_weight_bytes(cfg) / 1e6:.1f}",
+                        f"{kdtr_format.weight_bytes(cfg) / 1e6:.1f}",
                         "committed" if name in GOLDEN_PRESETS else "--preset")
     out.print(presets)
     kinds = [("model", f"<preset>.kdtr, {len(DEFAULT_PLAN.traces)} traces: {KIND_HELP['model']}")]
@@ -92,10 +90,6 @@ def list_command() -> int:
                      f"(+{len(kernel_cases(kind, True))} large): {KIND_HELP[kind]}") for kind in KERNEL_KINDS]
     out.print(records("fixture kinds", kinds))
     return 0
-
-
-def _weight_bytes(cfg: ModelConfig) -> int:
-    return 4 * sum(int(np.prod(shape)) for shape in weight_shapes(cfg).values())
 
 
 # ---------------------------------------------------------------------------- generate
@@ -150,8 +144,9 @@ def _config_from_file(path: Path) -> tuple[ModelConfig, str]:
         check_plan(cfg, DEFAULT_PLAN)
     except FixtureError as exc:
         raise CliError(f"config file {path}: {exc}") from None
-    if _weight_bytes(cfg) > MAX_WEIGHT_BYTES:
-        raise CliError(f"config file {path}: its weights would take {_weight_bytes(cfg) / 2**30:.1f} GiB "
+    weights = kdtr_format.weight_bytes(cfg)
+    if weights > MAX_WEIGHT_BYTES:
+        raise CliError(f"config file {path}: its weights would take {weights / 2**30:.1f} GiB "
                        f"in float32 (refgen materializes them; the cap is {MAX_WEIGHT_BYTES / 2**30:.0f} GiB)")
     name = path.parent.name if path.stem == "config" and path.parent.name else path.stem
     if name in PRESETS:
