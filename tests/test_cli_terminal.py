@@ -51,7 +51,7 @@ RUNS = [
     ("kdtr inspect {golden}/kernels/tree_build.kdtr --no-metadata", "cases/beyond_possible/draft_logits",
      "KDTR 1.0, alignment 64, "),
     ("kdtr verify {golden}/kernels/accept_compact.kdtr", "accept_compact.kdtr", "accept_compact.kdtr"),
-    ("kdtree demo --max-new-tokens 4 --budget 4 --block-size 3", "DDTree layerskip",
+    ("kdtree demo --max-new-tokens 4 --budget 4 --block-size 3 --plot {out}/demo.png", "DDTree layerskip",
      "oracle: knows the AR continuation, right with probability 0.8 (an upper bound); layerskip"),
 ]
 
@@ -258,6 +258,14 @@ def test_piped(runs, argv, short, long):
     assert "…" not in result.output and "\x1b[" not in result.output, result.output
     text = runs.fill(long, key)
     assert any(text in line for line in result.stdout.splitlines()), f"{text!r} is not whole:\n{result.stdout}"
+
+
+@pytest.mark.parametrize("argv", [argv for argv, *_ in RUNS if "--plot" in argv])
+def test_a_file_written_is_named_on_stderr(runs, argv):
+    key = f"piped {argv}"
+    result = runs.result(key)
+    (written,) = [word for word in shlex.split(runs.fill(argv, key)) if word.startswith(str(runs.out(key)))]
+    assert Path(written).is_file() and f"wrote {written}" in result.stderr.splitlines(), result.stderr
 
 
 def test_a_wider_terminal_is_used_in_full(runs):

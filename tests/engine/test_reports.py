@@ -428,6 +428,19 @@ def test_the_terminal_report_escapes_what_names_hold():
         assert shown in text, f"{shown} is not shown:\n{text}"
 
 
+def test_the_terminal_report_wraps_a_long_row_under_itself():
+    long = "corpus budget_beyond_possible: budget larger than the number of possible nodes"
+    report = Report("x", "cpu", "somewhere", adapter="m.A",
+                    checks=[Check("a.kdtr", long, Status.EXACT, detail="w " * 60, regime="exact"),
+                            Check("a.kdtr", "short", Status.SKIPPED)])
+    buffer = io.StringIO()
+    render(report, Console(file=buffer, force_terminal=True, color_system=None, width=80))
+    lines = buffer.getvalue().splitlines()
+    rows = lines[lines.index("a.kdtr") + 1 : lines.index("fixtures: somewhere")]
+    assert all(len(line) <= 80 and line.startswith("  ") for line in rows), "\n".join(rows)
+    assert " ".join(" ".join(rows).split()) == f"exact {long} [exact] {'w ' * 59}w skipped short"
+
+
 # ---- the HTML page ----
 
 class Outline(html.parser.HTMLParser):
