@@ -260,6 +260,11 @@ def test_cli_reports_and_writes_json(tmp_path, capsys):
     (["diverge", "--config", "tiny", "--impl", "no_such_module_xyz:make"], "cannot import"),
     (["diverge", "--fixture", "KERNEL"], "not a model fixture"),
     (["diverge", "--fixture", "TINY", "--prompt", "p9"], "has no prompt 'p9'"),
+    (["diverge", "--fixture", "TINY", "--way", "tree", "--trace", "t6/0"],
+     "--trace t6/0: trace t6 replays prompt p0, and this run's is p2 (the longest; the default): give --prompt p0"),
+    (["diverge", "--fixture", "TINY", "--way", "tree", "--trace", "t99/0"], "--trace t99/0: tiny.kdtr has no trace t99"),
+    (["diverge", "--fixture", "TINY", "--way", "tree", "--prompt", "p0", "--trace", "t6/7"],
+     "--trace t6/7: trace t6 has round 0 only"),
 ])
 def test_cli_bad_input_is_one_line(capsys, args, message):
     args = [needs_path("kernels/tree_build.kdtr").as_posix() if a == "KERNEL" else
