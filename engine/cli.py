@@ -329,8 +329,8 @@ def render(report: Report, out: Console) -> None:
     name_w = min(max((len(shown(c.name)) for c in report.checks), default=0), 36)
     indent = " " * (2 + status_w + 2)
     out.print(_wrapped(f"kdtree validate: {shown(report.implementation)}", width, style="bold"))
-    out.print(_wrapped(f"adapter: {shown(report.adapter)} ({shown(f'--impl {report.impl}') if report.impl else 'built-in'})",
-                       width))
+    loaded = shown(f"--impl {report.impl}") if report.impl else "built-in"
+    out.print(_wrapped(f"adapter: {shown(report.adapter)} ({loaded})", width))
     section = None
     for c in report.checks:
         if c.section != section:
@@ -456,10 +456,10 @@ def _reading_subject(fixture: Path, prompt: str | None, adapter: Any, from_fixtu
 
 def render_divergence(subject: Subject, a: Way, b: Way, divergence: Divergence, out: Console, rows: int = 16) -> None:
     """The explanation, the differing points in compute order and the decisions that differ."""
-    out.print(Text(f"kdtree diverge: {subject.label}; {a.label} vs {b.label}, "
+    out.print(Text(f"kdtree diverge: {shown(subject.label)}; {shown(a.label)} vs {shown(b.label)}, "
                    f"{len(a.tokens) - a.prompt_length} new tokens after {a.prompt_length}", style="bold"))
     for line in divergence.explanation:
-        out.print(Text(f"  {line}"))
+        out.print(Text(f"  {shown(line)}"))
     differing = [p for p in divergence.points if p.tokens]
     if differing:
         points = table("layer", "point", "tokens differ", "values differ", "max ulp (row scale)", "cause",
@@ -630,7 +630,7 @@ def _free_bytes(device: str) -> int:
 def _print_demo(out: Console, model: _DemoModel, prompt: list[int], ddtree: DDTreeConfig,
                 runs: dict[str, DecodeResult], legend: str) -> None:
     ar_tokens = runs["AR"].tokens[0]
-    out.print(Text(f"model {model.name} ({model.path}); prompt ({len(prompt)} tokens): {prompt}"))
+    out.print(Text(f"model {shown(model.name)} ({shown(model.path)}); prompt ({len(prompt)} tokens): {prompt}"))
     out.print(Text(f"block size {ddtree.block_size}, budget {ddtree.budget}; AR tokens: {ar_tokens}"))
     summary = table("run", "same as AR", "target forwards", "tau", "tokens/s", title="AR vs DDTree",
                     right=("target forwards", "tau", "tokens/s"))

@@ -1,8 +1,8 @@
 """The report as one self-contained HTML page (`kdtree validate --html PATH`).
 
 Top to bottom: the summary (verdict, counts, implementation, adapter class and --impl
-spec, device, fixtures, commit, versions, time) and the FAIL rows in one line each; then per section a plot of every row's
-error against its tolerance (error / tolerance on a log scale, the tolerance at 1; rows
+spec, device, fixtures, commit, versions, time) and the FAIL rows in one line each; then
+per section a plot of every row's error against its tolerance (error / tolerance on a log scale, the tolerance at 1; rows
 without a float error are named with their status) and the section's rows (status,
 check, numbers, detail); then for each failing row that names its first wrong node
 (tables["first_wrong_node"]: verify logits, target or sampled choices) the round's tree
@@ -236,7 +236,8 @@ def _tree_figure(node: Mapping[str, Any]) -> Figure:
             ax.text(x[i], -depth[i], str(i), ha="center", va="center", fontsize=6.5, zorder=3,
                     color="#fff" if i == wrong or i in accepted else "#000")
     width, height = fig.get_size_inches()         # the label under the axes, from their left edge: never cut
-    fig.text(0.8 / width, 0.12 / height, f"first wrong node {wrong} (depth {node['depth']}, position {node['position']})",
+    fig.text(0.8 / width, 0.12 / height,
+             f"first wrong node {wrong} (depth {node['depth']}, position {node['position']})",
              color="#c62828", fontsize=9, fontweight="bold", ha="left", va="bottom")
     ax.set_yticks(-np.arange(depth.max() + 1), [f"depth {d}" for d in range(depth.max() + 1)], fontsize=8)
     ax.set_xticks([])
@@ -288,5 +289,6 @@ def _stage_figure(rows: list[Check]) -> Figure:
     ax.set_yticks(np.arange(len(rows)), [shown(f"{c.section}: {c.name}") for c in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlabel(f"seconds{f' on {shown(device)}' if device else ''}")
-    ax.legend(ncols=min(len(stages), 8), fontsize=8, loc="lower left", bbox_to_anchor=(0, 1), frameon=False)  # above the bars
+    ax.legend(ncols=min(len(stages), 8), fontsize=8, loc="lower left", bbox_to_anchor=(0, 1),   # above the bars
+              frameon=False)
     return fig
