@@ -50,6 +50,10 @@ class Subject:
     tokens: list[int] | None = None                     # teacher-forced continuation, else greedy
     trees: dict[tuple[str, int], tuple[list[int], np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     router_bias: dict[int, np.ndarray] = field(default_factory=dict)
+    fixture: str = ""                                   # from a fixture: its file name,
+    prompt_name: str = ""                               # the prompt's name (`default_prompt`: not asked for),
+    default_prompt: bool = False
+    traces: dict[str, tuple[str, int]] = field(default_factory=dict)     # and every trace's prompt and rounds
 
 
 def _router_bias(weights: dict[str, Any]) -> dict[int, np.ndarray]:
@@ -86,7 +90,9 @@ def from_fixture(path: str | Path, prompt: str | None, adapter: Any) -> Subject:
                                            np.asarray(reader[f"{rp}/parents"]), np.asarray(reader[f"{rp}/accepted"]))
         return Subject(adapter, tokens, f"{path.name} prompt {name}",
                        tokens=np.asarray(reader[f"prompts/{name}/ar/tokens"]).tolist(), trees=trees,
-                       router_bias=_router_bias(weights))
+                       router_bias=_router_bias(weights), fixture=path.name, prompt_name=name,
+                       default_prompt=prompt is None,
+                       traces={t["name"]: (t["prompt"], t["rounds"]) for t in metadata["traces"]})
 
 
 def named_config(name: str) -> ModelConfig:
@@ -177,14 +183,26 @@ def run(subject: Subject, way: str, count: int, batch: int = 4,
     return decoded, other, compare_ways(decoded, other, subject.router_bias)
 
 
+def _missing_round(subject: Subject, trace: str, round_: int) -> str:
+    """Why --trace TRACE/ROUND names no round of this run's prompt, and which option would."""
+    option = f"--trace {trace}/{round_}"
+    if trace not in subject.traces:
+        return f"{option}: {subject.fixture} has no trace {trace} (it has {', '.join(subject.traces)})"
+    prompt, rounds = subject.traces[trace]
+    if prompt != subject.prompt_name:
+        default = " (the longest; the default)" if subject.default_prompt else ""
+        return (f"{option}: trace {trace} replays prompt {prompt}, and this run's is {subject.prompt_name}{default}: "
+                f"give --prompt {prompt}")
+    return f"{option}: trace {trace} has " + ("round 0 only" if rounds == 1 else f"rounds 0 to {rounds - 1}")
+
+
 def _tree(subject: Subject, pick: tuple[str, int] | None) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
     """(context, tree tokens, parents, compared path): a fixture trace round's, or one DDTree round's."""
     if subject.trees:
         if pick is None:
             return max(subject.trees.values(), key=lambda t: (len(t[3]), len(t[1])))
         if pick not in subject.trees:
-            raise ValueError(f"no trace round {pick[0]} / {pick[1]} for this prompt "
-                             f"(there are {', '.join(f'{t}/{r}' for t, r in subject.trees)})")
+            raise ValueError(_missing_round(subject, *pick))
         return subject.trees[pick]
     if subject.tokens is not None:
         raise ValueError("this fixture prompt has no trace to take a tree from")

@@ -445,6 +445,11 @@ def test_cli_running_out_of_memory_is_one_line_not_an_internal_error(capsys, mon
     (["diverge", "--fixture", "KERNEL"], "not a model fixture"),
     (["diverge", "--fixture", "TINY", "--prompt", "p9"], "has no prompt 'p9'"),
     (["diverge", "--config", "kimi-k2-full", "--dtype", "bfloat16"], "needs about 2."),      # TB: no machine has it
+    (["diverge", "--fixture", "TINY", "--way", "tree", "--trace", "t6/0"],
+     "--trace t6/0: trace t6 replays prompt p0, and this run's is p2 (the longest; the default): give --prompt p0"),
+    (["diverge", "--fixture", "TINY", "--way", "tree", "--trace", "t99/0"], "--trace t99/0: tiny.kdtr has no trace t99"),
+    (["diverge", "--fixture", "TINY", "--way", "tree", "--prompt", "p0", "--trace", "t6/7"],
+     "--trace t6/7: trace t6 has round 0 only"),
 ])
 def test_cli_bad_input_is_one_line(capsys, args, message):
     args = [needs_path("kernels/tree_build.kdtr").as_posix() if a == "KERNEL" else
