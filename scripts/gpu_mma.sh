@@ -19,12 +19,6 @@ set -uo pipefail
 stage="${1:-all}"
 source "$(dirname "$0")/gpu_env.sh"
 DEADLINE="${DEADLINE:-420}"
-left() {  # left CAP: seconds for the next stage, at most CAP
-    local rest=$((DEADLINE - SECONDS))
-    ((rest < 5)) && rest=5
-    echo $((rest < $1 ? rest : $1))
-}
-want() { [[ "$stage" == all || "$stage" == "$1" ]]; }
 SUBSET="ctx32768-tree128-b8 or ctx8192-tree16-b8 or ctx32768-tree64-b32 or ctx1024-tree128-b1 or ctx1024-tree64-b8 or ctx32768-tree1-b8 or ctx8192-tree128-b1"
 NOA_ARCHS=sm_90,compute_90
 LOG="$OUT/build.log"
