@@ -17,27 +17,34 @@ A ragged batch of B requests (csrc/mla_verify.cu has the math):
     -> o_lat [T, H, R] (q's dtype or float32), lse [T, H] float32 (natural log-sum-exp of the
        scaled scores; -inf and o_lat = 0 for a row that sees no key)
 
-Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. bf16 at Kimi K2
-dims (R 512, dr 64) runs on the tensor cores of a Hopper GPU (wgmma, TMA); every other case
-on a CUDA-core path. Paged, the tensor cores read pages of a multiple of 64 slots (one TMA box
-per 64-key tile and chunk, as contiguous) or of 8, 16 or 32 slots (64 / page boxes); other page
-sizes (1, 2, 4, non-divisors of 64) take the CUDA-core path (`paged_tensor_cores`). Both paths
-compute the same bits paged and contiguous on the same logical keys.
+Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. Three kernels
+(`KERNELS`), picked at run time (`kernel="auto"`, `verify_kernel`):
+
+- "wgmma": bf16 at Kimi K2 dims (R 512, dr 64) on Hopper (compute capability 9.0) when the
+  library carries sm_90a code (build.py's default); TMA boxes, so contiguous keys or pages of
+  8, 16, 32 or a multiple of 64 slots (`paged_tensor_cores`).
+- "mma": the same inputs on every GPU of compute capability 8.0 and later (and on Hopper for
+  the pages wgmma does not read); mma.sync and cp.async, any page size. Its tiles follow the
+  device's shared memory; "mma_100k" forces the tile plan of 100 KB GPUs (sm_86 / 89 / 120),
+  to test it on a larger one.
+- "cuda_cores": everything else (float32, other dims, misaligned inputs, the invariant plan).
+
+Each computes the same bits paged and contiguous on the same logical keys.
 
 `mla_verify` checks its arguments (a bad one raises `MlaInputError` naming it) and runs the
 op `kdtree::mla_verify_out` on torch's current stream. Long key ranges are split across
 blocks (flash-decoding); `plan_splits` picks the split from host-side maxima, which the caller
 passes (`max_tree`, `max_kv`) or `mla_verify` reads from the device once.
 
-Invariant plan (`invariant=True`): the CUDA-core path with one split covering max_kv. A
+Invariant plan (`invariant=True`): the CUDA-core kernel with one split covering max_kv. A
 query row's warp then folds its request's keys one at a time in slot order, skipping the
 invisible ones (online softmax per key, the dot products in one fixed lane order), so its
 output is a function of its own sequence of visible keys: the same bits whatever the tree
 size, the other requests and max_kv, and the same bits for a token verified inside a tree
 (its ancestors at scattered slots) as for the token decoded alone over a contiguous cache.
 The default plan has neither property: its splits follow the tree size and the batch (a
-split boundary regroups a row's partial sums), and the tensor-core path sums each 64-key
-tile in an order set by the keys' slots.
+split boundary regroups a row's partial sums), and the tensor-core kernels sum each key tile
+in an order set by the keys' slots.
 """
 
 from __future__ import annotations
@@ -51,9 +58,9 @@ import torch
 
 from . import _lib
 
-KEY_BLOCK = 64          # split_keys is a multiple of this (the tensor-core path's key tile)
-FAST_ROWS = 64          # query rows per block on the tensor-core path
-GENERIC_ROWS = 4        # query rows per block on the CUDA-core path
+KEY_BLOCK = 64          # split_keys is a multiple of this (the wgmma kernel's key tile)
+FAST_ROWS = 64          # query rows per block of the tensor-core kernels
+GENERIC_ROWS = 4        # query rows per block of the CUDA-core kernel
 FAST_BLOCKS_PER_SM = 1  # resident blocks per multiprocessor (shared memory bound)
 GENERIC_BLOCKS_PER_SM = 8
 SPLIT_COST_TILES = 4    # a split's fixed cost (its Q tile, pipeline fill, partial outputs to
@@ -61,6 +68,7 @@ SPLIT_COST_TILES = 4    # a split's fixed cost (its Q tile, pipeline fill, parti
 MAX_SPLITS = 128        # the combine kernel's limit
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+KERNELS = {"auto": 0, "cuda_cores": 1, "mma": 2, "mma_100k": 3, "wgmma": 4}   # kdtree_mla_verify's codes
 _INDEX_NAMES = ("context", "tree_sizes", "q_offsets")
 
 
@@ -76,24 +84,46 @@ class SplitPlan:
     split_keys: int
 
 
+def tensor_core_kernel(device: torch.device) -> str | None:
+    """The tensor-core kernel bf16 inputs at K2 dims take on `device`: "wgmma" (compute
+    capability 9.0 and a library with sm_90a code), "mma" (compute capability 8.0 and later),
+    or None."""
+    return {2: "wgmma", 1: "mma"}.get(_tensor_core_code(device))
+
+
 def uses_tensor_cores(dtype: torch.dtype, kv_lora: int, rope_dim: int, device: torch.device) -> bool:
-    """Whether `mla_verify` takes the tensor-core path: bf16 at Kimi K2 dims, where the library
-    says its wgmma / TMA code runs on `device` (sm_90a code built in, compute capability 9.0),
-    inputs 16-byte aligned as torch allocations are."""
-    return dtype == torch.bfloat16 and kv_lora == 512 and rope_dim == 64 and _tensor_cores_on(device)
+    """Whether `mla_verify` takes a tensor-core kernel on contiguous keys: bf16 at Kimi K2 dims
+    on a GPU that has one (`tensor_core_kernel`), inputs 16-byte aligned as torch allocations are."""
+    return dtype == torch.bfloat16 and kv_lora == 512 and rope_dim == 64 and tensor_core_kernel(device) is not None
 
 
-def paged_tensor_cores(page_size: int) -> bool:
-    """Whether the tensor-core path reads pages of `page_size` slots: a multiple of 64 (one TMA
-    box per 64-key tile and chunk), or 8, 16 or 32 (64 / page_size boxes, each at least one
-    1024-byte period of the 128-byte swizzle). Other sizes take the CUDA-core path."""
+def paged_tensor_cores(page_size: int, kernel: str = "wgmma") -> bool:
+    """Whether the tensor-core kernel `kernel` reads pages of `page_size` slots. "wgmma": a
+    multiple of 64 (one TMA box per 64-key tile and chunk), or 8, 16 or 32 (64 / page_size boxes,
+    each at least one 1024-byte period of the 128-byte swizzle). "mma" copies key rows one by
+    one: every page size."""
+    if kernel != "wgmma":
+        return True
     return page_size % KEY_BLOCK == 0 or (KEY_BLOCK % page_size == 0 and page_size >= 8)
 
 
+def verify_kernel(dtype: torch.dtype, kv_lora: int, rope_dim: int, device: torch.device,
+                  page_size: int | None = None) -> str:
+    """The kernel `kernel="auto"` runs for 16-byte aligned inputs on `device`, contiguous keys
+    (page_size None) or pages: wgmma where it runs and reads the layout, else mma on a GPU that
+    has tensor-core MLA, else the CUDA cores."""
+    if not uses_tensor_cores(dtype, kv_lora, rope_dim, device):
+        return "cuda_cores"
+    kernel = tensor_core_kernel(device)
+    if kernel == "wgmma" and page_size is not None and not paged_tensor_cores(page_size, "wgmma"):
+        return "mma"
+    return kernel
+
+
 @functools.cache
-def _tensor_cores_on(device: torch.device) -> bool:
+def _tensor_core_code(device: torch.device) -> int:
     with torch.cuda.device(device):
-        return _lib.function("kdtree_mla_tensor_cores", ())() == 1
+        return _lib.function("kdtree_mla_tensor_cores", ())()
 
 
 def plan_splits(batch: int, max_tree: int, heads: int, max_kv: int, fast: bool, sm_count: int,
@@ -133,15 +163,14 @@ def pack_visibility(visibility: torch.Tensor) -> torch.Tensor:
 def mla_verify_out(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                    context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
                    kv_offsets: torch.Tensor | None, visibility: torch.Tensor, scale: float, max_tree: int,
-                   num_splits: int, split_keys: int, generic: bool,
+                   num_splits: int, split_keys: int, kernel: str,
                    o_lat: torch.Tensor, lse: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
     """Writes o_lat [T, H, R] and lse [T, H]; arguments already checked by `mla_verify` /
     `mla_verify_paged`. Keys: kv_offsets [B] with c_kv [S, R], or block_table [B, W] with
     pools c_kv [P, page, R] (kv_offsets None). num_splits * split_keys (a multiple of 32)
-    covers every request's keys; paged on the tensor cores, split_keys is a multiple of
-    min(page, 64) too. generic forces the CUDA-core path (the tensor-core one needs bf16, K2
-    dims, 16-byte aligned inputs, a page size `paged_tensor_cores` takes, and an sm_90a
-    build: Hopper's wgmma and TMA)."""
+    covers every request's keys; paged on wgmma, split_keys is a multiple of min(page, 64)
+    too. kernel: one of `KERNELS` ("auto": the fastest this device runs for the inputs); a
+    kernel that cannot run them here raises KernelError."""
     total_tokens, heads, kv_lora = q_lat.shape
     rows = total_tokens * heads
     part_o = part_lse = None
@@ -161,14 +190,14 @@ def mla_verify_out(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, 
         c_kv.shape[1] if paged else 0, _lib.ptr(visibility), visibility.shape[1], _lib.ptr(o_lat), _lib.ptr(lse),
         p(None) if part_o is None else _lib.ptr(part_o), p(None) if part_lse is None else _lib.ptr(part_lse),
         context.shape[0], total_tokens, c_kv.numel() // kv_lora, heads, kv_lora, q_pe.shape[2], max_tree,
-        num_splits, split_keys, scale, _DTYPE_CODES[q_lat.dtype], _DTYPE_CODES[o_lat.dtype], int(generic),
+        num_splits, split_keys, scale, _DTYPE_CODES[q_lat.dtype], _DTYPE_CODES[o_lat.dtype], KERNELS[kernel],
         _lib.stream(q_lat.device))
     _lib.check(status, "kdtree_mla_verify")
 
 
 @mla_verify_out.register_fake
 def _(q_lat, q_pe, c_kv, k_pe, context, tree_sizes, q_offsets, kv_offsets, visibility, scale,
-      max_tree, num_splits, split_keys, generic, o_lat, lse, block_table=None) -> None:
+      max_tree, num_splits, split_keys, kernel, o_lat, lse, block_table=None) -> None:
     return None
 
 
@@ -176,7 +205,7 @@ def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
                context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
                kv_offsets: torch.Tensor, visibility: torch.Tensor, scale: float, *,
                max_tree: int | None = None, max_kv: int | None = None,
-               out_dtype: torch.dtype | None = None, generic: bool = False, invariant: bool = False,
+               out_dtype: torch.dtype | None = None, kernel: str = "auto", invariant: bool = False,
                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-verify attention (module docstring) over c_kv [S, R], k_pe [S, dr], request b's
     keys at rows kv_offsets[b] .. -> (o_lat [T, H, R], lse [T, H] float32).
@@ -184,26 +213,28 @@ def mla_verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
     max_tree / max_kv: the largest tree size and context + tree size. When either is None,
     the index arrays are read back once (a device sync) and their values are checked too
     (offsets consistent, key rows inside c_kv); when both are given they are trusted.
-    out_dtype: q's dtype (default) or float32. generic: force the CUDA-core path.
-    invariant: the invariant plan (module docstring; implies generic).
+    out_dtype: q's dtype (default) or float32. kernel: one of `KERNELS` ("auto": the fastest
+    this device runs for the inputs, `verify_kernel`); one that cannot run them here raises
+    MlaInputError naming why. invariant: the invariant plan (module docstring; the CUDA cores).
     out: (o_lat, lse) to write into instead of fresh tensors.
     """
     keys = _KeyRows(_index_tensor("kv_offsets", kv_offsets, _batch_of(context)), paged=False)
     return _verify(q_lat, q_pe, c_kv, k_pe, context, tree_sizes, q_offsets, keys, visibility, scale,
-                   max_tree, max_kv, out_dtype, generic, invariant, out)
+                   max_tree, max_kv, out_dtype, kernel, invariant, out)
 
 
 def mla_verify_paged(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                      context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor,
                      block_table: torch.Tensor, visibility: torch.Tensor, scale: float, *,
                      max_tree: int | None = None, max_kv: int | None = None,
-                     out_dtype: torch.dtype | None = None, generic: bool = False, invariant: bool = False,
+                     out_dtype: torch.dtype | None = None, kernel: str = "auto", invariant: bool = False,
                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_verify` with the keys in pages: c_kv [P, page, R], k_pe [P, page, dr] and
     block_table int32 [B, W] (module docstring) -> (o_lat [T, H, R], lse [T, H] float32).
 
-    The same plan, paths and bits as `mla_verify` on the same logical keys; page sizes that
-    `paged_tensor_cores` rejects (1, 2, 4, non-divisors of 64) take the CUDA-core path. With
+    The same plan, kernels and bits as `mla_verify` on the same logical keys; with
+    kernel="auto", pages that wgmma does not read (`paged_tensor_cores`: 1, 2, 4, non-divisors
+    of 64) take the mma kernel. With
     max_tree / max_kv None the values are checked as by `mla_verify`, and each request's pages
     (ceil((context + tree) / page) entries of its table row) must lie in [0, P); given, they
     are trusted and only ceil(max_kv / page) <= W is checked.
@@ -219,7 +250,7 @@ def mla_verify_paged(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor
         raise MlaInputError("block_table: must be contiguous (call .contiguous())")
     keys = _KeyRows(block_table, paged=True)
     return _verify(q_lat, q_pe, c_kv, k_pe, context, tree_sizes, q_offsets, keys, visibility, scale,
-                   max_tree, max_kv, out_dtype, generic, invariant, out)
+                   max_tree, max_kv, out_dtype, kernel, invariant, out)
 
 
 @dataclass(frozen=True)
@@ -262,9 +293,13 @@ def _batch_of(context: torch.Tensor) -> int:
 def _verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
             context: torch.Tensor, tree_sizes: torch.Tensor, q_offsets: torch.Tensor, keys: _KeyRows,
             visibility: torch.Tensor, scale: float, max_tree: int | None, max_kv: int | None,
-            out_dtype: torch.dtype | None, generic: bool, invariant: bool,
+            out_dtype: torch.dtype | None, kernel: str, invariant: bool,
             out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_verify` and `mla_verify_paged`: checks, plan, launch (one code path for both layouts)."""
+    if kernel not in KERNELS:
+        raise MlaInputError(f"kernel: {kernel!r} is not one of {', '.join(map(repr, KERNELS))}")
+    if invariant and kernel not in ("auto", "cuda_cores"):
+        raise MlaInputError(f"kernel: the invariant plan runs on the CUDA cores, not {kernel!r}")
     _check_tensors(q_lat, q_pe, c_kv, k_pe, visibility, cache_dims=3 if keys.paged else 2)
     batch = _batch_of(context)
     index = [_index_tensor(name, t, batch + (name == "q_offsets"))
@@ -293,15 +328,39 @@ def _verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: t
         return o_lat, lse
     if visibility.shape[1] * 32 < max_tree:
         raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
-    fast = (not generic and not invariant and uses_tensor_cores(q_lat.dtype, kv_lora, q_pe.shape[2], q_lat.device)
-            and (not keys.paged or paged_tensor_cores(page_size))
-            and all(t.data_ptr() % 16 == 0 for t in (q_lat, q_pe, c_kv, k_pe)))   # TMA alignment
+    kernel = _pick_kernel(kernel, invariant, q_lat, q_pe, c_kv, k_pe, page_size if keys.paged else None)
     sm_count = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
-    plan = plan_splits(batch, max_tree, heads, max_kv, fast, sm_count, invariant)
+    plan = plan_splits(batch, max_tree, heads, max_kv, kernel != "cuda_cores", sm_count, invariant)
     torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, None if keys.paged else keys.table, visibility,
-                                    float(scale), max_tree, plan.num_splits, plan.split_keys, not fast, o_lat, lse,
+                                    float(scale), max_tree, plan.num_splits, plan.split_keys, kernel, o_lat, lse,
                                     keys.table if keys.paged else None)
     return o_lat, lse
+
+
+def _pick_kernel(kernel: str, invariant: bool, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                 k_pe: torch.Tensor, page_size: int | None) -> str:
+    """The kernel that runs (`KERNELS`, "auto" resolved); MlaInputError naming why when the
+    one asked for cannot run these inputs on their device. page_size None: contiguous keys."""
+    if invariant or kernel == "cuda_cores":
+        return "cuda_cores"
+    aligned = all(t.data_ptr() % 16 == 0 for t in (q_lat, q_pe, c_kv, k_pe))   # cp.async and TMA read 16 bytes
+    dims = (q_lat.dtype, q_lat.shape[2], q_pe.shape[2])
+    if kernel == "auto":
+        return verify_kernel(*dims, q_lat.device, page_size) if aligned else "cuda_cores"
+    here = tensor_core_kernel(q_lat.device)
+    if dims != (torch.bfloat16, 512, 64):
+        problem = f"takes bfloat16 inputs at kv_lora 512, rope 64, not {dims[0]} at {dims[1]}, {dims[2]}"
+    elif not aligned:
+        problem = "needs q_lat, q_pe, c_kv and k_pe 16-byte aligned"
+    elif here is None:
+        problem = f"needs compute capability 8.0 or later, {q_lat.device} has {torch.cuda.get_device_capability(q_lat.device)}"
+    elif kernel == "wgmma" and here != "wgmma":
+        problem = "runs on compute capability 9.0 with a library built with sm_90a (kernels_cuda.build)"
+    elif kernel == "wgmma" and page_size is not None and not paged_tensor_cores(page_size):
+        problem = f"does not read pages of {page_size} slots"
+    else:
+        return kernel
+    raise MlaInputError(f"kernel {kernel!r} {problem}")
 
 
 def _check_tensors(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,

@@ -9,6 +9,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl
 fi
 
+# Stage helpers for scripts with a time budget: `left CAP` gives the seconds for the next stage,
+# at most CAP, of what is left of $DEADLINE; `want NAME` is true when $stage is all or NAME.
+left() {  # left CAP: seconds for the next stage, at most CAP
+    local rest=$((DEADLINE - SECONDS))
+    ((rest < 5)) && rest=5
+    echo $((rest < $1 ? rest : $1))
+}
+want() { [[ "$stage" == all || "$stage" == "$1" ]]; }
+
 # build_kernels: compile every kernels_cuda/csrc/*.cu into the shared library (cached by content)
 # and export its path as KDTREE_KERNELS_LIB; a library already named there is used as it is.
 # The build log, with ptxas' register and spill report, is $OUT/build.log.

@@ -17,12 +17,6 @@ set -uo pipefail
 stage="${1:-all}"
 source "$(dirname "$0")/gpu_env.sh"
 DEADLINE="${DEADLINE:-400}"
-left() {  # left CAP: seconds for the next stage, at most CAP
-    local rest=$((DEADLINE - SECONDS))
-    ((rest < 5)) && rest=5
-    echo $((rest < $1 ? rest : $1))
-}
-want() { [[ "$stage" == all || "$stage" == "$1" ]]; }
 
 echo "== build"
 build_kernels || exit 1

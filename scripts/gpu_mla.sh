@@ -15,7 +15,7 @@ source "$(dirname "$0")/gpu_env.sh"
 echo "== build"
 build_kernels || exit 1
 grep -A2 "mla_" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c
-if command -v cuobjdump >/dev/null; then   # the tensor-core path must show Hopper's HGMMA, not HMMA
+if command -v cuobjdump >/dev/null; then   # wgmma shows as HGMMA, mma.sync as HMMA
     cuobjdump -sass "$KDTREE_KERNELS_LIB" >"$OUT/kernels.sass" 2>&1
     echo "SASS: $(grep -c HGMMA "$OUT/kernels.sass") HGMMA, $(grep -c " HMMA" "$OUT/kernels.sass") HMMA," \
          "$(grep -cE "LDL|STL" "$OUT/kernels.sass") local-memory instructions"
@@ -44,17 +44,17 @@ for heads, lora, rope, dtype in ((4, 64, 16, torch.float32), (64, 512, 64, torch
     o = torch.empty(n, heads, lora, dtype=dtype, device="cuda"); lse = torch.empty(n, heads, device="cuda")
     for splits, keys in ((3, 32), (1, 96)):
         torch.ops.kdtree.mla_verify_out(r(n, heads, lora), r(n, heads, rope), r(ctx + n + 5, lora), r(ctx + n + 5, rope),
-            i(ctx), i(n), i(0, n), i(5), pack_visibility(vis).cuda(), 0.1, n, splits, keys, dtype == torch.float32, o, lse)
+            i(ctx), i(n), i(0, n), i(5), pack_visibility(vis).cuda(), 0.1, n, splits, keys, "auto", o, lse)
     torch.cuda.synchronize()
     assert not o.isnan().any()
 r = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
 o = torch.empty(n, 64, 512, dtype=torch.bfloat16, device="cuda"); lse = torch.empty(n, 64, device="cuda")
-for page, generic in ((16, False), (1, True)):
+for page, kernel in ((16, "auto"), (1, "cuda_cores")):
     pages = -(-(ctx + n) // page) + 2
     table = torch.randperm(pages, device="cuda")[:pages - 2].to(torch.int32)[None]
     for splits, keys in ((2, 64), (1, 128)):
         torch.ops.kdtree.mla_verify_out(r(n, 64, 512), r(n, 64, 64), r(pages, page, 512), r(pages, page, 64),
-            i(ctx), i(n), i(0, n), None, pack_visibility(vis).cuda(), 0.1, n, splits, keys, generic, o, lse, table)
+            i(ctx), i(n), i(0, n), None, pack_visibility(vis).cuda(), 0.1, n, splits, keys, kernel, o, lse, table)
     torch.cuda.synchronize()
     assert not o.isnan().any()
 print("small cases ran")

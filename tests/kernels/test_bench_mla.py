@@ -10,8 +10,11 @@ kernel_ms. Each case's figures go to `benchmark.extra_info` and, when $KDTREE_BE
 names a file, to a JSON list there (docs/results/mla-verify-h200.md is written from it).
 The default run times one small case; KDTREE_BENCH=1 runs the grid: context 1k / 8k / 32k x
 tree tokens 1 / 16 / 64 / 128 x batch 1 / 8 / 32; KDTREE_BENCH_KERNEL_ONLY=1 leaves out the
-torch baseline and the CUDA-core path (to compare builds of the kernel quickly). GPU only:
-skipped with a reason elsewhere.
+torch baseline and the CUDA-core kernel (to compare builds of the kernel quickly).
+KDTREE_BENCH_KERNEL names the kernel timed as ours (`mla_ops.KERNELS`; default "auto", the
+row's `kernel` says which ran) and KDTREE_BENCH_ALSO a comma-separated list of more kernels
+graph-timed at every case (`<kernel>_ms`), e.g. "mma,mma_100k" beside wgmma on Hopper. GPU
+only: skipped with a reason elsewhere.
 
 Peers (tests/kernels/peers: SGLang's Triton kernels, fetched by scripts/fetch_peers.sh), at
 every case, on the same K2 inputs laid out as SGLang keeps them (one [slots, 1, 576] latent +
@@ -24,11 +27,11 @@ above PEER_TOLERANCE) is void, its time not reported. Without the fetched files 
 peer columns say why they are empty. KDTREE_BENCH_PEERS=0 leaves the peers out;
 KDTREE_BENCH_PEER_BUDGET_MS sets the repeats of each peer timing (default 100 ms).
 
-Paged KV (`test_bench_mla_verify_paged`): the same inputs in shuffled pages of 64 and 16 slots
-(the tensor cores) and of 1 slot (the CUDA-core path), each case timed side by side with the
-contiguous kernel on the same path in the same run (`ratio` = paged / contiguous; page 1 rows also
-give `tensor_core_ms`, the contiguous default, to show what page 1 costs), its bits checked equal
-to the contiguous output. KDTREE_BENCH=1: ctx 8k and 32k x trees 1 / 16 / 64 x batch 8 at pages 64
+Paged KV (`test_bench_mla_verify_paged`): the same inputs in shuffled pages of 64, 16 and 1
+slots, each case timed side by side with the contiguous keys on the same kernel (the one the paged
+call takes: on Hopper wgmma for pages 64 and 16, mma for page 1) in the same run (`ratio` =
+paged / contiguous; where that kernel is not the contiguous default, `contiguous_auto_ms` times
+the default too), its bits checked equal to the contiguous output. KDTREE_BENCH=1: ctx 8k and 32k x trees 1 / 16 / 64 x batch 8 at pages 64
 and 16, ctx 32k / 1 token / batch 1 at both, and page 1 at four cases; the rows go to the same
 JSON file under "paged". Default: one small case.
 
@@ -49,7 +52,7 @@ import pytest
 import torch
 
 from kdtr_format import PRESETS
-from kernels_cuda.mla_ops import mla_verify, mla_verify_paged, pack_visibility, paged_tensor_cores
+from kernels_cuda.mla_ops import mla_verify, mla_verify_paged, pack_visibility, verify_kernel
 from bench_record import record
 from gpu_bench import bf16_matmul_TFLOPs, copy_TBps, cuda_time_ms, graph_time_ms
 from peers import PeerUnavailable, load_sglang
@@ -65,6 +68,8 @@ GRID = ([(c, t, b) for b in (8, 32, 1) for c in (1024, 8192, 32768) for t in (1,
 MEMORY_CAP = 40e9             # bytes: skip a case whose inputs and baseline intermediates exceed it
 GENERIC_FLOP_CAP = 2e11       # time the CUDA-core path only where it finishes quickly
 PEERS = os.environ.get("KDTREE_BENCH_PEERS", "1") == "1"
+KERNEL = os.environ.get("KDTREE_BENCH_KERNEL", "auto")
+ALSO = [k for k in os.environ.get("KDTREE_BENCH_ALSO", "").split(",") if k]
 PEER_TOLERANCE = 1e-2         # relative Frobenius error between two bf16 outputs of float32 math
 PEER_BUDGET_MS = float(os.environ.get("KDTREE_BENCH_PEER_BUDGET_MS", "100"))   # repeats of a peer timing
 SGLANG_MAX_CONTEXT = 131072   # the model context SGLang sizes its decode splits for (K2: 128k and up)
@@ -129,8 +134,8 @@ def test_bench_mla_verify_k2(benchmark, ceilings, context, tree, batch):
     x = make_inputs(context, tree, batch, seed=context + tree + batch)
     args = {k: v for k, v in x.items() if k != "dense"}
 
-    def call() -> tuple[torch.Tensor, torch.Tensor]:
-        return mla_verify(**args, max_tree=tree, max_kv=context + tree)
+    def call(kernel: str = KERNEL) -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_verify(**args, max_tree=tree, max_kv=context + tree, kernel=kernel)
 
     kernel_ms = benchmark.pedantic(lambda: graph_time_ms(call), rounds=1, iterations=1)
     assert isinstance(kernel_ms, float), kernel_ms
@@ -139,8 +144,9 @@ def test_bench_mla_verify_k2(benchmark, ceilings, context, tree, batch):
     q_bytes = batch * tree * HEADS * (KV_LORA + ROPE) * 2
     io_bytes = key_bytes + q_bytes + batch * tree * HEADS * (KV_LORA * 2 + 4)
     floor_ms = max(io_bytes / (ceilings["copy_TBps"] * 1e9), flops / (ceilings["bf16_TFLOPs"] * 1e9))
-    row = dict(context=context, tree=tree, batch=batch, kernel_ms=kernel_ms, call_ms=cuda_time_ms(call),
-               floor_ms=floor_ms,
+    ran = verify_kernel(torch.bfloat16, KV_LORA, ROPE, x["c_kv"].device) if KERNEL == "auto" else KERNEL
+    row = dict(context=context, tree=tree, batch=batch, kernel=ran, kernel_ms=kernel_ms, call_ms=cuda_time_ms(call),
+               floor_ms=floor_ms, flops=flops, io_bytes=io_bytes,
                TBps=io_bytes / kernel_ms / 1e9, TFLOPs=flops / kernel_ms / 1e9,
                bw_fraction=io_bytes / kernel_ms / 1e9 / ceilings["copy_TBps"],
                mma_fraction=flops / kernel_ms / 1e9 / ceilings["bf16_TFLOPs"],
@@ -149,8 +155,9 @@ def test_bench_mla_verify_k2(benchmark, ceilings, context, tree, batch):
         row["torch_ms"] = cuda_time_ms(lambda: torch_baseline(x, context, tree, batch), budget_ms=300.0)
         row["speedup_vs_torch"] = row["torch_ms"] / kernel_ms
     if flops < GENERIC_FLOP_CAP and not KERNEL_ONLY:
-        row["generic_ms"] = cuda_time_ms(lambda: mla_verify(**args, max_tree=tree, max_kv=context + tree,
-                                                            generic=True))
+        row["generic_ms"] = cuda_time_ms(lambda: call("cuda_cores"))
+    for other in ALSO:
+        row[f"{other}_ms"] = graph_time_ms(lambda: call(other))
     if PEERS:
         row.update(time_peers(x, context, tree, batch, kernel_ms, call()[0]))
     record(benchmark, row, "cuda")
@@ -188,8 +195,8 @@ def test_bench_mla_verify_paged(benchmark, ceilings, context, tree, batch, page)
     x = make_inputs(context, tree, batch, seed=context + tree + batch)
     paged = page_inputs(x, context, tree, batch, page, seed=page)
     shared = {k: x[k] for k in ("q_lat", "q_pe", "context", "tree_sizes", "q_offsets", "visibility", "scale")}
-    fast = paged_tensor_cores(page)             # pages 16 and 64: the tensor cores; page 1: the CUDA cores
-    limits = dict(max_tree=tree, max_kv=context + tree, generic=not fast)
+    kernel = verify_kernel(torch.bfloat16, KV_LORA, ROPE, x["c_kv"].device, page)   # what the paged call takes
+    limits = dict(max_tree=tree, max_kv=context + tree, kernel=kernel)
 
     def paged_call() -> tuple[torch.Tensor, torch.Tensor]:
         return mla_verify_paged(c_kv=paged["c_kv"], k_pe=paged["k_pe"], block_table=paged["block_table"],
@@ -203,10 +210,10 @@ def test_bench_mla_verify_paged(benchmark, ceilings, context, tree, batch, page)
     assert isinstance(paged_ms, float) and isinstance(contiguous_ms, float), (paged_ms, contiguous_ms)
     got, want = paged_call(), contiguous_call()
     equal = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    row = dict(context=context, tree=tree, batch=batch, page_size=page, path="tensor cores" if fast else "CUDA cores",
+    row = dict(context=context, tree=tree, batch=batch, page_size=page, path=kernel,
                paged_ms=paged_ms, contiguous_ms=contiguous_ms, ratio=paged_ms / contiguous_ms, bitwise_equal=equal)
-    if not fast:
-        row["tensor_core_ms"] = graph_time_ms(lambda: contiguous_call(generic=False), PAGED_BUDGET_MS)
+    if kernel != verify_kernel(torch.bfloat16, KV_LORA, ROPE, x["c_kv"].device):
+        row["contiguous_auto_ms"] = graph_time_ms(lambda: contiguous_call(kernel="auto"), PAGED_BUDGET_MS)
     record(benchmark, row, "cuda")
     PAGED_ROWS.append(row)
     dump(ceilings)

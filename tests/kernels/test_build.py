@@ -91,6 +91,27 @@ def test_architecture_list(monkeypatch, capsys) -> None:
         "e.g. sm_90a,compute_90")
 
 
+def test_default_build_is_a_fat_binary() -> None:
+    """Machine code for Ampere / Ada, Hopper with wgmma, Blackwell workstation GPUs, and PTX for
+    the rest from compute capability 8.0 (B200), each target saying which MLA path it gets."""
+    flags = kbuild.arch_flags(kbuild.DEFAULT_ARCHS)
+    for code in ("sm_80", "sm_90a", "sm_120"):
+        assert any(f.endswith(f"code={code}") for f in flags), code
+    assert "-gencode=arch=compute_80,code=compute_80" in flags and "-DKDTREE_SM90A" in flags
+    paths = {entry: kbuild.arch_paths(entry) for entry in kbuild.DEFAULT_ARCHS.split(",")}
+    assert "wgmma" in paths["sm_90a"] and all("mma.sync" in paths[e] for e in ("sm_80", "sm_120", "compute_80"))
+    assert all("tree kernels" in p for p in paths.values())
+    assert "CUDA cores only" in kbuild.arch_paths("sm_75") and "PTX" in paths["compute_80"]
+
+
+@needs_nvcc
+def test_cli_names_each_targets_paths_then_the_library(tiny_sources, capsys) -> None:
+    assert kbuild.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"  compute_90: {kbuild.arch_paths('compute_90')}"
+    assert kbuild.Path(lines[-1]) == kbuild.build() and len(lines) == 2     # the path last, for scripts
+
+
 def test_missing_nvcc_is_reported(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))

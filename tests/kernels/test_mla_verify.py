@@ -12,6 +12,7 @@ inputs the kernel saw (bf16 inputs upcast), so only the kernel's arithmetic is m
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,9 @@ import pytest
 import torch
 
 from kdtr_format import PRESETS
-from kernels_cuda.mla_ops import MlaInputError, mla_verify, pack_visibility, plan_splits, uses_tensor_cores
+from kernels_cuda import build
+from kernels_cuda.mla_ops import (MlaInputError, mla_verify, pack_visibility, plan_splits, tensor_core_kernel,
+                                  uses_tensor_cores)
 from refgen.model import absorbed_attention
 
 DIMS = {name: (PRESETS[name].num_attention_heads, PRESETS[name].kv_lora_rank, PRESETS[name].qk_rope_head_dim)
@@ -186,6 +189,8 @@ def _bad_inputs():
         ("q_offsets length", set_("q_offsets", lambda a: a["q_offsets"][1:]), "q_offsets"),
         ("index dtype", set_("kv_offsets", lambda a: a["kv_offsets"].float()), "kv_offsets"),
         ("scale", set_("scale", lambda a: float("nan")), "scale"),
+        ("kernel name", set_("kernel", lambda a: "tensor"), "kernel: 'tensor' is not one of 'auto'"),
+        ("invariant kernel", lambda a: a.update(kernel="wgmma", invariant=True), "invariant plan runs on the CUDA"),
         ("cpu tensors", lambda a: None, "CUDA"),
     ]
 
@@ -218,40 +223,90 @@ def _scenario(name: str, gen: torch.Generator) -> list[tuple[int, torch.Tensor]]
 
 
 SCENARIOS = ["causal", "trees", "root_only", "fully_visible"]
-PATHS = [("tiny", torch.float32, False), ("tiny", torch.bfloat16, False), ("tiny2", torch.float32, False),
-         ("tiny2", torch.bfloat16, False), ("kimi-k2", torch.float32, False), ("kimi-k2", torch.bfloat16, False),
-         ("kimi-k2", torch.bfloat16, True)]
-PATH_IDS = [f"{d}-{str(t)[6:]}-{'generic' if g else 'auto'}" for d, t, g in PATHS]
+PATHS = [("tiny", torch.float32, "auto"), ("tiny", torch.bfloat16, "auto"), ("tiny2", torch.float32, "auto"),
+         ("tiny2", torch.bfloat16, "auto"), ("kimi-k2", torch.float32, "auto"), ("kimi-k2", torch.bfloat16, "auto"),
+         ("kimi-k2", torch.bfloat16, "cuda_cores"), ("kimi-k2", torch.bfloat16, "mma"),
+         ("kimi-k2", torch.bfloat16, "mma_100k"), ("kimi-k2", torch.bfloat16, "wgmma")]
+PATH_IDS = [f"{d}-{str(t)[6:]}-{k}" for d, t, k in PATHS]
+
+
+def skip_unless_runs(kernel: str) -> None:
+    """Skip (naming why) a tensor-core kernel this GPU and library do not run."""
+    here = tensor_core_kernel(torch.device("cuda", torch.cuda.current_device()))
+    if kernel == "wgmma" and here != "wgmma" or kernel.startswith("mma") and here is None:
+        pytest.skip(f"kernel {kernel!r} does not run here: this GPU and library take {here or 'no tensor-core kernel'}")
 
 
 @needs_gpu
-def test_hopper_takes_the_tensor_core_path():
-    """On compute capability 9.0 the library must carry the sm_90a code (build.py's default)."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip(f"the wgmma path is Hopper's (compute capability 9.0); this GPU is "
-                    f"{torch.cuda.get_device_capability()}")
+def test_the_device_takes_its_tensor_core_kernel():
+    """bf16 at K2 dims: wgmma on compute capability 9.0 when the library was built with sm_90a
+    (build.py's default, or $KDTREE_CUDA_ARCHS naming it), mma.sync on any other GPU of 8.0 and later."""
     device = torch.device("cuda", torch.cuda.current_device())
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 0):
+        pytest.skip(f"tensor-core MLA needs compute capability 8.0; this GPU is {capability}")
+    archs = os.environ.get("KDTREE_CUDA_ARCHS") or build.DEFAULT_ARCHS
+    want = "wgmma" if capability == (9, 0) and "sm_90a" in archs.split(",") else "mma"
+    assert tensor_core_kernel(device) == want, f"compute capability {capability}, library built for {archs}"
     assert uses_tensor_cores(torch.bfloat16, 512, 64, device)
     assert not uses_tensor_cores(torch.float32, 512, 64, device)
 
 
 @needs_gpu
+@pytest.mark.parametrize("kernel", ["mma", "mma_100k", "wgmma"])
+def test_each_tensor_core_kernel_computes_its_own_bits(kernel):
+    """A kernel forced by name really runs: its bits differ from the CUDA cores' and from the
+    other tensor-core kernels' that run here (other tiles, other summation orders), and it is
+    right within bf16 rounding."""
+    skip_unless_runs(kernel)
+    gen = torch.Generator().manual_seed(17)
+    case = make_case(DIMS["kimi-k2"], [(600, tree_visibility(random_parents(20, gen)))], torch.bfloat16, "cuda",
+                     seed=18)
+    others = ["cuda_cores", "mma", "mma_100k"] + (["wgmma"] if tensor_core_kernel(case.q_lat.device) == "wgmma" else [])
+    o_lat, lse = case.run(kernel=kernel)
+    for other in others:
+        if other != kernel:
+            assert not torch.equal(o_lat, case.run(kernel=other)[0]), f"{kernel!r} gave the bits of {other!r}"
+    assert_close(case, o_lat, lse, TOLERANCE[torch.bfloat16])
+
+
+@needs_gpu
+def test_a_kernel_that_cannot_run_the_inputs_is_named():
+    tiny = make_case(DIMS["tiny"], [(5, tree_visibility([-1, 0]))], torch.bfloat16, "cuda", seed=19)
+    with pytest.raises(MlaInputError, match="kernel 'mma' takes bfloat16 inputs at kv_lora 512, rope 64"):
+        tiny.run(kernel="mma")
+    k2 = make_case(DIMS["kimi-k2"], [(5, tree_visibility([-1, 0]))], torch.bfloat16, "cuda", seed=19)
+    with pytest.raises(MlaInputError, match="kernel 'mma' needs q_lat, q_pe, c_kv and k_pe 16-byte aligned"):
+        flat = k2.c_kv.view(-1)
+        shifted = flat[4:4 + flat.numel() - 512].view(-1, 512)                 # 8 bytes off, one row fewer
+        mla_verify(k2.q_lat, k2.q_pe, shifted, k2.k_pe[:-1], k2.context, k2.tree_sizes, k2.q_offsets,
+                   k2.kv_offsets, k2.bits, k2.scale, kernel="mma")
+    if tensor_core_kernel(k2.q_lat.device) != "wgmma":
+        with pytest.raises(MlaInputError, match="kernel 'wgmma' runs on compute capability 9.0"):
+            k2.run(kernel="wgmma")
+    with pytest.raises(MlaInputError, match="invariant plan runs on the CUDA cores"):
+        k2.run(kernel="mma", invariant=True)
+
+
+@needs_gpu
 @pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("dims,dtype,generic", PATHS, ids=PATH_IDS)
-def test_matches_reference(scenario, dims, dtype, generic):
+@pytest.mark.parametrize("dims,dtype,kernel", PATHS, ids=PATH_IDS)
+def test_matches_reference(scenario, dims, dtype, kernel):
+    skip_unless_runs(kernel)
     gen = torch.Generator().manual_seed(7)
     case = make_case(DIMS[dims], _scenario(scenario, gen), dtype, "cuda", seed=11)
-    o_lat, lse = case.run(generic=generic)
+    o_lat, lse = case.run(kernel=kernel)
     assert o_lat.dtype == dtype and lse.dtype == torch.float32
     assert_close(case, o_lat, lse, TOLERANCE[dtype])
 
 
 @needs_gpu
-@pytest.mark.parametrize("dims,dtype,generic", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("dims,dtype,kernel", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("split_keys", [32, 96, 4096])
-def test_every_split_and_output_written(dims, dtype, generic, split_keys):
+def test_every_split_and_output_written(dims, dtype, kernel, split_keys):
     """Splits of every size merge to the reference; NaN-poisoned outputs are fully overwritten;
     float32 output from bf16 inputs."""
+    skip_unless_runs(kernel)
     gen = torch.Generator().manual_seed(3)
     case = make_case(DIMS[dims], [(300, tree_visibility(random_parents(17, gen))), (31, tree_visibility([-1]))],
                      dtype, "cuda", seed=5)
@@ -261,16 +316,17 @@ def test_every_split_and_output_written(dims, dtype, generic, split_keys):
     num_splits = math.ceil(320 / split_keys)
     torch.ops.kdtree.mla_verify_out(case.q_lat, case.q_pe, case.c_kv, case.k_pe, case.context, case.tree_sizes,
                                     case.q_offsets, case.kv_offsets, case.bits, case.scale, 17, num_splits,
-                                    split_keys, generic, o_lat, lse)
+                                    split_keys, kernel, o_lat, lse)
     assert_close(case, o_lat, lse, TOLERANCE[dtype])
 
 
 @needs_gpu
-@pytest.mark.parametrize("dims,dtype,generic", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("dims,dtype,kernel", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("split_keys", [64, 96])
-def test_cache_rows_outside_the_request_never_leak(dims, dtype, generic, split_keys):
+def test_cache_rows_outside_the_request_never_leak(dims, dtype, kernel, split_keys):
     """NaN in every cache row outside the requests' keys (an engine's unused slots) leaves the
-    output finite and right: the tensor-core path loads whole 64-key tiles past a request's end."""
+    output finite and right: the tensor-core kernels load whole key tiles past a request's end."""
+    skip_unless_runs(kernel)
     gen = torch.Generator().manual_seed(13)
     case = make_case(DIMS[dims], [(70, tree_visibility(random_parents(9, gen))), (3, tree_visibility([-1, 0]))],
                      dtype, "cuda", seed=14, gap=70)
@@ -284,20 +340,21 @@ def test_cache_rows_outside_the_request_never_leak(dims, dtype, generic, split_k
     lse = torch.empty(case.q_lat.shape[:2], dtype=torch.float32, device="cuda")
     torch.ops.kdtree.mla_verify_out(case.q_lat, case.q_pe, case.c_kv, case.k_pe, case.context, case.tree_sizes,
                                     case.q_offsets, case.kv_offsets, case.bits, case.scale, 9,
-                                    math.ceil(79 / split_keys), split_keys, generic, o_lat, lse)
+                                    math.ceil(79 / split_keys), split_keys, kernel, o_lat, lse)
     assert_close(case, o_lat, lse, TOLERANCE[dtype])
 
 
 @needs_gpu
-@pytest.mark.parametrize("dims,dtype,generic", PATHS, ids=PATH_IDS)
-def test_hiding_one_ancestor_changes_only_that_row(dims, dtype, generic):
+@pytest.mark.parametrize("dims,dtype,kernel", PATHS, ids=PATH_IDS)
+def test_hiding_one_ancestor_changes_only_that_row(dims, dtype, kernel):
+    skip_unless_runs(kernel)
     parents = [-1, 0, 1, 2, 2, 0, 5]
     vis = tree_visibility(parents)
     hidden = vis.clone()
     hidden[4, 1] = False                                                     # node 4 loses ancestor 1
     full = make_case(DIMS[dims], [(5, vis)], dtype, "cuda", seed=21)           # same seed: same inputs
     cut = make_case(DIMS[dims], [(5, hidden)], dtype, "cuda", seed=21)
-    (o_full, lse_full), (o_cut, lse_cut) = full.run(generic=generic), cut.run(generic=generic)
+    (o_full, lse_full), (o_cut, lse_cut) = full.run(kernel=kernel), cut.run(kernel=kernel)
     assert_close(cut, o_cut, lse_cut, TOLERANCE[dtype])
     others = [i for i in range(len(parents)) if i != 4]
     assert torch.equal(o_full[others], o_cut[others]) and torch.equal(lse_full[others], lse_cut[others])
@@ -306,24 +363,27 @@ def test_hiding_one_ancestor_changes_only_that_row(dims, dtype, generic):
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype,generic", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
-def test_batch_mixing_context_1_and_32k(dtype, generic):
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "auto"), (torch.bfloat16, "cuda_cores"),
+                                          (torch.bfloat16, "mma"), (torch.float32, "auto")])
+def test_batch_mixing_context_1_and_32k(dtype, kernel):
+    skip_unless_runs(kernel)
     gen = torch.Generator().manual_seed(9)
     case = make_case(DIMS["kimi-k2"], [(1, tree_visibility(random_parents(5, gen))),
                                        (32768, tree_visibility(random_parents(16, gen)))], dtype, "cuda", seed=2)
-    o_lat, lse = case.run(generic=generic)
+    o_lat, lse = case.run(kernel=kernel)
     assert_close(case, o_lat, lse, TOLERANCE[dtype])
 
 
 @needs_gpu
-@pytest.mark.parametrize("dims,dtype,generic", PATHS, ids=PATH_IDS)
-def test_run_to_run_bitwise_identical(dims, dtype, generic):
+@pytest.mark.parametrize("dims,dtype,kernel", PATHS, ids=PATH_IDS)
+def test_run_to_run_bitwise_identical(dims, dtype, kernel):
+    skip_unless_runs(kernel)
     gen = torch.Generator().manual_seed(4)
     case = make_case(DIMS[dims], [(5000, tree_visibility(random_parents(24, gen))), (7, tree_visibility([-1]))],
                      dtype, "cuda", seed=8)
-    first = case.run(generic=generic)
+    first = case.run(kernel=kernel)
     for _ in range(3):
-        again = case.run(generic=generic)
+        again = case.run(kernel=kernel)
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 

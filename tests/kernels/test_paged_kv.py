@@ -21,17 +21,22 @@ import pytest
 import torch
 
 from kernels_cuda import tree_ops
-from kernels_cuda.mla_ops import MlaInputError, mla_verify_paged, paged_tensor_cores, uses_tensor_cores
+from kernels_cuda.mla_ops import MlaInputError, mla_verify_paged, paged_tensor_cores, tensor_core_kernel, verify_kernel
 from test_mla_verify import (DIMS, TOLERANCE, Case, assert_close, make_case, random_parents, reference_attention,
                              tree_visibility)
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
-PATHS = ("auto", "generic", "invariant")    # mla_verify's plans: default (tensor cores where they apply),
-                                            # CUDA cores forced, the invariant plan
+PATHS = ("auto", "cuda_cores", "mma", "invariant")   # mla_verify's plans: default (the fastest kernel that
+                                                     # takes the inputs), two kernels forced, the invariant plan
 
 
 def path_flags(path: str) -> dict:
-    return {"generic": path == "generic", "invariant": path == "invariant"}
+    return {"invariant": True} if path == "invariant" else {"kernel": path}
+
+
+def skip_unless_runs(path: str) -> None:
+    if path == "mma" and tensor_core_kernel(torch.device("cuda", torch.cuda.current_device())) is None:
+        pytest.skip("the mma kernel needs compute capability 8.0")
 
 
 # ----------------------------------------------------------------------------- references
@@ -171,7 +176,9 @@ def test_references_match_the_fixture(golden_kernels):
 @pytest.mark.parametrize("page,fast", [(1, False), (2, False), (4, False), (8, True), (16, True), (24, False),
                                        (32, True), (48, False), (64, True), (96, False), (128, True), (192, True)])
 def test_page_sizes_the_tensor_cores_take(page, fast):
-    assert paged_tensor_cores(page) is fast
+    """wgmma's TMA boxes read whole swizzle periods of one page; mma copies rows, any page."""
+    assert paged_tensor_cores(page) is fast and paged_tensor_cores(page, "wgmma") is fast
+    assert paged_tensor_cores(page, "mma") and paged_tensor_cores(page, "mma_100k")
 
 
 def _paged_args(page: int = 4) -> dict:
@@ -239,12 +246,18 @@ def test_entries_past_a_requests_pages_are_never_checked():
 def test_golden_attention_cases(golden_kernels, dtype, path):
     """Every attention case of the fixture (K2 dims at pages 64, 16, 1; tiny dims at page 16).
     float32: the fixture's o_lat / lse within its `tolerances`. bf16 (the tensor cores at K2
-    dims and pages 64 / 16): within `tolerances_bf16` of the float64 result on the rounded inputs
-    (the fixture's values come from float32 inputs; the rounding alone moves o_lat up to 1.5x past
-    tolerances_bf16, measured on the CPU), and within 1e-2 of the fixture's o_lat in relative norm."""
+    dims): within `tolerances_bf16` of the float64 result on the rounded inputs (the fixture's
+    values come from float32 inputs; the rounding alone moves o_lat up to 1.5x past
+    tolerances_bf16, measured on the CPU), and within 1e-2 of the fixture's o_lat in relative norm.
+    The mma plan runs the K2 bf16 cases only (the other cases take no tensor-core kernel)."""
+    if path == "mma" and dtype != torch.bfloat16:
+        pytest.skip("the mma kernel takes bf16 inputs")
+    skip_unless_runs(path)
     with golden_kernels("paged_kv") as f:
         meta = f.metadata
         for spec in (s for s in meta["cases"] if s["op"] == "attention"):
+            if path == "mma" and fixture_tensor(f, spec["name"], "c_kv_pages").shape[2] != 512:
+                continue            # tiny dims: no tensor-core kernel takes them
             name = spec["name"]
             get = lambda key: fixture_tensor(f, name, key).cuda()   # noqa: E731
             o_lat, lse = mla_verify_paged(*(get(k).to(dtype) for k in ("q_lat", "q_pe", "c_kv_pages", "k_pe_pages")),
@@ -271,34 +284,39 @@ BITWISE_CONFIGS = [("kimi-k2", torch.bfloat16), ("tiny", torch.float32), ("tiny"
 @pytest.mark.parametrize("dims,dtype", BITWISE_CONFIGS, ids=[f"{d}-{str(t)[6:]}" for d, t in BITWISE_CONFIGS])
 def test_paged_equals_contiguous_bitwise(dims, dtype, page, path):
     """The same logical keys, contiguous and in shuffled pages with NaN in every unread row: the
-    same bits on every path (the tensor cores at K2 bf16 with pages 8 .. 128; the CUDA cores for
-    page 1 and 24, and for `generic` / `invariant`), and right against the reference."""
+    same bits from the same kernel (with "auto", the one the paged call takes: wgmma for pages
+    8 .. 128 on Hopper, mma for the others and on other GPUs, the CUDA cores off K2 bf16), and
+    right against the reference."""
+    if path == "mma" and (dims, dtype) != ("kimi-k2", torch.bfloat16):
+        pytest.skip("the mma kernel takes K2 dims in bf16")
+    skip_unless_runs(path)
     gen = torch.Generator().manual_seed(page)
     case = make_case(DIMS[dims], mixed_requests(gen), dtype, "cuda", seed=page + 1)
     paged = page_case(case, page, seed=page + 2)
     flags = path_flags(path)
-    fast = (path == "auto" and paged_tensor_cores(page)
-            and uses_tensor_cores(dtype, *DIMS[dims][1:], case.q_lat.device))
-    want = case.run(generic=flags["generic"] or not paged_tensor_cores(page), invariant=flags["invariant"])
+    kernel = verify_kernel(dtype, *DIMS[dims][1:], case.q_lat.device, page) if path == "auto" else path
     got = paged.run(case, **flags)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "paged and contiguous bits differ"
-    if fast:        # the tensor cores really ran: their bits differ from the CUDA cores'
-        assert not torch.equal(got[0], case.run(generic=True)[0]), f"page {page}: the paged call took the CUDA cores"
+    want = case.run(**flags) if path == "invariant" else case.run(kernel=kernel)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"paged and contiguous bits differ ({kernel})"
+    if kernel not in ("cuda_cores", "invariant"):   # the tensor cores really ran: other bits than the CUDA cores'
+        assert not torch.equal(got[0], case.run(kernel="cuda_cores")[0]), f"page {page}: {kernel} gave the CUDA cores' bits"
     assert_close(case, *got, TOLERANCE[dtype])
 
 
-LEAK_PATHS = [("kimi-k2", torch.bfloat16, False), ("kimi-k2", torch.bfloat16, True), ("tiny", torch.float32, True)]
+LEAK_PATHS = [("kimi-k2", torch.bfloat16, "auto"), ("kimi-k2", torch.bfloat16, "mma"),
+              ("kimi-k2", torch.bfloat16, "cuda_cores"), ("tiny", torch.float32, "cuda_cores")]
 
 
 @needs_gpu
 @pytest.mark.parametrize("split_keys", [64, 192])
 @pytest.mark.parametrize("page", [1, 8, 16, 64, 128])
-@pytest.mark.parametrize("dims,dtype,generic", LEAK_PATHS, ids=["k2-tensor-cores", "k2-generic", "tiny-generic"])
-def test_unread_rows_never_leak(dims, dtype, generic, page, split_keys):
+@pytest.mark.parametrize("dims,dtype,kernel", LEAK_PATHS, ids=["k2-auto", "k2-mma", "k2-cuda-cores", "tiny-cuda-cores"])
+def test_unread_rows_never_leak(dims, dtype, kernel, page, split_keys):
     """NaN in every pool row no request reads (spare pages, last pages' tails) and splits that end
     inside pages: the outputs are finite and right; every split and output written (NaN-poisoned
-    outputs). The tensor-core path loads whole boxes past a split's end, and boxes whose first
-    slot lies past it load the last key's page."""
+    outputs). The tensor-core kernels load whole tiles past a split's end (wgmma: boxes whose first
+    slot lies past it load the last key's page; mma: zero-filled rows)."""
+    skip_unless_runs(kernel)
     gen = torch.Generator().manual_seed(31)
     case = make_case(DIMS[dims], [(70, tree_visibility(random_parents(9, gen))), (3, tree_visibility([-1, 0])),
                                   (250, tree_visibility([-1]))], dtype, "cuda", seed=32)
@@ -308,7 +326,7 @@ def test_unread_rows_never_leak(dims, dtype, generic, page, split_keys):
     lse = torch.full((total, heads), math.nan, dtype=torch.float32, device="cuda")
     torch.ops.kdtree.mla_verify_out(case.q_lat, case.q_pe, paged.c_kv, paged.k_pe, case.context, case.tree_sizes,
                                     case.q_offsets, None, case.bits, case.scale, 9, math.ceil(251 / split_keys),
-                                    split_keys, generic, o_lat, lse, paged.block_table)
+                                    split_keys, kernel, o_lat, lse, paged.block_table)
     assert_close(case, o_lat, lse, TOLERANCE[dtype])
 
 
@@ -318,13 +336,16 @@ def test_paged_argument_errors_on_the_gpu():
     paged = page_case(case, 64, seed=4)
     with pytest.raises(MlaInputError, match="block_table: on cpu"):
         Paged(paged.c_kv, paged.k_pe, paged.block_table.cpu()).run(case)
-    if uses_tensor_cores(torch.bfloat16, 512, 64, case.q_lat.device):
+    o_lat, lse = torch.empty_like(case.q_lat), torch.empty(case.q_lat.shape[:2], device="cuda")
+    if tensor_core_kernel(case.q_lat.device) == "wgmma":
         from kernels_cuda._lib import KernelError      # a box of 64 rows would cross a page at slot 128
-        o_lat, lse = torch.empty_like(case.q_lat), torch.empty(case.q_lat.shape[:2], device="cuda")
-        with pytest.raises(KernelError, match="kdtree_mla_verify"):
+        with pytest.raises(KernelError, match="kdtree_mla_verify failed: bad shape"):
             torch.ops.kdtree.mla_verify_out(case.q_lat, case.q_pe, paged.c_kv, paged.k_pe, case.context,
                                             case.tree_sizes, case.q_offsets, None, case.bits, case.scale, 2, 2, 96,
-                                            False, o_lat, lse, paged.block_table)
+                                            "wgmma", o_lat, lse, paged.block_table)
+    else:
+        with pytest.raises(MlaInputError, match="kernel 'wgmma' runs on compute capability 9.0"):
+            paged.run(case, kernel="wgmma")
 
 
 # ----------------------------------------------------------------------------- compaction
