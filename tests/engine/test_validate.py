@@ -71,7 +71,20 @@ def test_compare_exact_names_the_first_difference():
     assert compare_exact("s", "x", [1, 2, 3], np.array([1, 2, 3])).status is Status.EXACT
     check = compare_exact("s", "x", [1, 5, 3, 0], [1, 2, 3, 4], "case c")
     assert check.status is Status.FAIL and "2 differ; first at [1]: got 5, expected 2 (case c)" == check.detail
-    assert compare_exact("s", "x", [1], [1, 2]).status is Status.FAIL
+    assert compare_exact("s", "x", 3, 4).detail == "got 3, expected 4"
+
+
+def test_a_path_of_the_wrong_length_shows_both_paths_and_where_they_part():
+    longer = compare_exact("s", "accepted", [0, 1, 3, 4, 7], [0, 1, 3, 4], "case c")
+    assert longer.status is Status.FAIL and longer.detail == (
+        "5 values, expected 4: got [0, 1, 3, 4, 7], expected [0, 1, 3, 4]; first difference at [4]: got 7, "
+        "expected none (past its end) (case c)")
+    assert compare_exact("s", "accepted", [0, 2], [0, 1, 3, 4]).detail == (
+        "2 values, expected 4: got [0, 2], expected [0, 1, 3, 4]; first difference at [1]: got 2, expected 1")
+    long = compare_exact("s", "parents", np.arange(20), np.arange(21)).detail
+    assert long.startswith("20 values, expected 21: got [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, ...]")
+    assert long.endswith("first difference at [20]: got none (past its end), expected 20")
+    assert compare_exact("s", "c_kv", np.zeros((2, 3)), np.zeros((3, 3))).detail == "shape [2, 3] != expected [3, 3]"
 
 
 def test_merge_keeps_the_worst():
