@@ -69,7 +69,7 @@ from .deviations import Deviation, declared_deviations
 from .fixtures import GOLDEN_DIR, REPO_ROOT, find_fixtures, model_fixture_config
 from .invariant import INVARIANT_DDTREE, INVARIANT_TOKENS, MARGIN_REL, invariant_checks, \
     preset_invariant_checks, random_weights
-from .model_checks import replayed_round
+from .engine_rows import replayed_round
 from .protocol import CAPABILITIES, METHODS, EngineAdapter, capabilities, load_impl, resolve_capabilities
 from .protocol_v2 import CAPABILITIES_V2, METHODS_V2, PerRequest
 from .report import Check, Report, Status, ValidateError, write_json

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import engine.decode
-import engine.validate.model_checks
+import engine.validate.engine_rows
 import kdtr_format
 from kdtr_format import PRESETS
 from engine.adapter import TorchAdapter
@@ -534,7 +534,7 @@ def test_the_engine_replay_batches_requests_that_a_leak_reaches(tmp_path, monkey
         batches.append({len(p) for p in prompts})
         return ddtree_decode(model, drafter, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(engine.validate.model_checks, "ddtree_decode", spy)
+    monkeypatch.setattr(engine.validate.engine_rows, "ddtree_decode", spy)
     builtin_decode_only(LeakyStages())
     report = validate(None, fixture_dir(tmp_path, "tiny2.kdtr"), require="none")
     assert batches and all(len(lengths) >= 2 for lengths in batches), batches
