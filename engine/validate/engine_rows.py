@@ -91,7 +91,7 @@ def engine_checks(adapter: TorchAdapter, fixture: _Fixture, section: str) -> lis
     replay = _engine_row(section, ENGINE_REPLAY, replay_rows)
     return [_engine_row(section, ENGINE_AR, ar_rows), with_acceptance(replay, engine_acceptance(*greedy)),
             _engine_row(section, ENGINE_SAMPLING, lambda: [_fresh_uniforms(adapter, prompts, section)]),
-            _engine_row(section, ENGINE_TIES, lambda: [_ties(adapter, section)]),
+            _engine_row(section, ENGINE_TIES, lambda: [ties_check(adapter, section)]),
             _engine_row(section, ENGINE_BITWISE, lambda: [_bitwise(adapter, prompts, section)])]
 
 
@@ -174,7 +174,7 @@ def tied_logits(vocab: int, world: Any) -> tuple[np.ndarray, np.ndarray, list[st
     return logits, np.array([a for (a, _), _ in pairs]), [words for _, words in pairs]
 
 
-def _ties(adapter: TorchAdapter, section: str) -> Check:
+def ties_check(adapter: TorchAdapter, section: str) -> Check:
     model, world = adapter.model, adapter.model.world
     vocab = model.cfg.vocab_size
     logits, expected, words = tied_logits(vocab, world)
