@@ -137,7 +137,8 @@ def _per_request_cases(reader, section: str, dtype: str) -> tuple[Case, ...]:
         cases = [Case(section, name, tuple(sorted(needs))) for name, needs in ROWS.items()]
         if regime.routing_threshold is not None:
             cases.append(Case(section, "routing", absent=NO_ROUTING))
-        return (*cases, *(Case(section, name, (), True) for name in (*ENGINE_ROWS, *INVARIANT_ROWS)))
+        return (*cases, *(Case(section, name, (), True, absent) for name, absent in ENGINE_ROWS.items()),
+                *(Case(section, name, (), True) for name in INVARIANT_ROWS))
     if kind == "corpus":
         return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in corpus_rows(reader))
     rows = PAGED_ROWS if kind == PAGED_KIND else KERNEL_ROWS.get(kind)

@@ -578,6 +578,16 @@ def test_every_row_has_a_planted_bug():
     assert rows == set(PLANTS), {"no plant": sorted(rows - set(PLANTS)), "no such row": sorted(set(PLANTS) - rows)}
 
 
+def test_the_adapter_guide_lists_every_row():
+    """docs/adapter.md's table of rows names every row (a corpus row by its pattern, a capability
+    row by `capability <name>`)."""
+    guide = (REPO_ROOT / "docs" / "adapter.md").read_text()
+    table = guide.split("### Every row, and a bug that fails it", 1)[1].split("\n## ", 1)[0]
+    named = {(kind, name) for kind, name in PLANTS if kind not in ("corpus", REQUIREMENTS)}
+    assert not [row for row in named if f"`{row[1]}`" not in table]
+    assert "`corpus <case>: <its stages>`" in table and "`capability <name>`" in table and "`any check ran`" in table
+
+
 # ---- what the plants rely on ----
 
 @pytest.mark.parametrize("cap", list(CAPABILITIES))
