@@ -41,16 +41,18 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import click
 import numpy as np
 from rich.console import Console
+from rich.filesize import decimal
 from rich.text import Text
 
 import kdtr_format
 from kdtr_format import PRESETS, DDTreeConfig, KdtrError, ModelConfig
-from kdtr_format.clikit import Cli, CliError, FiniteFloat, OutputFile, atomic_output, console, table
+from kdtr_format.clikit import Cli, CliError, FiniteFloat, OutputFile, atomic_output, console, shown, table
 
 if TYPE_CHECKING:
     from .decode import DecodeResult
-    from .diverge import Divergence, Way
-    from .diverge_run import Subject
+    from .diverge import Divergence
+    from .diverge_run import Memory, Subject
+    from .diverge_ways import Way
     from .validate import Report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -235,22 +237,32 @@ def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, json_p
         raise CliError(str(exc)) from None
     device = device if world is None else str(world.device)
     out = _rank_console(world)
-    steps = _Steps(lambda line: out.print(Text(line, style="dim")))
+    steps = _Steps(lambda line: out.print(_wrapped(shown(line), out.width if out.is_terminal else None,
+                                                    style="dim")))
     report = validate(adapter, fixtures, device, log=steps, require=require, invariant=invariant, dtype=dtype,
                       world=world, page_size=page_size)
-    report.versions, report.commit, report.device_name = _versions(), _commit(), _device_name(device)
+    report.impl, report.versions, report.commit = impl, _versions(), _commit()
+    report.device_name = _device_name(device)
     report.timings = steps.timings()
     render(report, out)
     if world is None or world.rank == 0:           # one file of each, from the first rank
         if json_path is not None:
             write_json(report, json_path)
+            _wrote(json_path)
         if junit_path is not None:
             from .validate.junit import write_junit
             write_junit(report, junit_path)
+            _wrote(junit_path)
         if html_path is not None:
             from .validate.html import write_html
             write_html(report, html_path)
+            _wrote(html_path)
     return 1 if report.failed else 0
+
+
+def _wrote(path: Path) -> None:
+    """Say on stderr which file a command wrote."""
+    console(stderr=True).print(Text(f"wrote {shown(path)}"))
 
 
 class _Steps:
@@ -281,15 +293,24 @@ def _versions() -> dict[str, str | None]:
 
 
 def _commit() -> str | None:
-    """The checkout's commit (`-dirty` when it has changes), None outside a git checkout."""
-    if not (REPO_ROOT / ".git").exists():
-        return None
+    """This kdtree checkout's commit (`-dirty` when it has changes): that of the git repository
+    whose work tree is REPO_ROOT and tracks this file, never of a repository that merely encloses
+    a copied or installed kdtree (None then, and outside git). GIT_* variables are ignored."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+    def git(*args: str) -> str | None:
+        run = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10,
+                             env=env)
+        return run.stdout.strip() or None if run.returncode == 0 else None
+
     try:
-        run = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        top = git("rev-parse", "--show-toplevel")
+        if top is None or Path(top).resolve() != REPO_ROOT.resolve() or \
+                git("ls-files", "--error-unmatch", "--", str(Path(__file__).resolve().relative_to(REPO_ROOT))) is None:
+            return None
+        return git("describe", "--always", "--dirty", "--abbrev=40", "--exclude=*")
     except (OSError, subprocess.SubprocessError):
         return None
-    return run.stdout.strip() if run.returncode == 0 and run.stdout.strip() else None
 
 
 def _device_name(device: str) -> str:
@@ -301,37 +322,58 @@ def _device_name(device: str) -> str:
 
 
 def render(report: Report, out: Console) -> None:
-    """The report as rows under their fixture: status, check, numbers; a detail on the lines below,
-    wrapped to the console's width (readable at 80 columns)."""
-    width = out.width
+    """The report as rows under their fixture: status, check, numbers; a detail on the lines below.
+    On a terminal every line fits its width (a long name or detail wraps under itself, never to
+    column 0); piped, no line is wrapped. What the fixtures and the adapter wrote goes through
+    `shown`."""
+    width = out.width if out.is_terminal else None
     status_w = max((len(c.status.value) for c in report.checks), default=0)
-    name_w = min(max((len(c.name) for c in report.checks), default=0), 36)
+    name_w = min(max((len(shown(c.name)) for c in report.checks), default=0), 36)
     indent = " " * (2 + status_w + 2)
-    out.print(Text(f"kdtree validate: {report.implementation}", style="bold"))
+    out.print(_wrapped(f"kdtree validate: {shown(report.implementation)}", width, style="bold"))
+    loaded = shown(f"--impl {report.impl}") if report.impl else "built-in"
+    out.print(_wrapped(f"adapter: {shown(report.adapter)} ({loaded})", width))
     section = None
     for c in report.checks:
         if c.section != section:
             section = c.section
-            out.print(Text(section, style="bold"))
-        numbers = c.numbers()
-        line = Text.assemble("  ", (c.status.value.ljust(status_w), STATUS_STYLE[c.status.value]), "  ", c.name)
-        details = [c.detail] if c.detail else []
-        if numbers and len(line) + 2 + max(name_w - len(c.name), 0) + len(numbers) <= width:
-            line.append(" " * (2 + max(name_w - len(c.name), 0)) + numbers)
+            out.print(_wrapped(shown(section), width, style="bold"))
+        name, numbers = shown(c.name), c.numbers()
+        head = f"  {c.status.value.ljust(status_w)}  "
+        lines = _lines(name, width, head, indent)
+        details = [shown(c.detail)] if c.detail else []
+        gap = " " * (2 + max(name_w - len(name), 0) if len(lines) == 1 else 2)
+        if numbers and (width is None or len(lines[-1] + gap + numbers) <= width):
+            lines[-1] += gap + numbers
         elif numbers:
             details.insert(0, numbers)
-        out.print(line)
+        row = Text("\n".join(lines))
+        row.stylize(STATUS_STYLE[c.status.value], 2, 2 + len(c.status.value))
+        out.print(row)
         for detail in details:
-            wrapped = textwrap.wrap(detail, max(width - len(indent), 20), break_on_hyphens=False)
-            out.print(Text("\n".join(indent + part for part in wrapped), style="dim" if c.status.value != "FAIL" else ""))
+            out.print(_wrapped(detail, width, indent, indent, style="dim" if c.status.value != "FAIL" else ""))
     if report.backends:
-        out.print(Text("backends: " + ", ".join(f"{k}: {v}" for k, v in report.backends.items())))
+        out.print(_wrapped("backends: " + ", ".join(f"{k}: {shown(v)}" for k, v in report.backends.items()), width))
     for fixture, declared in report.deviations.items():
-        out.print(Text(f"known deviations declared by the implementation for {fixture}:"))
+        out.print(_wrapped(f"known deviations declared by the implementation for {shown(fixture)}:", width))
         for deviation in declared:
-            out.print(Text(f"  {deviation.line()}"))
-    out.print(Text(f"fixtures: {report.fixtures}"))
+            out.print(_wrapped(shown(deviation.line()), width, "  ", "    "))
+    out.print(_wrapped(f"fixtures: {shown(report.fixtures)}", width))
     out.print(Text(report.summary(), style="bold red" if report.failed else "bold green"))
+
+
+def _lines(text: str, width: int | None, first: str = "", rest: str = "  ") -> list[str]:
+    """`text` after `first`, wrapped at `width` with the lines after the first indented by `rest`
+    (width None: one line)."""
+    if width is None:
+        return [first + text]
+    return textwrap.wrap(text, max(width, len(rest) + 20), initial_indent=first, subsequent_indent=rest,
+                         break_on_hyphens=False) or [first]
+
+
+def _wrapped(text: str, width: int | None, first: str = "", rest: str = "  ", style: str = "") -> Text:
+    """`text` as one Text of `_lines`."""
+    return Text("\n".join(_lines(text, width, first, rest)), style=style)
 
 
 # ---------------------------------------------------------------------------- diverge
@@ -363,7 +405,8 @@ def render(report: Report, out: Console) -> None:
 def diverge_command(fixture: Path | None, config: str | None, prompt: str | None, prompt_length: int,
                     prompt_seed: int, seed: int, way: str, count: int, trace: str | None, batch: int, dtype: str,
                     device: str, impl: str | None, invariant: bool, json_path: Path | None) -> int:
-    """The first op where AR decode and a verify of the same tokens differ bit for bit (exit 1 if any)."""
+    """Where AR decode and a verify of the same tokens differ: the first op beyond the dtype's noise, the
+    first bit for bit (exit 1 if any)."""
     if (fixture is None) == (config is None):
         raise CliError("give exactly one of --fixture PATH and --config NAME")
     if invariant and impl is not None:
@@ -377,8 +420,8 @@ def diverge_command(fixture: Path | None, config: str | None, prompt: str | None
             raise CliError(f"--trace {trace!r}: expected TRACE/ROUND, e.g. t1/0")
         pick = (name, int(number))
     _check_device(device)
+    from . import diverge_run
     from .adapter import TorchAdapter
-    from .diverge_run import from_config, from_fixture, run
     from .validate import load_impl, write_json
 
     try:
@@ -391,18 +434,46 @@ def diverge_command(fixture: Path | None, config: str | None, prompt: str | None
         if callable(set_dtype):
             set_dtype(dtype)
         if fixture is not None:
-            subject = _reading_subject(fixture, prompt, adapter, from_fixture)
+            subject = _reading_subject(fixture, prompt, adapter, diverge_run.from_fixture)
         elif not isinstance(adapter, TorchAdapter):
             raise CliError("--config builds the built-in engine; use --fixture with --impl")
         else:
-            subject = from_config(config, adapter, seed, prompt_length, prompt_seed)
-        a, b, divergence = run(subject, way, count, batch, pick)
+            need = diverge_run.memory_needed(diverge_run.named_config(config), dtype, prompt_length, count)
+            _check_memory(f"--config {config}", need, device)
+            subject = diverge_run.from_config(config, adapter, seed, prompt_length, prompt_seed)
+        a, b, divergence = diverge_run.run(subject, way, count, batch, pick)
     except ValueError as exc:          # the fixture, config, prompt, trace or way named does not fit
         raise CliError(str(exc)) from None
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        raise CliError(f"ran out of memory on {device} ({type(exc).__name__}: {exc}); a smaller config, prompt "
+                       "or --tokens needs less") from None
     render_divergence(subject, a, b, divergence, console())
     if json_path is not None:
         write_json(divergence, json_path)
+        _wrote(json_path)
     return 1 if divergence.first is not None else 0
+
+
+def _check_memory(what: str, need: Memory, device: str) -> None:
+    """State on stderr what a run needs, or refuse it when the device (its weights) or the host
+    (the captured values; everything on the CPU) has less available."""
+    parts = [(need.total, "cpu")] if device == "cpu" else [(need.device, device), (need.captures, "cpu")]
+    for size, where in parts:
+        free = _free_bytes(where)
+        if size > free:
+            raise CliError(f"{what} needs {need}: more than the {decimal(free)} available on {where}; take a "
+                           "smaller config (e.g. k2-mid) or a fixture")
+    click.echo(f"kdtree: note: {what} needs {need}; {decimal(_free_bytes(device))} available on {device}", err=True)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether an exception is an allocation that failed (numpy's MemoryError, torch's CPU
+    allocator or a CUDA out-of-memory error)."""
+    import torch
+
+    return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in str(exc)
 
 
 def _reading_subject(fixture: Path, prompt: str | None, adapter: Any, from_fixture: Callable) -> Subject:
@@ -415,18 +486,21 @@ def _reading_subject(fixture: Path, prompt: str | None, adapter: Any, from_fixtu
 
 def render_divergence(subject: Subject, a: Way, b: Way, divergence: Divergence, out: Console, rows: int = 16) -> None:
     """The explanation, the differing points in compute order and the decisions that differ."""
-    out.print(Text(f"kdtree diverge: {subject.label}; {a.label} vs {b.label}, "
+    out.print(Text(f"kdtree diverge: {shown(subject.label)}; {shown(a.label)} vs {shown(b.label)}, "
                    f"{len(a.tokens) - a.prompt_length} new tokens after {a.prompt_length}", style="bold"))
     for line in divergence.explanation:
-        out.print(Text(f"  {line}"))
+        out.print(Text(f"  {shown(line)}"))
     differing = [p for p in divergence.points if p.tokens]
     if differing:
-        points = table("layer", "point", "tokens differ", "values differ", "max ulp (row scale)", "cause",
-                       title="points that differ, in compute order")
+        points = table("layer", "point", "tokens", "values differ", "max ulp", "x noise", "verdict",
+                       title=f"points that differ, in compute order (max ulp at the row's scale; x noise: of "
+                             f"the {divergence.dtype} noise; cause: every input agrees)",
+                       right=("tokens", "max ulp", "x noise"))
         for p in differing[:rows]:
             points.add_row("-" if p.layer is None else str(p.layer), p.point, str(len(p.tokens)),
                            f"{p.values} / {p.size}", "-" if p.max_ulps is None else f"{p.max_ulps:.3g}",
-                           "yes" if p.inputs_agree else "")
+                           "-" if p.noise_ratio is None else f"{p.noise_ratio:.2g}",
+                           f"{p.verdict}, cause" if p.inputs_agree else p.verdict)
         out.print(points)
         if len(differing) > rows:
             out.print(Text(f"  ... and {len(differing) - rows} more points"))
@@ -512,6 +586,7 @@ def _demo(world: Any, model: _DemoModel, tokens: list[int], ddtree: DDTreeConfig
                 f"layerskip: the target's first {layers} of {cfg.num_hidden_layers} layers")
     if plot_path is not None and (world is None or world.rank == 0):
         _plot({k: v for k, v in runs.items() if k != "AR"}, plot_path, ddtree.block_size)
+        _wrote(plot_path)
     return 0 if all(r.tokens == ar.tokens for r in runs.values()) else 1
 
 
@@ -588,7 +663,7 @@ def _free_bytes(device: str) -> int:
 def _print_demo(out: Console, model: _DemoModel, prompt: list[int], ddtree: DDTreeConfig,
                 runs: dict[str, DecodeResult], legend: str) -> None:
     ar_tokens = runs["AR"].tokens[0]
-    out.print(Text(f"model {model.name} ({model.path}); prompt ({len(prompt)} tokens): {prompt}"))
+    out.print(Text(f"model {shown(model.name)} ({shown(model.path)}); prompt ({len(prompt)} tokens): {prompt}"))
     out.print(Text(f"block size {ddtree.block_size}, budget {ddtree.budget}; AR tokens: {ar_tokens}"))
     summary = table("run", "same as AR", "target forwards", "tau", "tokens/s", title="AR vs DDTree",
                     right=("target forwards", "tau", "tokens/s"))
@@ -608,7 +683,7 @@ def _print_demo(out: Console, model: _DemoModel, prompt: list[int], ddtree: DDTr
 
 def _require_matplotlib(option: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
-        raise CliError(f"{option} needs matplotlib (pip install 'kdtree[plot]')")
+        raise CliError(f"{option} needs matplotlib: pip install matplotlib (in a checkout: pip install -e '.[plot]')")
 
 
 def _plot(runs: dict[str, DecodeResult], path: Path, block_size: int) -> None:

@@ -1,5 +1,5 @@
-"""The divergence finder (`kdtree diverge`): the first op at which two ways of computing the
-same tokens stop agreeing bit for bit.
+"""The divergence finder (`kdtree diverge`): where two ways of computing the same tokens
+(engine/diverge_ways.py) stop agreeing, bit for bit and beyond the noise of the compute dtype.
 
 In exact arithmetic a token's logits depend only on the token, its position
 and the keys it sees, so DDTree greedy equals AR greedy. An engine computes the
@@ -10,17 +10,6 @@ kernel's reduction order (a matmul's split, an attention's key blocking, an
 expert's batch) depends on those surroundings, the results differ in the last
 bits, and near a tie a greedy choice or an expert selection flips.
 
-The ways, each teacher-forced on the same tokens after the same prompt:
-
-- decode: the prompt's prefill, then one forward per token (M = 1): AR.
-- chunk: the prompt's prefill, then every token in one causal forward
-  (M = n): the verify of an accepted path, or a prefill chunk.
-- tree: the prompt's prefill, then a whole tree in one forward (M = n + 1,
-  ancestor-only mask); the compared rows are one root-to-node path, whose
-  decode counterpart is the path's tokens one at a time.
-- batch (built-in engine only): decode alone against decode in a ragged batch
-  with other requests (prefill included).
-
 How the first divergence is found. The capture points (engine/model.py
 CAPTURE_POINTS: attn_input, q_lat, c_kv, k_pe, o_lat, attn_output,
 attn_residual, router_scores, experts, ffn_output, layer_output per layer, then
@@ -28,12 +17,30 @@ logits) are compared in that order, layer by layer, every token at once. A
 point's inputs come earlier in this order: its own token's earlier points, and
 the c_kv / k_pe of the keys it sees, which precede o_lat. So at the first point where any token
 differs, every input is bitwise equal in both ways: the op producing it
-returned different bits for the same inputs. That op is the cause, everything
-after it may be a consequence. The finder names it, the token, the ulps (in the
-captured dtype), the rows (M) of both calls, the keys (attention) or the
-experts and their batch sizes (MoE) involved, the expert selections that flip
-downstream, and each decision's greedy choice and top-1/top-2 margin in both
-ways.
+returned different bits for the same inputs. That op is the first that is not
+invariant; everything after it may be a consequence.
+
+Rounding or a bug. A row-count-dependent reduction moves a value by an ulp or so, a bug
+(a wrong mask, a lost partial sum) by a fraction of the value itself. Every float point is
+judged against the noise the compute dtype allows (`Noise`): two ways that each err by up
+to the dtype's logits tolerance (docs/precision.md: bf16's from the measured error model,
+float32's the model fixtures') differ by up to twice it, per row
+`max |a - b| <= 2 (atol rms(row) sqrt(depth) + rtol max|row|)`, depth being the layer's
+number (1 for layer 0; the layer count for the logits: the error model's growth with
+depth). An expert-selection flip is a near-tie of that rounding when its token's router
+scores differ between the ways; it moves its token's FFN output, and from the next layer
+on every later token's values, far beyond rounding, so those rows are judged apart
+(reached by the flip). A flip whose scores are bitwise equal is beyond noise (the
+selection itself differs), as is any other integer point that differs. The headline is
+the first point with a token beyond noise: all its inputs agree up to rounding, so that
+op computes something else in the two ways. The rounding before it is shown as such,
+and a report with no point beyond noise says so and names the first op that is not
+invariant.
+
+The finder names the op, the token, the ulps (in the captured dtype) and the multiple
+of the noise, the rows (M) of both calls, the keys (attention) or the experts and their
+batch sizes (MoE) involved, the expert selections that flip downstream, and each
+decision's greedy choice and top-1/top-2 margin in both ways.
 
 Why invariance removes the divergence: the same order is an induction. If
 every op returns the same bits for the same inputs whatever M, the masked
@@ -42,25 +49,21 @@ hence no point does: the logits and the greedy choices are equal bit for bit,
 and DDTree greedy == AR greedy by construction. On such an engine the finder
 reports no divergence; on any other it names the first op that is not
 invariant.
-
-Implementations come through the validation protocol: `model` plus the
-optional `intermediates` capability (engine/validate/protocol.py), one request at
-a time (a protocol 2 adapter through its per-request view); the built-in engine is
-`TorchAdapter`, whose `intermediates` reads `Transformer.capture`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import ml_dtypes
 import numpy as np
-import torch
 
-from .capture import capturing
-from .model import CAPTURE_POINTS, Transformer
-from .validate.protocol_v2 import per_request
+from kdtr_format.precision import FLOAT32_LOGIT_ATOL, FLOAT32_LOGIT_RTOL, bf16_bounds
+
+from .diverge_ways import Way
+from .model import CAPTURE_POINTS
 
 LAYER_POINTS = CAPTURE_POINTS[:-1]
 
@@ -94,7 +97,7 @@ INPUTS = {
     "logits": ("layer input",),
 }
 
-# ---------------------------------------------------------------------------- ulps
+# ---------------------------------------------------------------------------- ulps and noise
 
 def ulps_at_scale(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a, b [T, ...] of one float dtype -> float64 [T]: per row, max |a - b| in ulps (of that dtype)
@@ -110,6 +113,49 @@ def ulps_at_scale(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(a64 - b64).max(1, initial=0.0) / ulp
 
 
+@dataclass(frozen=True)
+class Noise:
+    """How far rounding alone lets two ways of computing one value differ in a compute dtype
+    (module docstring): twice the dtype's logits tolerance, atol relative to a row's rms at
+    depth 1, rtol relative to its largest magnitude."""
+
+    dtype: str
+    atol: float
+    rtol: float
+
+    @classmethod
+    def of(cls, dtype: str) -> "Noise":
+        """The noise of "float32" or "bfloat16" (kdtr_format.precision)."""
+        if dtype == "bfloat16":
+            bounds = bf16_bounds(logit_scale=1.0, layers=1, largest_logit=0.0)
+            return cls(dtype, bounds.logits_atol, bounds.logits_rtol)
+        if dtype == "float32":
+            return cls(dtype, FLOAT32_LOGIT_ATOL, FLOAT32_LOGIT_RTOL)
+        raise ValueError(f"no noise model for compute dtype {dtype!r} (float32, bfloat16)")
+
+    def ratios(self, a: np.ndarray, b: np.ndarray, depth: int) -> np.ndarray:
+        """a, b [T, ...] -> float64 [T]: each row's largest difference over its bound at `depth`;
+        above 1 it is beyond noise (a row with a non-finite difference is infinitely so)."""
+        rows = len(a)
+        a64 = np.asarray(a, dtype=np.float64).reshape(rows, -1)
+        b64 = np.asarray(b, dtype=np.float64).reshape(rows, -1)
+        magnitude = np.maximum(np.abs(a64), np.abs(b64))
+        rms = np.sqrt(np.mean(magnitude ** 2, axis=1)) if magnitude.shape[1] else np.zeros(rows)
+        bound = 2 * (self.atol * rms * math.sqrt(depth) + self.rtol * magnitude.max(1, initial=0.0))
+        with np.errstate(invalid="ignore", over="ignore"):
+            difference = np.where(a64 == b64, 0.0, np.abs(a64 - b64))          # equal infinities: no difference
+            ratio = difference.max(1, initial=0.0) / np.maximum(bound, np.finfo(np.float64).tiny)
+        return np.where(np.isfinite(ratio), ratio, np.inf)
+
+
+def compute_dtype(way: Way) -> str:
+    """The dtype a way computed in: bfloat16 when any captured value is (the protocol reports
+    values in the compute dtype; the router's float32 scores aside), else float32."""
+    return "bfloat16" if any(v.dtype == ml_dtypes.bfloat16 for v in way.values.values()) else "float32"
+
+
+# ---------------------------------------------------------------------------- comparison
+
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -122,164 +168,15 @@ def dtype_name(dtype: np.dtype) -> str:
     return "bfloat16" if dtype == ml_dtypes.bfloat16 else str(dtype)
 
 
-# ---------------------------------------------------------------------------- ways
-
-@dataclass
-class Way:
-    """One way of computing the compared tokens. Per compared token, in order (prompt first):
-    its position, the rows (M) of the forward that computed it, the requests in that forward,
-    the keys it sees and the cache slots its forward spans; values[key] [T, ...] holds every
-    captured point (protocol keys), expert_counts[layer] [T, E] the rows each expert computed
-    in the token's forward (when the implementation says)."""
-
-    label: str
-    prompt_length: int
-    tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
-    batch: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    values: dict[str, np.ndarray] = field(default_factory=dict)
-    expert_counts: dict[int, np.ndarray] = field(default_factory=dict)
-
-    def add(self, out: Mapping[str, np.ndarray], select: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-            visibility: np.ndarray, slots: int, batch: int = 1) -> None:
-        """One forward's intermediates `out` (rows = its new tokens); keep rows `select`."""
-        self.tokens += [int(t) for t in tokens[select]]
-        self.positions += [int(p) for p in positions[select]]
-        self.rows += [len(tokens)] * len(select)
-        self.batch += [batch] * len(select)
-        self.keys += [int(k) for k in visibility[select].sum(1)]
-        self.slots += [slots] * len(select)
-        for key, value in out.items():
-            if key.endswith(".expert_counts"):
-                layer = int(key.split(".")[1])
-                counts = np.repeat(np.asarray(value)[None], len(select), axis=0)
-                self.expert_counts[layer] = _append(self.expert_counts.get(layer), counts)
-            else:
-                self.values[key] = _append(self.values.get(key), np.asarray(value)[select])
-
-
-def _append(old: np.ndarray | None, new: np.ndarray) -> np.ndarray:
-    return new if old is None else np.concatenate([old, new])
-
-
-def _prefill(adapter: Any, way: Way, prompt: np.ndarray) -> np.ndarray:
-    m = len(prompt)
-    causal = np.tri(m, dtype=bool)
-    out = adapter.intermediates(prompt, np.arange(m), causal, 0)
-    way.add(out, np.arange(m), prompt, np.arange(m), causal, m)
-    return out["logits"]
-
-
-def decode_way(adapter: Any, prompt: Sequence[int], tokens: Sequence[int] | None, count: int = 0,
-               max_len: int | None = None) -> Way:
-    """The prompt's prefill, then one forward per token: `tokens` teacher-forced, or (tokens None)
-    `count` greedy tokens, the first being the prefill's argmax."""
-    prompt = np.asarray(prompt, dtype=np.int64)
-    m = len(prompt)
-    count = len(tokens) if tokens is not None else count
-    adapter = per_request(adapter)
-    adapter.reset(max_len or m + count)
-    way = Way("AR decode", m)
-    logits = _prefill(adapter, way, prompt)
-    for k in range(count):
-        token = int(tokens[k]) if tokens is not None else int(np.argmax(np.asarray(logits[-1], dtype=np.float64)))
-        start = m + k
-        step = np.array([token]), np.array([start]), np.ones((1, start + 1), dtype=bool)
-        out = adapter.intermediates(*step, start)
-        way.add(out, np.arange(1), *step, start + 1)
-        logits = out["logits"]
-    return way
-
-
-def chunk_way(adapter: Any, prompt: Sequence[int], tokens: Sequence[int], max_len: int | None = None) -> Way:
-    """The prompt's prefill, then every token in one causal forward (M = len(tokens)): a tree that
-    is one chain, every row compared."""
-    n = len(tokens)
-    return _tree_forward(adapter, prompt, tokens, np.arange(n) - 1, np.arange(n), f"chunk of {n} rows", max_len)
-
-
-def tree_visibility(parents: Sequence[int]) -> np.ndarray:
-    """parents [n+1] (parents[0] = -1, parents before children) -> bool [n+1, n+1]: j is i or its ancestor."""
-    size = len(parents)
-    visibility = np.eye(size, dtype=bool)
-    for i in range(1, size):
-        visibility[i] |= visibility[parents[i]]
-    return visibility
-
-
-def tree_way(adapter: Any, prompt: Sequence[int], tree_tokens: Sequence[int], parents: Sequence[int],
-             path: Sequence[int], max_len: int | None = None) -> Way:
-    """The prompt's prefill, then the whole tree in one forward; the rows of `path` (node indices,
-    root first) are compared. Its decode counterpart: decode_way(prompt, tree_tokens[path])."""
-    return _tree_forward(adapter, prompt, tree_tokens, parents, path, f"tree verify of {len(tree_tokens)} rows",
-                         max_len)
-
-
-def _tree_forward(adapter: Any, prompt: Sequence[int], tree_tokens: Sequence[int], parents: Sequence[int],
-                  rows: Sequence[int], label: str, max_len: int | None) -> Way:
-    """The prompt's prefill, then the tree (parents [n], -1 for a root) in one forward, at
-    positions prompt length + depth; `rows` compared."""
-    prompt, tree_tokens = np.asarray(prompt, dtype=np.int64), np.asarray(tree_tokens, dtype=np.int64)
-    m, size = len(prompt), len(tree_tokens)
-    adapter = per_request(adapter)
-    adapter.reset(max_len or m + size)
-    way = Way(label, m)
-    _prefill(adapter, way, prompt)
-    tree = tree_visibility(parents)
-    positions = m + tree.sum(1) - 1
-    visibility = np.concatenate([np.ones((size, m), dtype=bool), tree], axis=1)
-    out = adapter.intermediates(tree_tokens, positions, visibility, m)
-    way.add(out, np.asarray(rows), tree_tokens, positions, visibility, m + size)
-    return way
-
-
-def batch_way(model: Transformer, prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]],
-              request: int = 0) -> Way:
-    """Every request's prompt prefilled in one ragged forward, then one batched decode step per
-    token (each request teacher-forced on its own tokens; one that has none left sits out);
-    request `request`'s rows are kept. The built-in engine only (it batches the model itself)."""
-    device = model.device
-    batch = len(prompts)
-    lengths = [len(p) for p in prompts]
-    steps = max(len(t) for t in tokens)
-    cache = model.new_cache(batch, max(lengths) + steps)
-    width = max(lengths)
-    grid = torch.zeros(batch, width, dtype=torch.int64)
-    for b, p in enumerate(prompts):
-        grid[b, :len(p)] = torch.as_tensor(np.asarray(p, dtype=np.int64))
-    causal = torch.ones(width, width, dtype=torch.bool).tril().expand(batch, width, width)
-    way = Way(f"batch of {batch} requests", lengths[request])
-    calls = [(grid, torch.arange(width).expand(batch, width), causal, torch.tensor(lengths),
-              torch.zeros(batch, dtype=torch.int64))]
-    for k in range(steps):
-        alive = [k < len(t) for t in tokens]
-        step = torch.tensor([[int(t[k]) if a else 0] for t, a in zip(tokens, alive)])
-        starts = torch.tensor([m + k for m in lengths])
-        calls.append((step, starts[:, None], torch.ones(batch, 1, 1, dtype=torch.bool),
-                      torch.tensor([int(a) for a in alive]), starts))
-    for call_tokens, positions, visibility, n_new, starts in calls:
-        with capturing(model, n_new.tolist(), request) as captured:
-            model.forward(*(t.to(device) for t in (call_tokens, positions, visibility.contiguous(), n_new, starts)),
-                          cache)
-        n, start = int(n_new[request]), int(starts[request])
-        counts = {f"layers.{layer}.expert_counts": c for layer, c in captured.expert_counts.items()}
-        mine = visibility[request, :n, :n].numpy()
-        seen = np.concatenate([np.ones((n, start), dtype=bool), mine], axis=1)
-        way.add({**captured.values, **counts}, np.arange(n), call_tokens[request, :n].numpy(),
-                positions[request, :n].numpy(), seen, int((starts + n_new).max()), batch=int((n_new > 0).sum()))
-    return way
-
-
-# ---------------------------------------------------------------------------- comparison
-
 @dataclass
 class PointDiff:
     """One capture point compared across the two ways: the compared tokens that differ, how
     many values differ of how many, the largest difference in ulps at its row's scale (floats;
-    None for integers), and whether every input point agrees (then this op is a cause)."""
+    None for integers) and its token, and whether every input point agrees (then this op is a
+    cause). Judged against the noise (module docstring): the differing tokens an expert flip
+    reached, those beyond noise among the others (then worst_token is the one furthest beyond),
+    their largest difference over the noise bound (floats; None when every differing token was
+    reached), and the verdict."""
 
     key: str
     layer: int | None
@@ -291,6 +188,14 @@ class PointDiff:
     max_ulps: float | None
     worst_token: int | None
     inputs_agree: bool = True
+    reached: list[int] = field(default_factory=list)
+    beyond: list[int] = field(default_factory=list)
+    noise_ratio: float | None = None
+    verdict: str = ""          # beyond noise, rounding, routing near-tie, reached by a flip ("": equal)
+
+    @property
+    def where(self) -> str:
+        return "logits" if self.layer is None else f"layer {self.layer} {self.point}"
 
 
 @dataclass
@@ -318,8 +223,10 @@ class Decision:
 class Divergence:
     a: str
     b: str
+    dtype: str                       # the compute dtype whose noise judged the points
     points: list[PointDiff]          # every point both ways captured, in compute order
-    first: PointDiff | None
+    first: PointDiff | None          # the first that differs bit for bit
+    headline: PointDiff | None       # the first beyond noise
     flips: list[ExpertFlip]
     decisions: list[Decision]
     explanation: list[str]
@@ -371,17 +278,23 @@ def _margin(row: np.ndarray) -> tuple[int, float]:
     return choice, float(top2[1] - top2[0])
 
 
-def compare_ways(a: Way, b: Way, router_bias: Mapping[int, np.ndarray] | None = None) -> Divergence:
-    """The first divergence between two ways of computing the same tokens (module docstring).
-    router_bias[layer] [E], when given, measures how close each expert flip was in way A."""
+def compare_ways(a: Way, b: Way, router_bias: Mapping[int, np.ndarray] | None = None,
+                 dtype: str | None = None) -> Divergence:
+    """The first divergence, bitwise and beyond noise, between two ways of computing the same
+    tokens (module docstring). router_bias[layer] [E], when given, measures how close each expert
+    flip was in way A. dtype: the compute dtype whose noise judges (default: compute_dtype(a))."""
     if (a.tokens, a.positions) != (b.tokens, b.positions):
         raise ValueError(f"{a.label} and {b.label} computed different tokens or positions")
     keys = sorted((k for k in a.values if k in b.values), key=point_order)
     if not keys:
         raise ValueError("the two ways share no captured point (does the implementation report intermediates?)")
     points = [compare_point(k, a.values[k], b.values[k]) for k in keys]
-    _mark_causes(points, num_layers=1 + max((p.layer for p in points if p.layer is not None), default=-1))
+    num_layers = 1 + max((p.layer for p in points if p.layer is not None), default=-1)
+    _mark_causes(points, num_layers)
+    noise = Noise.of(dtype or compute_dtype(a))
+    _judge(points, a, b, noise, num_layers)
     first = next((p for p in points if p.tokens), None)
+    headline = next((p for p in points if p.beyond), None)
     flips = _flips(a, b, router_bias or {})
     decisions = []
     if "logits" in a.values:
@@ -389,7 +302,7 @@ def compare_ways(a: Way, b: Way, router_bias: Mapping[int, np.ndarray] | None = 
             choice_a, margin_a = _margin(a.values["logits"][t])
             choice_b, margin_b = _margin(b.values["logits"][t])
             decisions.append(Decision(t, a.positions[t], choice_a, choice_b, margin_a, margin_b))
-    divergence = Divergence(a.label, b.label, points, first, flips, decisions, [])
+    divergence = Divergence(a.label, b.label, noise.dtype, points, first, headline, flips, decisions, [])
     divergence.explanation = explain(divergence, a, b)
     return divergence
 
@@ -408,6 +321,50 @@ def _mark_causes(points: list[PointDiff], num_layers: int) -> None:
             known = p.point in INPUTS and all(k in by_key for k in inputs)
             p.inputs_agree = all(not by_key[k].tokens for k in inputs) if known else earlier_agree
         earlier_agree = earlier_agree and not p.tokens
+
+
+def _judge(points: list[PointDiff], a: Way, b: Way, noise: Noise, num_layers: int) -> None:
+    """Set reached, beyond, noise_ratio and verdict on every differing point, in compute order
+    (module docstring). A flip (other experts, not another order of the same) of token t at
+    layer l reaches t's later points of layer l, and from layer l + 1 on every compared token at
+    t's position or after (the compared tokens of every way are one causal sequence)."""
+    positions = np.asarray(a.positions)
+    flips: list[tuple[int, int]] = []                   # (layer, token) of every flip so far
+    differed: set[int] = set()                          # tokens that differ at an earlier point
+    scores = {p.layer: set(p.tokens) for p in points if p.point == "router_scores"}
+    for p in points:
+        if not p.tokens:
+            continue
+        layer = num_layers if p.layer is None else p.layer
+        reached = np.zeros(len(positions), dtype=bool)
+        for flip_layer, token in flips:
+            if layer > flip_layer:
+                reached |= positions >= positions[token]
+            else:
+                reached[token] = True
+        p.reached = [t for t in p.tokens if reached[t]]
+        free = [t for t in p.tokens if not reached[t]]
+        near_tie = False
+        if p.max_ulps is not None:
+            if free:
+                depth = p.layer + 1 if p.layer is not None else max(num_layers, 1)
+                ratios = noise.ratios(a.values[p.key][free], b.values[p.key][free], depth)
+                p.noise_ratio = float(ratios.max())
+                p.beyond = [t for t, r in zip(free, ratios) if r > 1]
+                p.worst_token = free[int(np.argmax(ratios))] if p.beyond else p.worst_token
+        elif p.point == "experts":
+            flipped = [t for t in p.tokens if set(a.values[p.key][t].tolist()) != set(b.values[p.key][t].tolist())]
+            inputs = scores.get(p.layer, differed)
+            p.beyond = [t for t in flipped if not reached[t] and t not in inputs]
+            near_tie = len(flipped) > len(p.beyond)
+            flips += [(layer, t) for t in flipped]
+        else:
+            p.beyond = free
+        if p.beyond and p.max_ulps is None:
+            p.worst_token = p.beyond[0]
+        p.verdict = ("beyond noise" if p.beyond else "reached by a flip" if not free else
+                     "routing near-tie" if near_tie else "rounding")
+        differed |= set(p.tokens)
 
 
 def _flips(a: Way, b: Way, router_bias: Mapping[int, np.ndarray]) -> list[ExpertFlip]:
@@ -431,32 +388,38 @@ def _flips(a: Way, b: Way, router_bias: Mapping[int, np.ndarray]) -> list[Expert
 # ---------------------------------------------------------------------------- explanation
 
 def explain(d: Divergence, a: Way, b: Way) -> list[str]:
-    """The finding in sentences: the first op and why it is the cause, its token, ulps, rows,
-    keys or experts; the flips downstream; the decisions."""
+    """The finding in sentences: the headline (the first op beyond noise) or, without one, the
+    first op that is not invariant, why it is the cause, its token, ulps, rows, keys or experts;
+    the rounding before the headline; the flips downstream; the decisions."""
     total = sum(p.size for p in d.points)
     if d.first is None:
         return [f"no divergence: all {len(d.points)} captured points ({total} values) are bitwise equal in "
                 f"{a.label} and {b.label}"]
-    p = d.first
-    t = p.worst_token
-    where = f"layer {p.layer} {p.point}" if p.layer is not None else "logits"
-    lines = [f"first divergence: {where} ({OPS.get(p.point, 'an implementation-defined point')})"]
-    same_call = (a.rows[t], a.batch[t], a.slots[t]) == (b.rows[t], b.batch[t], b.slots[t])
-    if same_call:
-        lines.append(f"token {t} was computed by the same call in both ways (M = {a.rows[t]}, batch {a.batch[t]}, "
-                     f"{a.slots[t]} slots): the implementation is not deterministic run to run")
+    p = d.headline or d.first
+    if d.headline is not None:
+        lines = [f"first divergence beyond {d.dtype} noise: {p.where} ({_op(p)})"]
+        before = [q for q in d.points[:d.points.index(p)] if q.tokens and q.inputs_agree]
     else:
-        lines.append(f"every earlier point is bitwise equal, so this op returned different bits for the same "
-                     f"inputs: {a.label} ran it with M = {a.rows[t]} (batch {a.batch[t]}), "
-                     f"{b.label} with M = {b.rows[t]} (batch {b.batch[t]})")
+        reached = " or on rows an expert-selection near-tie reached" if any(q.reached for q in d.points) else ""
+        lines = [f"no divergence beyond {d.dtype} noise: every difference is rounding (within twice the {d.dtype} "
+                 f"tolerance{reached})",
+                 f"first bitwise divergence: {p.where} ({_op(p)})"]
+        before = []
+    t = p.worst_token
+    lines.append(_cause(p, p is d.first, t, d.dtype, a, b))
+    differing = f"{len(p.beyond)} token(s) beyond noise, first token {p.beyond[0]}" if p.beyond else \
+        f"{len(p.tokens)} token(s) differ, first token {p.tokens[0]}"
+    first_token = p.beyond[0] if p.beyond else p.tokens[0]
     ulps = f", up to {p.max_ulps:.3g} ulp ({p.dtype}, at the row's scale)" if p.max_ulps is not None else ""
-    lines.append(f"{len(p.tokens)} token(s) differ, first token {p.tokens[0]} (position {a.positions[p.tokens[0]]}); "
-                 f"{p.values} of {p.size} values{ulps}, worst at token {t} (position {a.positions[t]})")
-    others = [q for q in d.points if q.tokens and q.inputs_agree and q is not p]
+    multiple = f", {p.noise_ratio:.2g} x the noise" if p.noise_ratio is not None else ""
+    lines.append(f"{differing} (position {a.positions[first_token]}); {p.values} of {p.size} values{ulps}{multiple}, "
+                 f"worst at token {t} (position {a.positions[t]})")
+    if before:
+        lines.append("within noise before it: " + _list(before, lambda q: f"{q.where} ({_size(q)})") +
+                     ": rounding, ops that are not row-count invariant")
+    others = [q for q in d.points if q.tokens and q.inputs_agree and q is not p and q not in before]
     if others:
-        lines.append("also differing with equal inputs (further causes): " +
-                     ", ".join(f"layer {q.layer} {q.point}" if q.layer is not None else "logits" for q in others[:8]) +
-                     (f" and {len(others) - 8} more" if len(others) > 8 else ""))
+        lines.append("also differing with equal inputs (further causes): " + _list(others, lambda q: q.where))
     if p.point == "o_lat":
         lines.append(f"keys: token {t} sees {a.keys[t]} keys; its attention call spans {a.slots[t]} slots with "
                      f"{a.rows[t]} query rows in {a.label}, {b.slots[t]} slots with {b.rows[t]} in {b.label}")
@@ -487,3 +450,30 @@ def explain(d: Divergence, a: Way, b: Way) -> list[str]:
         c = min(d.decisions, key=lambda c: c.margin_a)
         lines.append(f"every greedy choice agrees; the smallest margin is {c.margin_a:.3g} at token {c.token}")
     return lines
+
+
+def _cause(p: PointDiff, bitwise: bool, t: int, dtype: str, a: Way, b: Way) -> str:
+    """Why the op at `p` is the cause, and the calls that ran it for token t."""
+    if (a.rows[t], a.batch[t], a.slots[t]) == (b.rows[t], b.batch[t], b.slots[t]):
+        return (f"token {t} was computed by the same call in both ways (M = {a.rows[t]}, batch {a.batch[t]}, "
+                f"{a.slots[t]} slots): the implementation is not deterministic run to run")
+    calls = f"{a.label} ran it with M = {a.rows[t]} (batch {a.batch[t]}), {b.label} with M = {b.rows[t]} " \
+            f"(batch {b.batch[t]})"
+    if bitwise:
+        return f"every earlier point is bitwise equal, so this op returned different bits for the same inputs: {calls}"
+    return f"every earlier point agrees within {dtype} noise, so this op, not the rounding before it, computes " \
+           f"something else: {calls}"
+
+
+def _op(p: PointDiff) -> str:
+    return OPS.get(p.point, "an implementation-defined point")
+
+
+def _size(p: PointDiff) -> str:
+    multiple = f", {p.noise_ratio:.2g} x noise" if p.noise_ratio is not None else ""
+    return f"{p.max_ulps:.3g} ulp{multiple}" if p.max_ulps is not None else f"{len(p.tokens)} token(s)"
+
+
+def _list(points: list[PointDiff], name: Any, shown: int = 8) -> str:
+    more = f" and {len(points) - shown} more" if len(points) > shown else ""
+    return ", ".join(name(q) for q in points[:shown]) + more

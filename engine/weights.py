@@ -1,4 +1,5 @@
-"""Weight names and shapes for a config, and loading them from a KDTR fixture.
+"""A config's weights checked against their names and shapes (kdtr_format.weights), and loaded
+from a KDTR fixture.
 
 Names and layouts are docs/fixtures.md "Weights" (torch layout [out, in]);
 a fixture stores them under ``weights/<name>`` (float32; for a fixture made from
@@ -17,48 +18,9 @@ import torch
 
 import kdtr_format
 from kdtr_format import ModelConfig
+from kdtr_format.weights import weight_shapes
 
 ROUTER_WEIGHTS = ("moe.gate", "moe.e_score_correction_bias")      # name suffixes kept in float32
-
-
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight name the config needs, with its shape (docs/fixtures.md)."""
-    d, heads = cfg.hidden_size, cfg.num_attention_heads
-    q_out = heads * cfg.qk_head_dim
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (cfg.vocab_size, d)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        shapes[p + "input_layernorm"] = (d,)
-        if cfg.q_lora_rank is None:
-            shapes[p + "attn.wq"] = (q_out, d)
-        else:
-            shapes[p + "attn.wq_a"] = (cfg.q_lora_rank, d)
-            shapes[p + "attn.q_a_norm"] = (cfg.q_lora_rank,)
-            shapes[p + "attn.wq_b"] = (q_out, cfg.q_lora_rank)
-        shapes[p + "attn.wkv_a"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
-        shapes[p + "attn.kv_a_norm"] = (cfg.kv_lora_rank,)
-        shapes[p + "attn.wkv_b"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        shapes[p + "attn.wo"] = (d, heads * cfg.v_head_dim)
-        shapes[p + "post_attention_layernorm"] = (d,)
-        if cfg.is_dense_layer(i):
-            shapes[p + "mlp.w_gate"] = (cfg.intermediate_size, d)
-            shapes[p + "mlp.w_up"] = (cfg.intermediate_size, d)
-            shapes[p + "mlp.w_down"] = (d, cfg.intermediate_size)
-            continue
-        e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-        shapes[p + "moe.gate"] = (e, d)
-        shapes[p + "moe.e_score_correction_bias"] = (e,)
-        shapes[p + "moe.experts.w_gate"] = (e, inter, d)
-        shapes[p + "moe.experts.w_up"] = (e, inter, d)
-        shapes[p + "moe.experts.w_down"] = (e, d, inter)
-        if cfg.n_shared_experts:
-            shared = cfg.n_shared_experts * inter
-            shapes[p + "moe.shared.w_gate"] = (shared, d)
-            shapes[p + "moe.shared.w_up"] = (shared, d)
-            shapes[p + "moe.shared.w_down"] = (d, shared)
-    shapes["norm"] = (d,)
-    shapes["lm_head"] = (cfg.vocab_size, d)
-    return shapes
 
 
 def check_weights(cfg: ModelConfig, weights: Mapping[str, Any]) -> None:

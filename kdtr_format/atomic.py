@@ -11,7 +11,11 @@ Every file kdtr writes (KDTR, HDF5, npz, safetensors) goes this way:
   gets (not the 0600 of `tempfile.mkstemp`). A replaced file does not pass its mode on.
 - Writing through a symbolic link writes the file the link points to (the link stays), as `cp` and
   `open(path, "w")` do; a dangling link creates its target.
-- An exception removes the temporary file; errors name the user's path, not the temporary one.
+- An exception removes the temporary file (Ctrl-C too: it is KeyboardInterrupt), and so does
+  SIGTERM: while a temporary file exists, a process whose SIGTERM has its default action (die)
+  removes its temporary files first, then dies of the signal as it would have. A handler of
+  the program's own (or SIG_IGN) is left alone; so is a write outside the main thread, where
+  Python cannot set handlers. Errors name the user's path, not the temporary one.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import contextlib
 import errno
 import os
 import secrets
-from typing import Iterator
+import signal
+import threading
+from typing import Any, Iterator
 
 _SUFFIX = ".tmp"
 _RANDOM_CHARS = 12
+_LIVE: set[str] = set()         # the temporary files this process has created and not yet renamed or removed
 
 
 def target_of(path: str) -> str:
@@ -62,11 +69,15 @@ def create_beside(path: str, extension: str = "") -> tuple[int, str]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     for _ in range(100):
         tmp = os.path.join(directory, _temporary_name(base, limit, extension))
+        _LIVE.add(tmp)                  # before it exists: a SIGTERM on the way out of open() removes it too
+        _remove_on_sigterm()
         try:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
+            _forget(tmp)
             continue
         except OSError as e:
+            _forget(tmp)
             raise _user_error(e, path) from None
     raise FileExistsError(errno.EEXIST, "no free temporary name beside it", path)
 
@@ -74,6 +85,7 @@ def create_beside(path: str, extension: str = "") -> tuple[int, str]:
 def remove(tmp: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
+    _forget(tmp)
 
 
 def rename_over(tmp: str, path: str) -> None:
@@ -82,6 +94,30 @@ def rename_over(tmp: str, path: str) -> None:
         os.replace(tmp, target_of(path))
     except OSError as e:
         raise _user_error(e, path) from None
+    _forget(tmp)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Remove the live temporary files, then die of SIGTERM as the default action would."""
+    for tmp in list(_LIVE):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _remove_on_sigterm() -> None:
+    """Install `_on_sigterm` where SIGTERM has its default action and Python can set handlers."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _forget(tmp: str) -> None:
+    """`tmp` is gone (renamed or removed): the default SIGTERM action returns with the last one."""
+    _LIVE.discard(tmp)
+    if not _LIVE and threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager

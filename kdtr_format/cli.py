@@ -24,11 +24,12 @@ import click
 import numpy as np
 
 from . import __version__, clikit
+from .clikit import shown
 from . import format as fmt
 from .compare import compare_arrays, diff_metadata
 from .convert import ConvertError, convert as convert_file, kind_of
 from .errors import KdtrError, TensorNotFoundError, WriterError
-from .listing import LIST_AT_MOST, listing, metadata_text, shown
+from .listing import LIST_AT_MOST, listing, metadata_text
 from .reader import Reader
 
 EXIT_DIFFERENT = clikit.EXIT_FAILED
@@ -115,7 +116,7 @@ def inspect(path: str, prefix: str | None, everything: bool, no_metadata: bool) 
         text = None if no_metadata else metadata_text(f.metadata)
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
         lines = listing(f, prefix, everything, width)
-    lines.insert(0, f"{path}:")
+    lines.insert(0, f"{shown(path)}:")
     click.echo("\n".join(lines))
     if text is not None:
         click.echo(f"metadata:\n{text}")
@@ -130,7 +131,7 @@ def verify(path: str) -> None:
     with Reader(path) as f, _progress("verify", unit_bytes=True) as update:
         checked = f.verify(progress=update)
         count = len(f)
-    click.echo(f"ok: {path}\n  {count} tensors, {checked} bytes, all checksums match")
+    click.echo(f"ok: {shown(path)}\n  {count} tensors, {checked} bytes, all checksums match")
 
 
 @_command()
@@ -167,7 +168,7 @@ def diff(a: str, b: str, rtol: float, atol: float, prefix: str | None) -> int:
                 click.echo(f"{label}: {result.status}, {where}\n  max abs {result.max_abs:.6g}, max rel {result.max_rel:.6g}{ulp}")
             different += not result.same
     for line in metadata_lines:
-        click.echo(line)
+        click.echo(shown(line))
         different += 1
     click.echo(f"{'different' if different else 'same'}: {different} difference(s) beyond rtol={rtol}, atol={atol}")
     return EXIT_DIFFERENT if different else 0
@@ -214,4 +215,4 @@ def convert(src: str, dst: Path, alignment: int) -> None:
             update(done, total)
 
         written = convert_file(src, str(dst), alignment=alignment, progress=step)
-    click.echo(f"wrote {dst}: {written} tensors")
+    click.echo(f"wrote {shown(dst)}: {written} tensors")

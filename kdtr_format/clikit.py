@@ -22,6 +22,11 @@
   directory.
 - `console`, `table` and `records`: as wide as the terminal; piped, wide and
   never hard-wrapped; no cell is ever cut to "..." (cells fold instead).
+- `shown`: every text a command prints that it did not write itself (a name or path
+  from a file, an adapter's name or error, a user's argument) goes through it: a text
+  a terminal would act on (escape sequences, other control characters, bidi
+  overrides, lone surrogates) is printed as its Python literal. Tables, records and
+  error lines apply it to what they are given; no markup is interpreted in them.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ class Cli(click.Group):
 
 
 def _fail(prog: str, message: str, status: int) -> int:
-    click.echo(f"{prog}: error: {' '.join(str(message).split())}", err=True)
+    click.echo(f"{prog}: error: {shown(' '.join(str(message).split()))}", err=True)
     return status
 
 
@@ -202,6 +207,14 @@ class FiniteFloat(click.FloatRange):
 
 # ---------------------------------------------------------------------------- output
 
+def shown(text: Any) -> str:
+    """`text` as printed: itself when every character is printable, else its Python string
+    literal (`'t\\x1b]0;...'`), in which control characters, bidi overrides and lone
+    surrogates are escapes a terminal shows and does not act on."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
 def console(stderr: bool = False) -> Console:
     """A console as wide as its terminal; on a pipe or file PIPED_WIDTH wide and soft-wrapped,
     so that no line is broken. No highlighting: numbers and paths are shown as they are."""
@@ -211,11 +224,19 @@ def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, width=PIPED_WIDTH, soft_wrap=True)
 
 
+class _Table(Table):
+    """A rich Table whose text cells are shown verbatim, through `shown` (never as markup)."""
+
+    def add_row(self, *cells: Any, **options: Any) -> None:
+        super().add_row(*(Text(shown(c)) if isinstance(c, str) else c for c in cells), **options)
+
+
 def table(*columns: str, title: str | None = None, right: Sequence[str] = ()) -> Table:
     """A compact table whose cells fold rather than end in "..."; `right`: right-justified
-    columns. The title is shown verbatim (no markup: it may hold a user's path)."""
-    result = Table(title=None if title is None else Text(title), title_justify="left", highlight=False,
-                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    columns. The title and text cells are shown verbatim, through `shown` (they may hold a
+    file's names or a user's path); a rich Text cell is shown as it is."""
+    result = _Table(title=None if title is None else Text(shown(title)), title_justify="left", highlight=False,
+                    box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     for column in columns:
         result.add_column(column, overflow="fold", justify="right" if column in right else "left")
     return result
@@ -223,11 +244,11 @@ def table(*columns: str, title: str | None = None, right: Sequence[str] = ()) ->
 
 def records(title: str, rows: Sequence[tuple[str, str]]) -> Table:
     """Named records, one a row: the name, then its text wrapped beside it at any width
-    (for rows too long for table columns). Both shown verbatim."""
-    grid = Table.grid(padding=(0, 2))
-    grid.title, grid.title_justify = Text(title, style="italic"), "left"
+    (for rows too long for table columns). Both shown verbatim, through `shown`."""
+    grid = _Table.grid(padding=(0, 2))
+    grid.title, grid.title_justify = Text(shown(title), style="italic"), "left"
     grid.add_column(no_wrap=True, style="bold")
     grid.add_column(overflow="fold")
     for name, text in rows:
-        grid.add_row(Text(name), Text(text))
+        grid.add_row(name, text)
     return grid

@@ -13,7 +13,10 @@ Formats that cannot hold a dtype natively keep its raw bits plus a dtype note:
 
 Files not written by kdtr convert are read too (their metadata is then empty, except
 safetensors' string map, which becomes the metadata object); what a foreign file holds that
-KDTR cannot (a string dataset, a pickled array) is an error naming the tensor.
+KDTR cannot (a string dataset, a pickled array) is an error naming the tensor. Only the
+bytes of the file itself are read: an HDF5 dataset with external storage, a virtual
+dataset or an external link is an error naming it (as safetensors reads nothing outside
+its file).
 Every output is written beside its target and renamed (`atomic`): a failure leaves nothing
 behind, the file gets the user's umask, and errors name the user's path.
 """
@@ -156,9 +159,20 @@ def _open_h5(path: str) -> Source:
 
     def visit(name: str, node) -> None:
         if isinstance(node, h5py.Dataset):
+            _refuse_outside_data(path, name, node)
             found.append((int(node.attrs.get("kdtr_index", len(found) + 10**9)), name))
 
+    def visit_link(name: str, link) -> None:      # an exception raised here comes out of h5py mangled
+        if isinstance(link, h5py.ExternalLink):
+            external.append((name, link.filename))
+
     try:
+        external: list[tuple[str, str]] = []
+        f.visititems_links(visit_link)
+        if external:
+            name, target = external[0]
+            raise ConvertError(f"{path}: {name!r} is an external link (to {target!r}); kdtr reads only "
+                               "what the file itself holds")
         f.visititems(visit)
         raw = f.attrs.get("kdtr_metadata")
         metadata = _json_object(raw, "attribute kdtr_metadata") if raw is not None else {}
@@ -172,6 +186,17 @@ def _open_h5(path: str) -> Source:
         return _from_stored(dataset[()], note.decode() if isinstance(note, bytes) else note)
 
     return Source([n for _, n in sorted(found)], load, metadata, f.close)
+
+
+def _refuse_outside_data(path: str, name: str, dataset) -> None:
+    """ConvertError for a dataset whose bytes lie in other files: HDF5 external storage or a
+    virtual dataset would read any file on disk into the output."""
+    if dataset.external:
+        raise ConvertError(f"{path}: {name!r} stores its data in another file "
+                           f"({dataset.external[0][0]!r}); kdtr reads only what the file itself holds")
+    if dataset.is_virtual:
+        raise ConvertError(f"{path}: {name!r} is a virtual dataset (its data lies in other "
+                           "files); kdtr reads only what the file itself holds")
 
 
 def _open_npz(path: str) -> Source:

@@ -2,7 +2,7 @@
 
 Plain text, not a rich table: names and metadata are printed verbatim (no markup is interpreted,
 nothing is cut), a name that holds characters a terminal would act on (control characters, lone
-surrogates, other non-printables) is printed as a Python string literal, and 200,000 rows take a
+surrogates, other non-printables) is printed as a Python string literal (`clikit.shown`), and 200,000 rows take a
 fraction of a second. Piped, the table has one line per tensor (for grep and awk), the name last.
 On a terminal narrower than that table each tensor takes two lines instead: its name, then the
 other columns indented, so only a name longer than the terminal wraps.
@@ -14,15 +14,11 @@ import json
 import re
 from dataclasses import dataclass
 
+from .clikit import shown
 from .reader import Reader, TensorInfo
 
 LIST_AT_MOST = 1000          # more tensors than this are summarized by prefix unless --all
 _NOT_ASCII_PRINTABLE = re.compile(r"[^\x20-\x7e\n]+")
-
-
-def shown(name: str) -> str:
-    """A tensor name as printed: itself, or its Python literal when it holds non-printable characters."""
-    return name if name.isprintable() else repr(name)
 
 
 def columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:

@@ -1,4 +1,5 @@
-"""The bf16 error model: tolerances and near-tie thresholds for engines that compute in bfloat16.
+"""The bf16 error model: tolerances and near-tie thresholds for engines that compute in bfloat16;
+and the float32 engines' logits tolerance (FLOAT32_LOGIT_*: the model fixtures' `tolerances`).
 
 Measured on 2026-12-01 (this project's 2-core CPU machine; docs/precision.md has the
 table, tests/bf16_error_model.py reruns it) with the built-in engine in bfloat16 against
@@ -28,6 +29,8 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8       # the relative error of one rounding to bf1
 BF16_LOGIT_ERROR = 0.021             # max logit error / (logit_scale sqrt(layers)), beyond the final rounding
 BF16_ROUTING_GAP_ERROR = 7.7e-3      # max error of a selection-score gap
 BF16_TOLERANCE_MULTIPLE = 2.0
+FLOAT32_LOGIT_ATOL = 1e-4            # float32 logits: atol = FLOAT32_LOGIT_ATOL x logit_scale
+FLOAT32_LOGIT_RTOL = 1e-5
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,17 @@
 What is supported, the name map and the dequant formulas are docs/checkpoints.md.
 In short: HF tensor names (``model.`` / ``language_model.model.`` / ``model.language_model.``
 bodies; per-expert ``mlp.experts.{e}.*_proj`` or HF 5.x fused ``mlp.experts.gate_up_proj`` /
-``down_proj``), plain bf16 / float16 / float32, FP8 blocks with ``weight_scale_inv``,
-compressed-tensors pack-quantized INT4 (refgen/quant.py), ``text_config`` nesting,
-and an MTP layer (``model.layers.{num_hidden_layers}``), recognized and dropped.
+``down_proj``), plain bf16 / float16 / float32, FP8 with ``weight_scale_inv`` blocks or
+compressed-tensors float-quantized, compressed-tensors pack-quantized INT4 (refgen/quant.py),
+``text_config`` nesting, MTP layers (declared or not), recognized and dropped, and the
+``rotary_emb.inv_freq`` buffers Kimi K2 stores, compared with kdtree's rope and dropped.
 
 Every tensor of the checkpoint is accounted for: kept, sliced away (layers >= K,
-experts >= E), MTP, or outside the language model of a multimodal checkpoint; a
-tensor that maps to nothing, a quantized weight without its scale, a shape that
-disagrees with config.json or an unknown dtype is a `CheckpointError` naming it.
+experts the slice drops), MTP, a recomputed buffer, or outside the language model of a
+multimodal checkpoint; a tensor that maps to nothing, a quantized weight without its
+scale, a shape that disagrees with config.json, an unknown dtype or a non-finite value
+in a kept tensor is a `CheckpointError` naming it. The layers the files hold are checked
+against config.json before anything is built per layer.
 
 Weights are held as the reference needs them (refgen/model.py widens them to
 float64 where used): bf16 / float16 / float32 tensors as zero-copy views of the
@@ -27,7 +30,6 @@ checkpoint's own tensors, sliced, under ``checkpoint/<HF name>``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -35,20 +37,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from kdtr_format import PRESETS, KdtrError, ModelConfig
 
-from .checkpoint_names import BODIES, HEADS, Param, check_storage, classify, expected_shape, param_and_role
+from .checkpoint_names import (BODIES, HEADS, PLAIN, ExpertSlice, Param, ShapeTemplates, check_storage, classify,
+                               expected_shape, mtp_layers, param_and_role)
 from .fixtures import DEFAULT_PLAN, Fixture, FixturePlan, model_fixture
-from .quant import QuantError, Quantization, fp8_block, int4_packed, parse_quantization
-from .safetensors_dir import CheckpointError, SafetensorsDir, StoredTensor
+from .model import rope_inv_freq
+from .quant import QuantError, Quantization, fp8_scaled, int4_packed, parse_quantization
+from .safetensors_dir import DTYPES, CheckpointError, SafetensorsDir, StoredTensor, read_json
 from .weights import weight_shapes
 
 __all__ = ["Checkpoint", "CheckpointError", "Imported", "ImportPlan", "checkpoint_fixture", "fixture_name",
            "load", "open_checkpoint", "plan_import"]
 
 Progress = Callable[[int], None]
+FINITE_CHUNK = 1 << 24              # elements checked for NaN / Inf at a time
+# HF transformers computes inv_freq in float32 (a power, a division and YaRN's blend, each
+# rounded: a few 2^-24 relative); a stored buffer adds its own dtype's rounding to this.
+INV_FREQ_ARITHMETIC = 2.0 ** -20
 
 
 # ---------------------------------------------------------------------------- the directory
@@ -64,7 +73,8 @@ class Checkpoint:
     quant: Quantization
     cfg: ModelConfig                    # the whole model
     config_notes: list[str]             # what ModelConfig.from_hf_dict decided (defaults taken, keys noted)
-    mtp_layers: int                     # num_nextn_predict_layers
+    mtp_declared: int                   # num_nextn_predict_layers
+    mtp_held: tuple[int, ...]           # the MTP layers the files hold (beyond num_hidden_layers)
     multimodal: bool                    # config.json nests the language model in text_config
     files: SafetensorsDir
     body: str                           # "model." or a multimodal prefix
@@ -72,17 +82,15 @@ class Checkpoint:
 
 
 def open_checkpoint(directory: str | Path) -> Checkpoint:
-    """Read config.json and every safetensors header of `directory` (no tensor data)."""
+    """Read config.json and every safetensors header of `directory` (no tensor data), and check
+    the layers the files hold against config.json."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
     path = directory / "config.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{directory}: no config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"config.json: cannot read it ({exc})") from None
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no config.json")
+    data = read_json(path)
     if not isinstance(data, dict):
         raise CheckpointError("config.json: expected a JSON object")
     multimodal = "text_config" in data
@@ -109,8 +117,9 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
         embeddings = " or ".join(b + "embed_tokens.weight" for b in BODIES)
         raise CheckpointError(f"{directory}: expected one embedding ({embeddings}) and one head "
                               f"({' or '.join(HEADS)}); found {bodies or 'no embedding'}, {heads or 'no head'}")
-    return Checkpoint(directory, text, quantization_config, quant, cfg, config_notes, mtp, multimodal, files,
-                      bodies[0], heads[0])
+    held = mtp_layers(files.tensors, bodies[0], cfg, mtp)
+    return Checkpoint(directory, text, quantization_config, quant, cfg, config_notes, mtp, held, multimodal,
+                      files, bodies[0], heads[0])
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -123,9 +132,9 @@ class ImportPlan:
     ckpt: Checkpoint
     cfg: ModelConfig                    # the slice
     layers: int
-    experts: int
+    experts: ExpertSlice
     weights: dict[str, list[Param]]     # project weight -> the kept parameters it is built from
-    counts: dict[str, int]              # tensors: kept, sliced, mtp, outside
+    counts: dict[str, int]              # tensors: kept, sliced, mtp, buffer, outside
     mtp_names: list[str]
     notes: list[str]
 
@@ -137,73 +146,143 @@ class ImportPlan:
 
 def plan_import(ckpt: Checkpoint, layers: int | None = None, experts: int | None = None) -> ImportPlan:
     """Map every tensor, check shapes and scales against config.json, and choose the slice:
-    the first `layers` layers (all by default) with the first `experts` routed experts."""
+    the first `layers` layers (all by default) and `experts` routed experts (all by default),
+    taken group by group (`ExpertSlice`)."""
     full = ckpt.cfg
     layers = full.num_hidden_layers if layers is None else layers
-    experts = full.n_routed_experts if experts is None else experts
     if not 1 <= layers <= full.num_hidden_layers:
         raise CheckpointError(f"--layers {layers}: the checkpoint has {full.num_hidden_layers} layers")
-    if not 1 <= experts <= full.n_routed_experts:
-        raise CheckpointError(f"--experts {experts}: the checkpoint has {full.n_routed_experts} routed experts")
-    try:
-        cfg = dataclasses.replace(full, num_hidden_layers=layers, n_routed_experts=experts,
-                                  first_k_dense_replace=min(full.first_k_dense_replace, layers))
-    except KdtrError as exc:
-        raise CheckpointError(f"--layers {layers} --experts {experts}: the slice is no valid config "
-                              f"({exc})") from None
+    kept_experts, cfg = _slice(full, layers, full.n_routed_experts if experts is None else experts)
     params: dict[str, Param] = {}
     for stored in ckpt.files.tensors.values():
         name, role = param_and_role(stored.name)
         params.setdefault(name, Param(name)).tensors[role] = stored
-    shapes = weight_shapes(full)
-    counts = {"kept": 0, "sliced": 0, "mtp": 0, "outside": 0}
+    shapes = ShapeTemplates(full)
+    counts = {"kept": 0, "sliced": 0, "mtp": 0, "buffer": 0, "outside": 0}
     weights: dict[str, list[Param]] = {name: [] for name in weight_shapes(cfg)}
-    mtp_names = []
+    mtp_names, buffers = [], []
     for param in params.values():
-        classify(ckpt, param, layers, experts)
+        classify(ckpt, param, layers, kept_experts)
         counts[param.kind] += len(param.tensors)
         if param.kind == "mtp":
             mtp_names += [t.name for t in param.tensors.values()]
+        if param.kind == "buffer":
+            buffers += param.tensors.values()
         if param.kind in ("kept", "sliced"):
             check_storage(ckpt, param, expected_shape(shapes, param))
         if param.kind == "kept":
             for target in param.targets:
                 weights[target.weight].append(param)
     for weight, found in weights.items():
-        _check_complete(weight, found, cfg)
-    return ImportPlan(ckpt, cfg, layers, experts, weights, counts, sorted(mtp_names),
-                      _notes(ckpt, cfg, counts, mtp_names))
+        _check_complete(weight, found, kept_experts)
+    notes = _notes(ckpt, cfg, kept_experts, counts, mtp_names) + _rotary_notes(ckpt, buffers)
+    return ImportPlan(ckpt, cfg, layers, kept_experts, weights, counts, sorted(mtp_names), notes)
 
 
-def _check_complete(weight: str, found: list[Param], cfg: ModelConfig) -> None:
+def _slice(full: ModelConfig, layers: int, experts: int) -> tuple[ExpertSlice, ModelConfig]:
+    """The experts kept and the slice's config; CheckpointError naming the smallest --experts
+    that routing allows when `experts` is not a valid slice."""
+    if not 1 <= experts <= full.n_routed_experts:
+        raise CheckpointError(f"--experts {experts}: the checkpoint has {full.n_routed_experts} routed experts")
+    G, group_size = full.n_group, full.n_routed_experts // full.n_group
+    try:
+        cfg = dataclasses.replace(full, num_hidden_layers=layers, n_routed_experts=experts,
+                                  first_k_dense_replace=min(full.first_k_dense_replace, layers))
+    except KdtrError as exc:
+        # a group's score is the sum of its top 2 (n_group > 1); the topk_group groups hold the top-k
+        per_group = max(2 if G > 1 else 1, math.ceil(full.num_experts_per_tok / full.topk_group))
+        routing = f"n_group {G}, topk_group {full.topk_group}, num_experts_per_tok {full.num_experts_per_tok}"
+        raise CheckpointError(f"--layers {layers} --experts {experts}: the slice is no valid config ({exc}); with "
+                              f"{routing}, the smallest --experts is {G * per_group}"
+                              + (f", then any multiple of {G} up to {full.n_routed_experts}" if G > 1 else "")
+                              ) from None
+    return ExpertSlice(G, group_size, experts // G), cfg
+
+
+def _check_complete(weight: str, found: list[Param], experts: ExpertSlice) -> None:
     """Every kept project weight is built from one parameter, or one per routed expert kept."""
     fused = [p for p in found if p.targets[0].expert is None]
-    per_expert = {t.expert for p in found for t in p.targets if t.weight == weight and t.expert is not None}
-    if fused and per_expert:
+    slots = {experts.slot(t.expert) for p in found for t in p.targets if t.weight == weight and t.expert is not None}
+    if fused and slots:
         raise CheckpointError(f"{fused[0].name}: stored both fused and per expert ({weight})")
     if ".experts." in weight and not fused:
-        missing = sorted(set(range(cfg.n_routed_experts)) - per_expert)
-        if missing:
-            raise CheckpointError(f"{weight}: expert {missing[0]} is missing from the checkpoint "
-                                  f"({len(missing)} of the {cfg.n_routed_experts} kept experts)")
+        if len(slots) < experts.count:
+            missing = next(s for s in range(experts.count) if s not in slots)     # at most len(slots) + 1 steps
+            raise CheckpointError(f"{weight}: expert {experts.expert(missing)} is missing from the checkpoint "
+                                  f"({experts.count - len(slots)} of the {experts.count} kept experts)")
     elif len(fused) != 1:
         raise CheckpointError(f"{weight}: no tensor of the checkpoint provides it" if not fused else
                               f"{weight}: provided twice ({fused[0].name}, {fused[1].name})")
 
 
-def _notes(ckpt: Checkpoint, cfg: ModelConfig, counts: Mapping[str, int], mtp_names: list[str]) -> list[str]:
+def _notes(ckpt: Checkpoint, cfg: ModelConfig, experts: ExpertSlice, counts: Mapping[str, int],
+           mtp_names: list[str]) -> list[str]:
     full, notes = ckpt.cfg, list(ckpt.config_notes)
     if cfg.num_hidden_layers < full.num_hidden_layers:
         notes.append(f"layers 0..{cfg.num_hidden_layers - 1} of {full.num_hidden_layers} kept, then the final "
                      "norm and the head: a different (shallower) model than the checkpoint's")
     if cfg.n_routed_experts < full.n_routed_experts:
-        notes.append(f"routed experts 0..{cfg.n_routed_experts - 1} of {full.n_routed_experts} kept per MoE layer "
-                     "(router rows sliced to match): a different model, routing over fewer experts")
-    if ckpt.mtp_layers:
-        notes.append(f"MTP layer(s) {full.num_hidden_layers}..{full.num_hidden_layers + ckpt.mtp_layers - 1}: "
-                     f"{len(mtp_names)} tensors recognized and dropped (kdtree has no MTP drafter)")
+        which = (f"0..{experts.count - 1} of {full.n_routed_experts}" if experts.contiguous else
+                 f"{experts.count} of {full.n_routed_experts}, the first {experts.per_group} of each of the "
+                 f"{experts.groups} groups (n_group), so that routing chooses among the checkpoint's own groups;")
+        notes.append(f"routed experts {which} kept per MoE layer (router rows sliced to match): a different "
+                     "model, routing over fewer experts")
+    undeclared = [i for i in ckpt.mtp_held if i >= full.num_hidden_layers + ckpt.mtp_declared]
+    if ckpt.mtp_held:
+        notes.append(f"MTP layer(s) {', '.join(map(str, ckpt.mtp_held))}: {len(mtp_names)} tensors recognized and "
+                     "dropped (kdtree has no MTP drafter)"
+                     + (f"; config.json declares {ckpt.mtp_declared} (num_nextn_predict_layers): "
+                        f"{', '.join(map(str, undeclared))} recognized by eh_proj, as NVIDIA NeMo's bf16 "
+                        "conversion leaves DeepSeek-V3 (layer 61 kept, 0 declared)" if undeclared else ""))
+    if ckpt.mtp_declared > len(ckpt.mtp_held):
+        notes.append(f"config.json declares {ckpt.mtp_declared} MTP layer(s) (num_nextn_predict_layers), the files "
+                     f"hold {len(ckpt.mtp_held)}: nothing is missing for kdtree, which runs no MTP layer")
     if counts["outside"]:
         notes.append(f"{counts['outside']} tensors outside the language model (vision tower, projector) dropped")
+    return notes
+
+
+def _rotary_notes(ckpt: Checkpoint, buffers: list[StoredTensor]) -> list[str]:
+    """What the checkpoint's ``rotary_emb.inv_freq`` buffers (Kimi K2: one a layer, bf16) say
+    against the inv_freq kdtree computes from config.json (refgen.model.rope_inv_freq: YaRN-scaled
+    under rope_scaling, as HF transformers computes it): equal to their dtype's rounding plus
+    HF's float32 arithmetic, or different by how much. Never read, never refused: the rope is
+    config.json's (HF recomputes it the same way and ignores stored buffers)."""
+    if not buffers:
+        return []
+    cfg, files = ckpt.cfg, ckpt.files
+    want = rope_inv_freq(cfg)
+    unscaled = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
+    rope = "rope" if cfg.rope_scaling is None else f"YaRN rope, factor {cfg.rope_scaling.factor:g}"
+    agree, differ, skipped = [], [], []
+    for tensor in sorted(buffers, key=lambda t: t.name):
+        if tensor.dtype not in (*PLAIN, "F64") or tensor.shape != want.shape:
+            skipped.append(f"{tensor.name} ({tensor.dtype} {list(tensor.shape)})")
+            continue
+        stored = np.asarray(files.array(tensor.name), np.float64)
+        allowed = float(ml_dtypes.finfo(DTYPES[tensor.dtype]).eps) / 2 + INV_FREQ_ARITHMETIC
+        with np.errstate(invalid="ignore"):
+            relative = np.nan_to_num(np.abs(stored - want) / want, nan=np.inf)
+        pair = int(np.argmax(relative))
+        (agree if relative[pair] <= allowed else differ).append((float(relative[pair]), allowed, tensor, pair))
+    n, notes = len(buffers), []
+    if agree:
+        worst = max(agree, key=lambda row: row[0])
+        notes.append(f"rotary_emb.inv_freq: {len(agree)} of {n} buffers equal the inv_freq kdtree computes from "
+                     f"config.json ({rope}) to their rounding (largest relative difference {worst[0]:.1e}, "
+                     f"allowed {worst[1]:.1e}); dropped")
+    if differ:
+        size, allowed, tensor, pair = max(differ, key=lambda row: row[0])
+        unscaled_too = cfg.rope_scaling is not None and all(
+            np.allclose(np.asarray(files.array(t.name), np.float64), unscaled, rtol=a, atol=0) for _, a, t, _ in differ)
+        notes.append(f"rotary_emb.inv_freq: {len(differ)} of {n} buffers differ from the inv_freq kdtree computes "
+                     f"from config.json ({rope}) by up to {size:.3g} relative ({tensor.name}, pair {pair}; "
+                     f"{tensor.dtype} rounding allows {allowed:.1e})"
+                     + ("; they are the rope without its YaRN scaling" if unscaled_too else "")
+                     + "; dropped: kdtree's rope is config.json's, as HF transformers' is")
+    if skipped:
+        notes.append(f"rotary_emb.inv_freq: {len(skipped)} of {n} buffers not compared (not {list(want.shape)} "
+                     f"floats), e.g. {skipped[0]}; dropped")
     return notes
 
 
@@ -213,8 +292,8 @@ def fixture_name(plan: ImportPlan) -> str:
     name = ckpt.directory.resolve().name
     if plan.layers < ckpt.cfg.num_hidden_layers:
         name += f"-layers{plan.layers}"
-    if plan.experts < ckpt.cfg.n_routed_experts:
-        name += f"-experts{plan.experts}"
+    if plan.experts.count < ckpt.cfg.n_routed_experts:
+        name += f"-experts{plan.experts.count}"
     if name in PRESETS:
         raise CheckpointError(f"{ckpt.directory}: its fixture would be named {name!r}, a preset's name; "
                               "rename the directory")
@@ -237,48 +316,68 @@ class Imported:
 
 
 def load(plan: ImportPlan, progress: Progress | None = None) -> Imported:
-    """Read and dequantize the slice, one project weight at a time (`progress(1)` after each)."""
+    """Read and dequantize the slice, one project weight at a time (`progress(1)` after each);
+    CheckpointError naming a kept tensor that holds a NaN or an infinity, or a weight that
+    dequantizes to one."""
     step = progress or (lambda steps: None)
     ckpt, cfg = plan.ckpt, plan.cfg
     shapes = weight_shapes(cfg)
     weights, bits, sources = {}, {}, {}
     for weight, params in plan.weights.items():
+        for param in params:
+            for tensor in param.tensors.values():
+                if f"checkpoint/{tensor.name}" not in bits:
+                    bits[f"checkpoint/{tensor.name}"] = _finite(tensor, _sliced(ckpt, plan, param, tensor))
         try:
             weights[weight] = _assemble(ckpt, plan, weight, params, shapes[weight])
         except QuantError as exc:
             raise CheckpointError(f"{params[0].name}: {exc}") from None
-        for param in params:
-            for tensor in param.tensors.values():
-                bits[f"checkpoint/{tensor.name}"] = _sliced(ckpt, plan, param, tensor)
         sources[weight] = _source(params, weight)
         step(1)
+    experts = plan.experts
     metadata = {
         "path": str(ckpt.directory.resolve()),
         "config": ckpt.hf_config,
         "quantization_config": ckpt.quantization_config,
-        "format": ckpt.quant.method,
+        "format": ckpt.quant.format,
         "layers": plan.layers, "num_hidden_layers": ckpt.cfg.num_hidden_layers,
-        "experts": plan.experts, "n_routed_experts": ckpt.cfg.n_routed_experts,
+        "experts": experts.count, "n_routed_experts": ckpt.cfg.n_routed_experts,
+        "kept_experts": [experts.expert(s) for s in range(experts.count)],
         "tensors": dict(plan.counts),
-        "mtp": {"layers": list(range(ckpt.cfg.num_hidden_layers, ckpt.cfg.num_hidden_layers + ckpt.mtp_layers)),
-                "tensors": len(plan.mtp_names), "kept": False} if ckpt.mtp_layers else None,
+        "mtp": {"layers": list(ckpt.mtp_held), "declared": ckpt.mtp_declared, "tensors": len(plan.mtp_names),
+                "kept": False} if ckpt.mtp_held else None,
         "weights": sources,
         "notes": plan.notes,
     }
     return Imported(fixture_name(plan), cfg, weights, bits, metadata)
 
 
+def _finite(tensor: StoredTensor, array: np.ndarray) -> np.ndarray:
+    """`array` (a kept tensor as stored), after checking that a float one holds no NaN or infinity."""
+    if tensor.dtype not in (*PLAIN, "F64", "F8_E4M3"):
+        return array
+    flat = array.reshape(-1)
+    for start in range(0, flat.size, FINITE_CHUNK):
+        finite = np.isfinite(flat[start:start + FINITE_CHUNK])
+        if not finite.all():
+            at = start + int(np.argmin(finite))
+            index = [int(i) for i in np.unravel_index(at, array.shape)]
+            raise CheckpointError(f"{tensor.name}: holds {float(flat[at])} at {index} ({tensor.dtype}); "
+                                  "kdtree refuses non-finite weights")
+    return array
+
+
 def _assemble(ckpt: Checkpoint, plan: ImportPlan, weight: str, params: list[Param],
               shape: tuple[int, ...]) -> np.ndarray:
     """One project weight [shape] from its parameters: a view when one plain tensor
-    gives it, else float32 (dequantized and / or stacked experts)."""
+    gives it, else float32 (dequantized and / or stacked experts, in the slice's slots)."""
     first = params[0]
     target = next(t for t in first.targets if t.weight == weight)
     if target.expert is None:
         return _dequantize(ckpt, plan, first, target.rows, None if first.storage == "plain" else np.float32)
     out = np.empty(shape, dtype=np.float32)
     for param in params:
-        out[param.targets[0].expert] = _dequantize(ckpt, plan, param, None, np.float32)
+        out[plan.experts.slot(param.targets[0].expert)] = _dequantize(ckpt, plan, param, None, np.float32)
     return out
 
 
@@ -296,18 +395,21 @@ def _dequantize(ckpt: Checkpoint, plan: ImportPlan, param: Param, rows: tuple[in
     if param.storage == "plain":
         value = data[..., row_slice, :] if rows is not None else data
         return value if dtype is None else np.asarray(value, dtype=dtype)
-    b0, _ = ckpt.quant.block
+    b0, b1 = param.block
+    if param.storage == "float-quantized":
+        scale = files.array(t["scale"].name).reshape(math.ceil(data.shape[0] / b0), math.ceil(data.shape[1] / b1))
+        return fp8_scaled(data, scale, param.block, dtype or np.float32)
     scale = _sliced(ckpt, plan, param, t["scale_inv"])
     if rows is not None:
         first, count = math.ceil(rows[0] / b0), math.ceil((rows[1] - rows[0]) / b0)
         scale = scale[..., first:first + count, :]
-    return fp8_block(data[..., row_slice, :], scale, ckpt.quant.block, dtype or np.float32)
+    return fp8_scaled(data[..., row_slice, :], scale, param.block, dtype or np.float32)
 
 
 def _sliced(ckpt: Checkpoint, plan: ImportPlan, param: Param, tensor: StoredTensor) -> np.ndarray:
-    """A tensor of a kept parameter; the first `experts` along axis 0 when that axis indexes experts."""
+    """A tensor of a kept parameter; the kept experts along axis 0 when that axis indexes experts."""
     array = ckpt.files.array(tensor.name)
-    return array[:plan.experts] if param.expert_axis else array
+    return array[plan.experts.index()] if param.expert_axis else array
 
 
 def _source(params: list[Param], weight: str) -> dict[str, Any]:

@@ -5,19 +5,27 @@ A checkpoint *parameter* is a tensor name without its quantization suffix
 (``_scale_inv``, ``_packed``, ``_scale``, ``_shape``, ``_zero_point``); its tensors
 are its roles. `classify` maps a parameter to its project weight(s) (docs/fixtures.md
 names) and says whether the slice keeps it; `check_storage` decides its storage
-(plain, FP8 block, packed INT4) from its roles, dtypes and quantization_config, and
-checks every shape against config.json. Both raise `CheckpointError` naming the tensor.
+(plain, FP8 with ``weight_scale_inv`` or compressed-tensors' ``weight_scale``, packed
+INT4) from its roles, dtypes and quantization_config, and checks every shape against
+config.json. Both raise `CheckpointError` naming the tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from kdtr_format import ModelConfig
+
+from .quant import WeightScheme
 from .safetensors_dir import CheckpointError, StoredTensor
+from .weights import weight_shapes
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -25,9 +33,12 @@ if TYPE_CHECKING:
 BODIES = ("model.", "language_model.model.", "model.language_model.")
 HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 PLAIN = ("BF16", "F16", "F32")          # unquantized weights: widen exactly to float64
+INDEX = r"(0|[1-9]\d{0,8})"             # a layer or expert index as written: no sign, no leading zero
+ROTARY_BUFFER = "self_attn.rotary_emb.inv_freq"      # recomputed from config.json, never read as a weight
+MTP_MARK = "eh_proj."                   # a tensor only an MTP layer has (DeepSeek-V3's, Kimi's)
 
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+LAYER = re.compile(rf"layers\.{INDEX}\.(.+)")
+_EXPERT = re.compile(rf"mlp\.experts\.{INDEX}\.(gate|up|down)_proj\.weight")
 _NORMS = {"input_layernorm.weight": "input_layernorm",
           "post_attention_layernorm.weight": "post_attention_layernorm"}
 _ATTENTION = {"self_attn.q_proj.weight": "attn.wq", "self_attn.q_a_proj.weight": "attn.wq_a",
@@ -49,7 +60,8 @@ _ROLES = (("_scale_inv", "scale_inv"), ("_packed", "packed"), ("_scale", "scale"
 @dataclass(frozen=True)
 class Target:
     """Where a checkpoint parameter goes: project weight `weight` (docs/fixtures.md names), as
-    expert `expert` of it (None: the whole weight), rows `rows` of the parameter (a fused half)."""
+    routed expert `expert` of it (the checkpoint's index; None: the whole weight), rows `rows`
+    of the parameter (a fused half)."""
 
     weight: str
     expert: int | None = None
@@ -63,10 +75,11 @@ class Param:
 
     name: str
     tensors: dict[str, StoredTensor] = field(default_factory=dict)
-    kind: str = ""                      # "kept", "sliced", "mtp", "outside"
+    kind: str = ""                      # "kept", "sliced", "mtp", "buffer", "outside"
     targets: tuple[Target, ...] = ()
-    storage: str = ""                   # "plain", "fp8", "int4"
-    group_size: int = 0
+    storage: str = ""                   # "plain", "fp8", "float-quantized", "int4"
+    group_size: int = 0                 # int4: elements a scale covers
+    block: tuple[int, int] = (0, 0)     # fp8, float-quantized: the (b0, b1) elements a scale covers
     expert_axis: bool = False           # axis 0 indexes routed experts (router, fused experts): sliced to E
 
     @property
@@ -79,6 +92,57 @@ class Param:
         return self.name.removesuffix(".weight")
 
 
+@dataclass(frozen=True)
+class ExpertSlice:
+    """The routed experts a slice keeps: the first `per_group` of each of the `groups` groups of
+    `group_size` consecutive experts (DeepSeek's n_group), in order. Slot s of the slice is
+    expert (s // per_group) * group_size + s % per_group of the checkpoint; with one group (Kimi
+    K2) or every expert kept, the slots are experts 0..E-1."""
+
+    groups: int
+    group_size: int
+    per_group: int
+
+    @property
+    def count(self) -> int:
+        return self.groups * self.per_group
+
+    @property
+    def contiguous(self) -> bool:
+        return self.groups == 1 or self.per_group == self.group_size
+
+    def slot(self, expert: int) -> int | None:
+        """The slice's slot of checkpoint expert `expert`, None when the slice drops it."""
+        group, j = divmod(expert, self.group_size)
+        return group * self.per_group + j if j < self.per_group and group < self.groups else None
+
+    def expert(self, slot: int) -> int:
+        group, j = divmod(slot, self.per_group)
+        return group * self.group_size + j
+
+    def index(self) -> slice | np.ndarray:
+        """What selects the kept experts along an expert axis: a slice (a view) when contiguous."""
+        if self.contiguous:
+            return slice(0, self.count)
+        return np.array([self.expert(s) for s in range(self.count)])
+
+
+class ShapeTemplates:
+    """The shape config.json implies for any project weight of the whole model, read off one
+    dense and one MoE layer: a cost independent of num_hidden_layers."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self._cfg = cfg
+        self._shapes = weight_shapes(dataclasses.replace(cfg, num_hidden_layers=2, first_k_dense_replace=1))
+
+    def __getitem__(self, weight: str) -> tuple[int, ...]:
+        match = LAYER.fullmatch(weight)
+        if match is None:
+            return self._shapes[weight]
+        template = 0 if self._cfg.is_dense_layer(int(match[1])) else 1
+        return self._shapes[f"layers.{template}.{match[2]}"]
+
+
 def param_and_role(name: str) -> tuple[str, str]:
     """A tensor name -> (its parameter, its role): "...q_a_proj.weight_scale_inv" -> ("...q_a_proj.weight",
     "scale_inv"); a name without a quantization suffix is its parameter's "data"."""
@@ -88,8 +152,9 @@ def param_and_role(name: str) -> tuple[str, str]:
     return name, "data"
 
 
-def classify(ckpt: Checkpoint, param: Param, layers: int, experts: int) -> None:
-    """Set param.kind and param.targets; CheckpointError for a name that maps to nothing."""
+def classify(ckpt: Checkpoint, param: Param, layers: int, experts: ExpertSlice) -> None:
+    """Set param.kind and param.targets; CheckpointError for a name that maps to nothing.
+    Layers beyond num_hidden_layers are MTP (open_checkpoint checked them)."""
     cfg, name = ckpt.cfg, param.name
     if name == ckpt.head:
         param.kind, param.targets = "kept", (Target("lm_head"),)
@@ -104,16 +169,16 @@ def classify(ckpt: Checkpoint, param: Param, layers: int, experts: int) -> None:
     if rest in top:
         param.kind, param.targets = "kept", (Target(top[rest]),)
         return
-    match = _LAYER.fullmatch(rest)
+    match = LAYER.fullmatch(rest)
     if match is None:
         raise CheckpointError(f"{name}: maps to no weight of a DeepseekV3 model")
     i, sub = int(match[1]), match[2]
-    if cfg.num_hidden_layers <= i < cfg.num_hidden_layers + ckpt.mtp_layers:
+    if i >= cfg.num_hidden_layers:
         param.kind = "mtp"
         return
-    if i >= cfg.num_hidden_layers:
-        raise CheckpointError(f"{name}: layer {i} is beyond num_hidden_layers {cfg.num_hidden_layers} and "
-                              f"config.json declares {ckpt.mtp_layers} MTP layer(s) (num_nextn_predict_layers)")
+    if sub == ROTARY_BUFFER:
+        param.kind = "buffer"
+        return
     dense = cfg.is_dense_layer(i)
     table = {**_NORMS, **_ATTENTION, **(_DENSE if dense else _MOE)}
     p = f"layers.{i}."
@@ -134,12 +199,12 @@ def classify(ckpt: Checkpoint, param: Param, layers: int, experts: int) -> None:
     else:
         kind = (f"dense (first_k_dense_replace {cfg.first_k_dense_replace})" if dense else "MoE")
         raise CheckpointError(f"{name}: maps to no weight of layer {i}, a {kind} layer of a DeepseekV3 model")
-    sliced = i >= layers or any(t.expert is not None and t.expert >= experts for t in param.targets)
+    sliced = i >= layers or any(t.expert is not None and experts.slot(t.expert) is None for t in param.targets)
     param.kind = "sliced" if sliced else "kept"
 
 
-def expected_shape(shapes: Mapping[str, tuple[int, ...]], param: Param) -> tuple[int, ...]:
-    """The shape config.json implies for a mapped parameter, from the whole model's weight shapes."""
+def expected_shape(shapes: ShapeTemplates, param: Param) -> tuple[int, ...]:
+    """The shape config.json implies for a mapped parameter."""
     target = param.targets[0]
     shape = shapes[target.weight]
     if target.expert is not None:
@@ -150,52 +215,90 @@ def expected_shape(shapes: Mapping[str, tuple[int, ...]], param: Param) -> tuple
 
 
 def check_storage(ckpt: Checkpoint, param: Param, shape: tuple[int, ...]) -> None:
-    """Set param.storage; CheckpointError for a missing scale, a stray one, a wrong dtype or shape."""
-    roles, quant, name = set(param.tensors), ckpt.quant, param.name
-    t = param.tensors
+    """Set param.storage (and its scales' block); CheckpointError for a missing scale, a stray one,
+    a wrong dtype or shape, or storage that quantization_config does not declare."""
+    roles, name, t = set(param.tensors), param.name, param.tensors
+    scheme = ckpt.quant.scheme(param.module, param.linear)
     if "zero_point" in roles:
         raise CheckpointError(f"{t['zero_point'].name}: asymmetric INT4 (a zero point) is not supported")
     if roles == {"data"}:
-        dtype = t["data"].dtype
-        if dtype == "F8_E4M3":
-            raise CheckpointError(f"{name}: an FP8 weight without its scale {name}_scale_inv")
-        if dtype not in PLAIN:
-            raise CheckpointError(f"{name}: dtype {dtype} is not a weight dtype kdtree reads "
-                                  f"({', '.join(PLAIN)}, or F8_E4M3 with weight_scale_inv, or INT4 packed)")
-        if param.linear and quant.int4_group_size(param.module, True) is not None:
-            raise CheckpointError(f"{name}: quantization_config quantizes {param.module} (INT4, not in its ignore "
-                                  "list) but the checkpoint stores it unquantized")
-        _need_shape(t["data"], shape)
-        param.storage = "plain"
-        return
-    if "data" in roles:
-        if roles != {"data", "scale_inv"}:
-            stray = sorted(roles - {"data", "scale_inv"})[0]
-            raise CheckpointError(f"{t[stray].name}: a {stray} tensor beside the unpacked weight {name}")
-        if quant.method != "fp8":
-            raise CheckpointError(f"{t['scale_inv'].name}: an FP8 scale, but quantization_config's method is "
-                                  f"{quant.method!r}")
-        if t["data"].dtype != "F8_E4M3":
-            raise CheckpointError(f"{name}: dtype {t['data'].dtype} beside a weight_scale_inv (expected F8_E4M3)")
-        if t["scale_inv"].dtype not in ("F32", "BF16"):
-            raise CheckpointError(f"{t['scale_inv'].name}: dtype {t['scale_inv'].dtype} (expected F32)")
-        _need_shape(t["data"], shape)
-        b0, b1 = quant.block
-        rows, cols = shape[-2:]
-        # a fused gate_up is two weights: gate and up each have their own row blocks
-        row_blocks = 2 * math.ceil(rows // 2 / b0) if param.targets[0].rows is not None else math.ceil(rows / b0)
-        _need_shape(t["scale_inv"], (*shape[:-2], row_blocks, math.ceil(cols / b1)))
-        param.storage = "fp8"
-        return
-    if "packed" not in roles:
+        _check_plain(param, scheme, shape)
+    elif roles == {"data", "scale_inv"}:
+        _check_fp8_block(ckpt, param, shape)
+    elif roles == {"data", "scale"}:
+        _check_float_quantized(param, scheme, shape)
+    elif "data" in roles:
+        stray = sorted(roles - {"data"})[0]
+        raise CheckpointError(f"{t[stray].name}: a {stray} tensor beside the unpacked weight {name}")
+    elif "packed" in roles:
+        _check_int4(ckpt, param, scheme, shape)
+    else:
         raise CheckpointError(f"{t[sorted(roles)[0]].name}: a scale without its weight {name}")
+
+
+def _check_plain(param: Param, scheme: WeightScheme | None, shape: tuple[int, ...]) -> None:
+    name, data = param.name, param.tensors["data"]
+    if data.dtype == "F8_E4M3":
+        raise CheckpointError(f"{name}: an FP8 weight without its scale ({name}_scale_inv, or "
+                              f"{param.module}.weight_scale)")
+    if data.dtype not in PLAIN:
+        raise CheckpointError(f"{name}: dtype {data.dtype} is not a weight dtype kdtree reads "
+                              f"({', '.join(PLAIN)}, or F8_E4M3 with its scale, or INT4 packed)")
+    if scheme is not None:
+        raise CheckpointError(f"{name}: quantization_config quantizes {param.module} ({scheme.format}, not in "
+                              "its ignore list) but the checkpoint stores it unquantized")
+    _need_shape(data, shape)
+    param.storage = "plain"
+
+
+def _check_fp8_block(ckpt: Checkpoint, param: Param, shape: tuple[int, ...]) -> None:
+    """DeepSeek's FP8: an F8_E4M3 weight and its weight_scale_inv per weight_block_size block."""
+    t, quant, name = param.tensors, ckpt.quant, param.name
+    if quant.method != "fp8":
+        raise CheckpointError(f"{t['scale_inv'].name}: an FP8 scale, but quantization_config's method is "
+                              f"{quant.method!r}")
+    if t["data"].dtype != "F8_E4M3":
+        raise CheckpointError(f"{name}: dtype {t['data'].dtype} beside a weight_scale_inv (expected F8_E4M3)")
+    if t["scale_inv"].dtype not in ("F32", "BF16"):
+        raise CheckpointError(f"{t['scale_inv'].name}: dtype {t['scale_inv'].dtype} (expected F32)")
+    _need_shape(t["data"], shape)
+    b0, b1 = quant.block
+    rows, cols = shape[-2:]
+    # a fused gate_up is two weights: gate and up each have their own row blocks
+    row_blocks = 2 * math.ceil(rows // 2 / b0) if param.targets[0].rows is not None else math.ceil(rows / b0)
+    _need_shape(t["scale_inv"], (*shape[:-2], row_blocks, math.ceil(cols / b1)))
+    param.storage, param.block = "fp8", (b0, b1)
+
+
+def _check_float_quantized(param: Param, scheme: WeightScheme | None, shape: tuple[int, ...]) -> None:
+    """compressed-tensors' float-quantized FP8: an F8_E4M3 weight and its weight_scale, one per
+    block of the config group's strategy."""
+    t, name = param.tensors, param.name
+    if scheme is None or scheme.format != "float-quantized":
+        how = (f"stores {param.module} {scheme.format}" if scheme is not None else
+               f"does not quantize {param.module} (not a compressed-tensors target, or ignored)")
+        raise CheckpointError(f"{t['scale'].name}: an FP8 weight_scale, but quantization_config {how}")
+    if t["data"].dtype != "F8_E4M3":
+        raise CheckpointError(f"{name}: dtype {t['data'].dtype} beside a weight_scale (expected F8_E4M3)")
+    if t["scale"].dtype not in PLAIN:
+        raise CheckpointError(f"{t['scale'].name}: dtype {t['scale'].dtype} (expected one of {', '.join(PLAIN)})")
+    if len(shape) != 2:
+        raise CheckpointError(f"{name}: float-quantized FP8 is supported for 2-D weights, not fused experts")
+    _need_shape(t["data"], shape)
+    _need_shape(t["scale"], scheme.scale_shape(*shape))
+    param.storage, param.block = "float-quantized", scheme.block(*shape)
+
+
+def _check_int4(ckpt: Checkpoint, param: Param, scheme: WeightScheme | None, shape: tuple[int, ...]) -> None:
+    """compressed-tensors' pack-quantized INT4: weight_packed, weight_scale and weight_shape."""
+    t, roles, name = param.tensors, set(param.tensors), param.name
     for role, suffix in (("scale", "_scale"), ("shape", "_shape")):
         if role not in roles:
             raise CheckpointError(f"{name}_packed: a packed INT4 weight without its {name}{suffix}")
-    size = quant.int4_group_size(param.module, param.linear)
-    if size is None:
-        reason = ("quantization_config's method is " + repr(quant.method) if quant.method != "pack-quantized"
-                  else f"quantization_config does not quantize {param.module} (no target, or ignored)")
+    if scheme is None or scheme.format != "pack-quantized":
+        reason = (f"quantization_config's method is {ckpt.quant.method!r}" if ckpt.quant.method != "compressed-tensors"
+                  else f"quantization_config does not quantize {param.module} (no target, or ignored)"
+                  if scheme is None else f"quantization_config stores {param.module} {scheme.format}")
         raise CheckpointError(f"{name}_packed: a packed INT4 weight, but {reason}")
     if len(shape) != 2:
         raise CheckpointError(f"{name}_packed: packed INT4 is supported for 2-D weights, not fused experts")
@@ -207,11 +310,37 @@ def check_storage(ckpt: Checkpoint, param: Param, shape: tuple[int, ...]) -> Non
         raise CheckpointError(f"{name}: packed dtype {t['packed'].dtype} / scale dtype {t['scale'].dtype} "
                               f"(expected I32 / one of {', '.join(PLAIN)})")
     _need_shape(t["packed"], (shape[0], math.ceil(shape[1] / 8)))
-    _need_shape(t["scale"], (shape[0], math.ceil(shape[1] / size)))
-    param.storage, param.group_size = "int4", size
+    _need_shape(t["scale"], (shape[0], math.ceil(shape[1] / scheme.group_size)))
+    param.storage, param.group_size = "int4", scheme.group_size
 
 
 def _need_shape(tensor: StoredTensor, shape: tuple[int, ...]) -> None:
     if tensor.shape != tuple(shape):
         raise CheckpointError(f"{tensor.name}: shape {list(tensor.shape)} disagrees with config.json, which "
                               f"implies {list(shape)}")
+
+
+def mtp_layers(files: Mapping[str, StoredTensor], body: str, cfg: ModelConfig, declared: int) -> tuple[int, ...]:
+    """The MTP layers the files hold, after checking the layers they hold against config.json (a cost
+    bounded by the files, whatever num_hidden_layers says): every layer 0..N-1 has a tensor, and each
+    layer beyond is MTP: declared by num_nextn_predict_layers, or holding an ``eh_proj`` (a
+    conversion that kept the MTP layer and set num_nextn_predict_layers to 0, as NVIDIA NeMo's
+    bf16 recipe does). CheckpointError naming the layer otherwise."""
+    held: dict[int, list[str]] = {}
+    for name in files:
+        match = LAYER.fullmatch(name[len(body):]) if name.startswith(body) else None
+        if match is not None:
+            held.setdefault(int(match[1]), []).append(match[2])
+    N = cfg.num_hidden_layers
+    regular = sum(1 for i in held if i < N)
+    if regular < N:
+        missing = next(i for i in range(N) if i not in held)        # at most `regular` + 1 steps
+        raise CheckpointError(f"config.json: num_hidden_layers is {N}, but the checkpoint holds no tensor of "
+                              f"layer {missing} ({regular} of the {N} layers are there)")
+    beyond = sorted(i for i in held if i >= N)
+    for i in beyond:
+        if i >= N + declared and not any(sub.startswith(MTP_MARK) for sub in held[i]):
+            raise CheckpointError(f"{body}layers.{i}.{min(held[i])}: layer {i} is beyond num_hidden_layers {N}, "
+                                  f"config.json declares {declared} MTP layer(s) (num_nextn_predict_layers), "
+                                  f"and it holds no {MTP_MARK}* (an MTP layer's)")
+    return tuple(beyond)

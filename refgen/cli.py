@@ -33,14 +33,14 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Iterator  # noqa: E402
 
 import click  # noqa: E402
-import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.text import Text  # noqa: E402
 
 import kdtr_format  # noqa: E402
 from kdtr_format import PRESETS, KdtrError, ModelConfig  # noqa: E402
-from kdtr_format.clikit import Cli, CliError, OutputDirectory, console, records, table  # noqa: E402
+from kdtr_format.clikit import Cli, CliError, OutputDirectory, console, records, shown, table  # noqa: E402
 
 from . import __version__  # noqa: E402
 from .checkpoint import (CheckpointError, checkpoint_fixture, fixture_name, load, open_checkpoint,  # noqa: E402
@@ -48,7 +48,6 @@ from .checkpoint import (CheckpointError, checkpoint_fixture, fixture_name, load
 from .fixtures import (DEFAULT_PLAN, GOLDEN_PRESETS, REGEN_RTOL, Fixture, FixtureError,  # noqa: E402
                        check_plan, compare, model_fixture, stored_hash_problem, write_fixture)
 from .kernel_cases import KERNEL_KINDS, kernel_cases, kernel_fixture, kernel_path  # noqa: E402
-from .weights import weight_shapes  # noqa: E402
 
 DEFAULT_DIR = "tests/golden"
 COMMITTED_DIR = Path(__file__).resolve().parents[1] / DEFAULT_DIR   # this checkout's golden fixtures
@@ -84,7 +83,7 @@ def list_command() -> int:
     for name, cfg in PRESETS.items():
         presets.add_row(name, str(cfg.vocab_size), str(cfg.hidden_size), str(cfg.num_hidden_layers),
                         str(cfg.num_attention_heads), str(cfg.kv_lora_rank), str(cfg.n_routed_experts),
-                        f"{_weight_bytes(cfg) / 1e6:.1f}",
+                        f"{kdtr_format.weight_bytes(cfg) / 1e6:.1f}",
                         "committed" if name in GOLDEN_PRESETS else "--preset")
     out.print(presets)
     kinds = [("model", f"<preset>.kdtr, {len(DEFAULT_PLAN.traces)} traces: {KIND_HELP['model']}")]
@@ -92,10 +91,6 @@ def list_command() -> int:
                      f"(+{len(kernel_cases(kind, True))} large): {KIND_HELP[kind]}") for kind in KERNEL_KINDS]
     out.print(records("fixture kinds", kinds))
     return 0
-
-
-def _weight_bytes(cfg: ModelConfig) -> int:
-    return 4 * sum(int(np.prod(shape)) for shape in weight_shapes(cfg).values())
 
 
 # ---------------------------------------------------------------------------- generate
@@ -121,7 +116,7 @@ def _checkpoint_job(directory: Path, layers: int | None, experts: int | None, se
     plan = plan_import(open_checkpoint(directory), layers, experts)
     name = fixture_name(plan)
     for note in plan.notes:
-        console(stderr=True).print(f"note: {note}", highlight=False, markup=False)
+        console(stderr=True).print(Text(f"note: {shown(note)}"))
     return _Job(f"{name}.kdtr", plan.steps + DEFAULT_PLAN.steps,
                 lambda step: checkpoint_fixture(load(plan, step), seed, DEFAULT_PLAN, step))
 
@@ -145,13 +140,14 @@ def _config_from_file(path: Path) -> tuple[ModelConfig, str]:
     except KdtrError as exc:
         raise CliError(f"config file {path}: {exc}") from None
     for note in notes:
-        click.echo(f"refgen: note: config file {path}: {note}", err=True)
+        click.echo(f"refgen: note: config file {shown(path)}: {shown(note)}", err=True)
     try:
         check_plan(cfg, DEFAULT_PLAN)
     except FixtureError as exc:
         raise CliError(f"config file {path}: {exc}") from None
-    if _weight_bytes(cfg) > MAX_WEIGHT_BYTES:
-        raise CliError(f"config file {path}: its weights would take {_weight_bytes(cfg) / 2**30:.1f} GiB "
+    weights = kdtr_format.weight_bytes(cfg)
+    if weights > MAX_WEIGHT_BYTES:
+        raise CliError(f"config file {path}: its weights would take {weights / 2**30:.1f} GiB "
                        f"in float32 (refgen materializes them; the cap is {MAX_WEIGHT_BYTES / 2**30:.0f} GiB)")
     name = path.parent.name if path.stem == "config" and path.parent.name else path.stem
     if name in PRESETS:
@@ -384,10 +380,11 @@ def _show(file: Path, meta: dict[str, Any], hash_problem: str | None,
     try:
         generator = meta["generator"]
         parts: list[Any] = [
-            f"[bold]{escape(str(file))}[/bold]: kind {escape(meta['kind'])}, generator {generator['name']} "
-            f"{generator['version']} (numpy {generator['numpy']}), seed {generator['seed']}",
-            f"content hash {str(meta.get('content_hash', '-'))[:16]}... "
-            + ("[green]matches[/green]" if not hash_problem else f"[red]{escape(hash_problem)}[/red]")]
+            Text.assemble((shown(file), "bold"), f": kind {shown(meta['kind'])}, generator {shown(generator['name'])} "
+                          f"{shown(generator['version'])} (numpy {shown(generator['numpy'])}), seed "
+                          f"{shown(generator['seed'])}"),
+            Text.assemble(f"content hash {shown(str(meta.get('content_hash', '-'))[:16])}... ",
+                          ("matches", "green") if not hash_problem else (shown(hash_problem), "red"))]
         sizes = table("group", "tensors", "MB", title="sizes", right=("tensors", "MB"))
         for group, count, nbytes in groups:
             sizes.add_row(group, str(count), f"{nbytes / 1e6:.2f}")
@@ -405,10 +402,10 @@ def _show(file: Path, meta: dict[str, Any], hash_problem: str | None,
 
 def _show_model(meta: dict[str, Any]) -> list[Any]:
     cfg = meta["config"]
-    summary = (f"preset {escape(str(meta['preset']))} ({escape(str(meta['source']))}): vocab {cfg['vocab_size']}, "
-               f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
-               f"{cfg['num_attention_heads']} heads; margin threshold {meta['margin_threshold']:.3g}, "
-               f"min margin {meta['min_margin']:.3g}, min top-k gap {meta['min_topk_gap']:.3g}")
+    summary = Text(f"preset {shown(meta['preset'])} ({shown(meta['source'])}): vocab {shown(cfg['vocab_size'])}, "
+                   f"hidden {shown(cfg['hidden_size'])}, {shown(cfg['num_hidden_layers'])} layers, "
+                   f"{shown(cfg['num_attention_heads'])} heads; margin threshold {meta['margin_threshold']:.3g}, "
+                   f"min margin {meta['min_margin']:.3g}, min top-k gap {meta['min_topk_gap']:.3g}")
     prompts = table("name", "length", "seed", "draw", title="prompts", right=("length", "seed", "draw"))
     for p in meta["prompts"]:
         prompts.add_row(p["name"], str(p["length"]), str(p["seed"]), str(p["draw"]))

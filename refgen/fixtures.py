@@ -46,7 +46,7 @@ import numpy as np
 import kdtr_format
 from kdtr_format import DDTreeConfig, ModelConfig
 
-from kdtr_format.precision import bf16_bounds
+from kdtr_format.precision import FLOAT32_LOGIT_ATOL, FLOAT32_LOGIT_RTOL, bf16_bounds
 
 from . import __version__
 from .bf16 import bf16_weights, routing_tensors
@@ -168,9 +168,9 @@ def tolerances(logit_scale: float) -> dict[str, Any]:
     float32 tolerance, so an error inside it cannot flip a decision above the
     threshold); logprobs: topk_lp; scores: tree scores (bit-exact when built from
     the fixture's topk_lp; the tolerance covers top-k recomputed from draft logits).
-    The bf16 cases' logits tolerance is kdtr_format.precision's.
+    The logits tolerances, float32 and the bf16 cases', are kdtr_format.precision's.
     """
-    return {"logits": {"rtol": 1e-5, "atol": 1e-4 * logit_scale},
+    return {"logits": {"rtol": FLOAT32_LOGIT_RTOL, "atol": FLOAT32_LOGIT_ATOL * logit_scale},
             "logprobs": {"rtol": 0.0, "atol": 1e-5},
             "scores": {"rtol": 0.0, "atol": 1e-4}}
 

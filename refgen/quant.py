@@ -1,31 +1,37 @@
 """The weight formats DeepSeek-V3 / Kimi K2.x checkpoints ship, dequantized exactly.
 
-Two formats besides plain bf16 / float16 / float32 (docs/checkpoints.md):
+Three formats besides plain bf16 / float16 / float32 (docs/checkpoints.md):
 
-- FP8 block (DeepSeek-V3 / R1, Kimi K2; ``quant_method: fp8``): an e4m3fn weight
-  q [..., rows, cols] and a float32 ``weight_scale_inv`` s [..., ceil(rows / b0), ceil(cols / b1)],
-  (b0, b1) = ``weight_block_size``; the last block of a dimension may be partial:
+- FP8 with scales, one per block of (b0, b1) elements: an e4m3fn weight q [..., rows, cols]
+  and a scale s [..., ceil(rows / b0), ceil(cols / b1)]; the last block of a dimension may
+  be partial:
 
       w[..., i, j] = float(q[..., i, j]) * s[..., i // b0, j // b1]
 
+  DeepSeek-V3 / R1, Kimi K2 (``quant_method: fp8``): s is the float32 ``weight_scale_inv``,
+  (b0, b1) = ``weight_block_size``. compressed-tensors ``float-quantized`` (what llm-compressor
+  writes for FP8 DeepSeek / Kimi variants): s is ``weight_scale``, its block set by the
+  strategy: ``tensor`` (rows, cols), ``channel`` (1, cols), ``group`` (1, group_size),
+  ``block`` ``block_structure`` (`WeightScheme.block`).
+
 - compressed-tensors ``pack-quantized`` INT4 (Kimi K2 Thinking / K2.5 / K2.6 routed experts;
-  ``quant_method: compressed-tensors``, symmetric, strategy ``group``): ``weight_packed`` int32
-  [rows, ceil(cols / 8)], ``weight_scale`` [rows, ceil(cols / g)], ``weight_shape`` = (rows, cols):
+  symmetric, strategy ``group``): ``weight_packed`` int32 [rows, ceil(cols / 8)],
+  ``weight_scale`` [rows, ceil(cols / g)], ``weight_shape`` = (rows, cols):
 
       u = (packed[i, j // 8] >> 4 * (j % 8)) & 0xF        (element j of a row: nibble j % 8 of word j // 8,
       q = u - 8                                              the lowest nibble first; stored with offset 8)
       w[i, j] = q * scale[i, j // g]
 
-Both products are exact in float64 (4 + 24 and 4 + 8 significant bits). `fp8_block`
+Both products are exact in float64 (4 + 24 and 4 + 8 significant bits). `fp8_scaled`
 and `int4_packed` compute them in float64 a slab of rows at a time, so temporaries
 stay small, and return the result in `dtype`: float64 (exact), or float32 (what a
-fixture stores: exact for INT4 with bf16 scales, rounded once for FP8 x float32).
+fixture stores: exact for bf16 scales, rounded once for float32 scales).
 
 `Quantization` is the checkpoint's ``quantization_config``, parsed: which method,
 the FP8 block, and for compressed-tensors which modules are quantized (the config
-groups' targets, minus ``ignore``) with which group size. Anything kdtree does not
-model (another method, bit width, strategy, asymmetric weights, quantized
-activations) is a `QuantError` naming the key.
+groups' targets, minus ``ignore``) and how (`WeightScheme`). Anything kdtree does not
+model (another method, format, bit width or strategy, asymmetric weights, activations
+quantized with stored scales, a quantized KV cache) is a `QuantError` naming the key.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ import numpy as np
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 SLAB_ELEMENTS = 1 << 22            # rows dequantized at a time: about this many elements
+FORMATS = {"pack-quantized": "INT4", "float-quantized": "FP8"}      # compressed-tensors formats read
+FP8_STRATEGIES = ("tensor", "channel", "group", "block")
 
 
 class QuantError(ValueError):
@@ -48,25 +56,26 @@ class QuantError(ValueError):
 
 # ---------------------------------------------------------------------------- dequantization
 
-def fp8_block(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
-              dtype: np.dtype = np.float64) -> np.ndarray:
-    """q [..., rows, cols] e4m3fn, scale_inv [..., ceil(rows/b0), ceil(cols/b1)] -> w [..., rows, cols]
-    in `dtype`: w[..., i, j] = float(q[..., i, j]) * scale_inv[..., i // b0, j // b1], in float64."""
+def fp8_scaled(q: np.ndarray, scale: np.ndarray, block: tuple[int, int],
+               dtype: np.dtype = np.float64) -> np.ndarray:
+    """q [..., rows, cols] e4m3fn, scale [..., ceil(rows/b0), ceil(cols/b1)] -> w [..., rows, cols]
+    in `dtype`: w[..., i, j] = float(q[..., i, j]) * scale[..., i // b0, j // b1], in float64."""
     b0, b1 = block
     if q.dtype != FP8:
         raise QuantError(f"weight dtype is {q.dtype}, expected float8_e4m3fn")
     rows, cols = q.shape[-2:]
     want = (*q.shape[:-2], math.ceil(rows / b0), math.ceil(cols / b1))
-    if tuple(scale_inv.shape) != want:
-        raise QuantError(f"weight_scale_inv has shape {list(scale_inv.shape)}, expected {list(want)} "
+    if tuple(scale.shape) != want:
+        raise QuantError(f"the scale has shape {list(scale.shape)}, expected {list(want)} "
                          f"for a {list(q.shape)} weight in {b0}x{b1} blocks")
     out = np.empty(q.shape, dtype=dtype)
-    step = b0 * max(1, SLAB_ELEMENTS // (b0 * cols * max(1, math.prod(q.shape[:-2]))))
-    for r in range(0, rows, step):
-        scale = np.repeat(np.asarray(scale_inv[..., r // b0:(r + step + b0 - 1) // b0, :], np.float64),
-                          b0, axis=-2)
-        scale = np.repeat(scale, b1, axis=-1)[..., :min(step, rows - r), :cols]
-        out[..., r:r + step, :] = np.asarray(q[..., r:r + step, :], np.float64) * scale
+    step = max(1, SLAB_ELEMENTS // max(1, cols * math.prod(q.shape[:-2])))
+    column_block = np.arange(cols) // b1
+    with np.errstate(over="ignore", invalid="ignore"):        # a product beyond `dtype`: _finite names it
+        for r in range(0, rows, step):
+            row_block = np.arange(r, min(r + step, rows)) // b0
+            s = np.asarray(scale[..., row_block, :], np.float64)[..., column_block]
+            out[..., r:r + step, :] = np.asarray(q[..., r:r + step, :], np.float64) * s
     return _finite(out)
 
 
@@ -87,11 +96,12 @@ def int4_packed(packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int], g
     shifts = np.arange(0, 32, 4, dtype=np.uint32)
     out = np.empty((rows, cols), dtype=dtype)
     step = max(1, SLAB_ELEMENTS // max(1, cols))
-    for r in range(0, rows, step):
-        words = np.asarray(packed[r:r + step]).view(np.uint32)
-        q = ((words[..., None] >> shifts) & 0xF).reshape(len(words), -1)[:, :cols].astype(np.float64) - 8.0
-        s = np.repeat(np.asarray(scale[r:r + step], np.float64), group_size, axis=-1)[:, :cols]
-        out[r:r + step] = q * s
+    with np.errstate(over="ignore", invalid="ignore"):
+        for r in range(0, rows, step):
+            words = np.asarray(packed[r:r + step]).view(np.uint32)
+            q = ((words[..., None] >> shifts) & 0xF).reshape(len(words), -1)[:, :cols].astype(np.float64) - 8.0
+            s = np.repeat(np.asarray(scale[r:r + step], np.float64), group_size, axis=-1)[:, :cols]
+            out[r:r + step] = q * s
     return _finite(out)
 
 
@@ -105,34 +115,49 @@ def _finite(w: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------- quantization_config
 
 @dataclass(frozen=True)
-class Int4Group:
-    """One compressed-tensors config group: the modules it targets and its group size."""
+class WeightScheme:
+    """One compressed-tensors config group: the modules it targets and how their weights are
+    stored: `format` "pack-quantized" (INT4, strategy "group") or "float-quantized" (FP8,
+    strategy "tensor", "channel", "group" or "block")."""
 
     targets: tuple[str, ...]
-    group_size: int
+    format: str
+    strategy: str
+    group_size: int | None = None
+    block_structure: tuple[int, int] | None = None
+
+    def block(self, rows: int, cols: int) -> tuple[int, int]:
+        """The (b0, b1) elements of a [rows, cols] weight that one scale covers."""
+        return {"tensor": (rows, cols), "channel": (1, cols), "group": (1, self.group_size),
+                "block": self.block_structure}[self.strategy]
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
+        """The shape compressed-tensors stores a [rows, cols] weight's ``weight_scale`` in."""
+        if self.strategy == "tensor":
+            return (1,)
+        b0, b1 = self.block(rows, cols)
+        return (math.ceil(rows / b0), math.ceil(cols / b1))
 
 
 @dataclass(frozen=True)
 class Quantization:
     """A checkpoint's quantization_config: method "none", "fp8" (with its block) or
-    "pack-quantized" (INT4 groups and the ignore list)."""
+    "compressed-tensors" (its weight schemes and the ignore list); `format` is what a
+    fixture's metadata records ("none", "fp8", or compressed-tensors' format)."""
 
     method: str
+    format: str
     block: tuple[int, int] | None = None
-    groups: tuple[Int4Group, ...] = ()
+    schemes: tuple[WeightScheme, ...] = ()
     ignore: tuple[str, ...] = ()
 
-    def int4_group_size(self, module: str, linear: bool) -> int | None:
-        """The group size of `module` (a full checkpoint module name) if the config
-        quantizes it, else None. As compressed-tensors matches: a target is a class
-        name ("Linear") or a module name, exact or "re:<regex>" (re.match); `ignore`
-        entries the same way."""
-        if self.method != "pack-quantized" or any(_matches(module, linear, t) for t in self.ignore):
+    def scheme(self, module: str, linear: bool) -> WeightScheme | None:
+        """How compressed-tensors stores `module` (a full checkpoint module name), None when the
+        config does not quantize it. As compressed-tensors matches: a target is a class name
+        ("Linear") or a module name, exact or "re:<regex>" (re.match); `ignore` entries the same way."""
+        if self.method != "compressed-tensors" or any(_matches(module, linear, t) for t in self.ignore):
             return None
-        for group in self.groups:
-            if any(_matches(module, linear, t) for t in group.targets):
-                return group.group_size
-        return None
+        return next((s for s in self.schemes if any(_matches(module, linear, t) for t in s.targets)), None)
 
 
 def _matches(module: str, linear: bool, target: str) -> bool:
@@ -144,7 +169,7 @@ def _matches(module: str, linear: bool, target: str) -> bool:
 def parse_quantization(config: Mapping[str, Any] | None) -> Quantization:
     """quantization_config (or None) -> Quantization; QuantError naming what kdtree does not model."""
     if config is None:
-        return Quantization("none")
+        return Quantization("none", "none")
     if not isinstance(config, Mapping):
         raise QuantError(f"quantization_config: expected an object, got {config!r}")
     method = config.get("quant_method")
@@ -152,51 +177,78 @@ def parse_quantization(config: Mapping[str, Any] | None) -> Quantization:
         if config.get("fmt", "e4m3") != "e4m3":
             raise QuantError(f"quantization_config.fmt: only 'e4m3' is supported, got {config['fmt']!r}")
         block = config.get("weight_block_size")
-        if not (isinstance(block, (list, tuple)) and len(block) == 2
-                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        if not _two_positive(block):
             raise QuantError(f"quantization_config.weight_block_size: expected two positive integers, got {block!r}")
-        return Quantization("fp8", block=(block[0], block[1]))
+        return Quantization("fp8", "fp8", block=(block[0], block[1]))
     if method == "compressed-tensors":
         return _compressed_tensors(config)
-    raise QuantError(f"quantization_config.quant_method: {method!r} is not supported "
-                     "(supported: 'fp8' with block scales, 'compressed-tensors' pack-quantized INT4)")
+    raise QuantError(f"quantization_config.quant_method: {method!r} is not supported (supported: 'fp8' with "
+                     "block scales, 'compressed-tensors' pack-quantized INT4 and float-quantized FP8)")
+
+
+def _two_positive(value: Any) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value))
 
 
 def _compressed_tensors(config: Mapping[str, Any]) -> Quantization:
-    top_format = config.get("format")
+    if config.get("kv_cache_scheme") is not None:
+        raise QuantError("quantization_config.kv_cache_scheme: a quantized KV cache is not modelled")
     groups = config.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise QuantError("quantization_config.config_groups: missing or empty")
-    parsed = []
-    for name, group in groups.items():
-        where = f"quantization_config.config_groups.{name}"
-        if not isinstance(group, Mapping):
-            raise QuantError(f"{where}: expected an object, got {group!r}")
-        fmt = group.get("format") or top_format
-        if fmt != "pack-quantized":
-            raise QuantError(f"{where}.format: only 'pack-quantized' is supported, got {fmt!r}")
-        for activations in ("input_activations", "output_activations"):
-            if group.get(activations) is not None:
-                raise QuantError(f"{where}.{activations}: quantized activations are not modelled "
-                                 "(the reference runs weight-only quantized models)")
-        weights = group.get("weights")
-        if not isinstance(weights, Mapping):
-            raise QuantError(f"{where}.weights: expected an object, got {weights!r}")
-        expected = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
-        for key, value in expected.items():
-            if weights.get(key) != value:
-                raise QuantError(f"{where}.weights.{key}: only {value!r} is supported, got {weights.get(key)!r}")
-        if weights.get("dynamic") not in (None, False):
-            raise QuantError(f"{where}.weights.dynamic: only static weights are supported, "
-                             f"got {weights['dynamic']!r}")
-        size = weights.get("group_size")
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise QuantError(f"{where}.weights.group_size: expected a positive integer, got {size!r}")
-        targets = group.get("targets")
-        if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
-            raise QuantError(f"{where}.targets: expected a list of strings, got {targets!r}")
-        parsed.append(Int4Group(tuple(targets), size))
+    schemes = tuple(_scheme(f"quantization_config.config_groups.{name}", group, config.get("format"))
+                    for name, group in groups.items())
     ignore = config.get("ignore") or []
     if not (isinstance(ignore, list) and all(isinstance(t, str) for t in ignore)):
         raise QuantError(f"quantization_config.ignore: expected a list of strings, got {ignore!r}")
-    return Quantization("pack-quantized", groups=tuple(parsed), ignore=tuple(ignore))
+    formats = {s.format for s in schemes}
+    return Quantization("compressed-tensors", formats.pop() if len(formats) == 1 else "mixed-precision",
+                        schemes=schemes, ignore=tuple(ignore))
+
+
+def _scheme(where: str, group: Any, top_format: Any) -> WeightScheme:
+    """One config group -> WeightScheme. Activations quantized at run time (``dynamic: true``,
+    what FP8 schemes declare) are the engine's business, as an fp8 checkpoint's
+    ``activation_scheme: dynamic`` is; activations with stored scales are refused."""
+    if not isinstance(group, Mapping):
+        raise QuantError(f"{where}: expected an object, got {group!r}")
+    fmt = group.get("format") or top_format
+    if fmt not in FORMATS:
+        raise QuantError(f"{where}.format: {fmt!r} is not supported (supported: "
+                         + ", ".join(f"{f!r} ({kind})" for f, kind in FORMATS.items()) + ")")
+    inputs = group.get("input_activations")
+    if inputs is not None and not (isinstance(inputs, Mapping) and inputs.get("dynamic") is True):
+        raise QuantError(f"{where}.input_activations: activations quantized with stored scales are not modelled "
+                         "(the reference runs the weights it dequantizes on unquantized activations; dynamic "
+                         "ones, quantized by the engine at run time, are accepted)")
+    if group.get("output_activations") is not None:
+        raise QuantError(f"{where}.output_activations: quantized outputs are not modelled")
+    weights = group.get("weights")
+    if not isinstance(weights, Mapping):
+        raise QuantError(f"{where}.weights: expected an object, got {weights!r}")
+    int4 = fmt == "pack-quantized"
+    expected = {"num_bits": 4, "type": "int"} if int4 else {"num_bits": 8, "type": "float"}
+    for key, value in {**expected, "symmetric": True}.items():
+        if weights.get(key) != value:
+            raise QuantError(f"{where}.weights.{key}: only {value!r} is supported with format {fmt!r}, "
+                             f"got {weights.get(key)!r}")
+    for key in ("dynamic", "scale_dtype", "zp_dtype"):
+        if weights.get(key) not in (None, False):
+            raise QuantError(f"{where}.weights.{key}: only static weights with scales in the checkpoint's "
+                             f"own dtype are supported, got {weights[key]!r}")
+    strategy = weights.get("strategy")
+    strategies = ("group",) if int4 else FP8_STRATEGIES
+    if strategy not in strategies:
+        raise QuantError(f"{where}.weights.strategy: {strategy!r} is not supported with format {fmt!r} "
+                         f"(supported: {', '.join(map(repr, strategies))})")
+    size, block = weights.get("group_size"), weights.get("block_structure")
+    if strategy == "group" and not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
+        raise QuantError(f"{where}.weights.group_size: expected a positive integer, got {size!r}")
+    if strategy == "block" and not _two_positive(block):
+        raise QuantError(f"{where}.weights.block_structure: expected two positive integers, got {block!r}")
+    targets = group.get("targets")
+    if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise QuantError(f"{where}.targets: expected a list of strings, got {targets!r}")
+    return WeightScheme(tuple(targets), fmt, strategy, size if strategy == "group" else None,
+                        tuple(block) if strategy == "block" else None)

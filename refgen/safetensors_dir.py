@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from .fixtures import FixtureError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MAX_JSON_DEPTH = 32
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
@@ -95,10 +97,10 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
         if not (directory / SINGLE).is_file():
             raise CheckpointError(f"{directory}: neither {INDEX} nor {SINGLE} is there")
         return None
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{INDEX}: cannot read its weight_map ({type(exc).__name__}: {exc})") from None
+    data = read_json(index)
+    if not isinstance(data, dict) or "weight_map" not in data:
+        raise CheckpointError(f"{INDEX}: expected a JSON object with a weight_map")
+    weight_map = data["weight_map"]
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise CheckpointError(f"{INDEX}: weight_map must map tensor names to file names")
@@ -108,6 +110,37 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
         if not (directory / file).is_file():
             raise CheckpointError(f"{file}: named by {INDEX} but missing from {directory}")
     return weight_map
+
+
+def read_json(path: Path) -> object:
+    """A JSON file of the checkpoint (config.json, the index); CheckpointError naming the file when it
+    cannot be read, is not JSON, or nests deeper than MAX_JSON_DEPTH (config.json goes into the
+    fixture's metadata, which is JSON too; real configs nest a few levels)."""
+    def too_deep(how: str) -> CheckpointError:
+        return CheckpointError(f"{path.name}: arrays or objects nested {how}; kdtree reads at most {MAX_JSON_DEPTH} "
+                               "(a checkpoint's JSON nests a few)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise too_deep(f"deeper than Python's JSON reader goes (about {sys.getrecursionlimit()} levels)") from None
+    except (OSError, ValueError) as exc:       # ValueError: not JSON, not UTF-8, an integer of over 4300 digits
+        raise CheckpointError(f"{path.name}: cannot read it ({type(exc).__name__}: {exc})") from None
+    depth = _depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise too_deep(f"{depth} levels deep")
+    return data
+
+
+def _depth(data: object) -> int:
+    """How deep arrays and objects nest in a JSON value (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack += [(child, depth + 1) for child in children]
+    return deepest
 
 
 def _read_header(path: Path) -> list[StoredTensor]:

@@ -1,9 +1,12 @@
 """Synthetic checkpoints in the layouts DeepSeek-V3 / Kimi K2.x ship, for the tests (and the K2-shaped
 measurement script), written independently of refgen: torch and safetensors.torch write the files,
-torch quantizes FP8, compressed-tensors' own compressor packs INT4.
+torch quantizes DeepSeek's FP8 blocks, compressed-tensors' own compressors pack INT4 and quantize
+float-quantized FP8, HF transformers computes the rotary buffers.
 
     written = write_checkpoint(directory, cfg, weights, Layout(quant="fp8", experts="fused"))
     written.dequantized      project name -> float64, what the checkpoint holds (independent formulas)
+    edit_tensors(directory, lambda tensors: tensors.pop(name))      then break it, as the error tests do
+    edit_config(directory, lambda config: config.update(num_hidden_layers=10**8))
 
 `weights` are project-named float32 arrays (docs/fixtures.md; e.g. refgen.weights.init_weights),
 any Mapping (the script's makes each on demand). Layouts:
@@ -14,12 +17,19 @@ any Mapping (the script's makes each on demand). Layouts:
   A fused gate_up holds gate and up quantized separately, as transformers does.
 - quant "int4" (Kimi K2 Thinking / K2.5): routed experts compressed-tensors pack-quantized (symmetric,
   group 32, bf16 scales), K2 Thinking's ignore list, the rest bf16.
+- quant "ct-fp8-block" / "ct-fp8-channel" (llm-compressor's FP8_BLOCK / FP8_DYNAMIC schemes of DeepSeek
+  and Kimi): every ``*_proj`` weight of the layers compressed-tensors float-quantized (an e4m3fn
+  ``weight`` and a ``weight_scale`` per 128 x 128 block, float32; or per row, bf16), dynamic FP8 input
+  activations declared, ``lm_head`` and the router ignored, the rest bf16.
 - experts "per-expert" (``mlp.experts.{e}.gate_proj.weight``, what checkpoints ship) or "fused"
   (``mlp.experts.gate_up_proj`` [E, 2I, D] and ``mlp.experts.down_proj``, what transformers 5.x writes).
 - multimodal: the language model under ``language_model.`` with config.json's ``text_config`` (Kimi
   K2.5), a vision tower and projector beside it; quantization_config at the top level.
-- mtp: an MTP layer ``model.layers.{N}`` (enorm, hnorm, eh_proj, shared_head, its own block), declared
-  by num_nextn_predict_layers.
+- mtp: an MTP layer ``model.layers.{N}`` (its embed_tokens, enorm, hnorm, eh_proj, shared_head, its own
+  block), declared by num_nextn_predict_layers unless declare_mtp is False (NVIDIA NeMo's bf16 recipe:
+  DeepSeek's fp8_cast_bf16.py converts every shard, layer 61 included, then the config says 0).
+- rotary_buffers (Kimi K2 as published): ``model.layers.{i}.self_attn.rotary_emb.inv_freq`` of every layer,
+  bf16, the inv_freq HF transformers' DeepseekV3RotaryEmbedding computes for the config (YaRN-scaled).
 - shard_bytes: shards of at most about this size, with model.safetensors.index.json.
 """
 
@@ -33,7 +43,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from kdtr_format import ModelConfig, YarnScaling
 
@@ -59,10 +69,12 @@ SMALL = ModelConfig(
 
 @dataclass(frozen=True)
 class Layout:
-    quant: str = "bf16"                 # "bf16" | "fp8" | "int4"
+    quant: str = "bf16"                 # "bf16" | "fp8" | "int4" | "ct-fp8-block" | "ct-fp8-channel"
     experts: str = "per-expert"         # "per-expert" | "fused"
     multimodal: bool = False
     mtp: bool = False
+    declare_mtp: bool = True
+    rotary_buffers: bool = False
     shard_bytes: int = 1 << 20
 
 
@@ -111,6 +123,64 @@ def int4_dequantize(packed: dict[str, torch.Tensor]) -> np.ndarray:
     return (q.double() * packed["weight_scale"].double().repeat_interleave(GROUP, -1)).numpy()
 
 
+def ct_fp8_scheme(quant: str):
+    """llm-compressor's FP8_BLOCK ("ct-fp8-block") or FP8_DYNAMIC ("ct-fp8-channel") scheme on Linear modules."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return preset_name_to_scheme({"ct-fp8-block": "FP8_BLOCK", "ct-fp8-channel": "FP8_DYNAMIC"}[quant], ["Linear"])
+
+
+def ct_fp8_compress(w: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
+    """w [r, c] -> compressed-tensors' float-quantized weight (e4m3fn) and weight_scale (w's dtype): the
+    scale from the library's calculate_qparams over each block (padded), row, group or the whole
+    tensor, the weight from its compressor."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = scheme.weights
+    if args.strategy == "block":
+        b0, b1 = args.block_structure
+        r, c = w.shape
+        padded = torch.nn.functional.pad(w, (0, -c % b1, 0, -r % b0))
+        blocks = padded.unflatten(0, (-1, b0)).unflatten(-1, (-1, b1))            # [R, b0, C, b1]
+        low, high = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+    elif args.strategy == "group":
+        groups = w.unflatten(-1, (-1, args.group_size))
+        low, high = groups.amin(-1), groups.amax(-1)
+    elif args.strategy == "channel":
+        low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    else:
+        low, high = w.amin().reshape(1), w.amax().reshape(1)
+    scale, _ = calculate_qparams(low, high, args)
+    return FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+
+
+def ct_fp8_dequantize(compressed: dict[str, torch.Tensor], scheme) -> np.ndarray:
+    """compressed-tensors' own decompressor, in float64 (the scale widened first: the exact products)."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+
+    state = {"weight": compressed["weight"], "weight_scale": compressed["weight_scale"].double()}
+    return FloatQuantizationCompressor.decompress(state, scheme)["weight"].numpy()
+
+
+def ct_fp8_config(quant: str) -> dict:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    return QuantizationConfig(config_groups={"group_0": ct_fp8_scheme(quant)}, format="float-quantized",
+                              ignore=["lm_head", r"re:.*mlp\.gate$"], quant_method="compressed-tensors",
+                              quantization_status="compressed").model_dump()
+
+
+def hf_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The inv_freq buffer HF transformers' DeepseekV3RotaryEmbedding computes for `cfg` (float32)."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    from engine.adapters.hf_mapping import deepseek_v3_kwargs
+
+    return DeepseekV3RotaryEmbedding(transformers.DeepseekV3Config(**deepseek_v3_kwargs(cfg))).inv_freq
+
+
 def int4_scheme():
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -135,10 +205,11 @@ def hf_config(cfg: ModelConfig, layout: Layout) -> dict:
     """An HF config.json for `cfg` (rope_scaling + rope_theta, as shipped checkpoints have it)."""
     text = {k: v for k, v in cfg.to_dict().items() if k not in ("rope_style", "rope_scaling", "latent_norm_eps")}
     text.update(architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", torch_dtype="bfloat16",
-                rope_interleave=cfg.rope_style == "interleave", num_nextn_predict_layers=int(layout.mtp))
+                rope_interleave=cfg.rope_style == "interleave",
+                num_nextn_predict_layers=int(layout.mtp and layout.declare_mtp))
     text["rope_scaling"] = cfg.rope_scaling.to_dict() if cfg.rope_scaling is not None else None
-    quant = {"fp8": FP8_CONFIG, "int4": int4_config(layout.multimodal) if layout.quant == "int4" else None
-             }.get(layout.quant)
+    quant = (FP8_CONFIG if layout.quant == "fp8" else int4_config(layout.multimodal) if layout.quant == "int4"
+             else ct_fp8_config(layout.quant) if layout.quant.startswith("ct-fp8") else None)
     if not layout.multimodal:
         return {**text, **({"quantization_config": quant} if quant else {})}
     return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
@@ -183,6 +254,11 @@ def _store(param: str, w: torch.Tensor, layout: Layout, halves: tuple | None = N
         q, s = (torch.cat(t, dim=-2) for t in zip(*parts))
         scale = param.removesuffix(".weight") + (".weight_scale_inv" if param.endswith(".weight") else "_scale_inv")
         return {param: q, scale: s}, lambda: np.concatenate([fp8_dequantize(*p) for p in parts], axis=-2)
+    if layout.quant.startswith("ct-fp8") and ".layers." in param and param.endswith("_proj.weight"):
+        scheme = ct_fp8_scheme(layout.quant)
+        compressed = ct_fp8_compress(w if layout.quant == "ct-fp8-block" else w.bfloat16(), scheme)
+        return ({f"{param.removesuffix('.weight')}.{k}": v for k, v in compressed.items()},
+                lambda: ct_fp8_dequantize(compressed, scheme))
     if layout.quant == "int4" and ".mlp.experts." in param and param.endswith("_proj.weight"):
         packed = int4_compress(w)
         return ({f"{param.removesuffix('.weight')}.{k}": v for k, v in packed.items()},
@@ -270,12 +346,17 @@ def write_checkpoint(directory: str | Path, cfg: ModelConfig, weights: Mapping[s
 
 
 def _extras(cfg: ModelConfig, layout: Layout, body: str) -> dict[str, torch.Tensor]:
-    """The MTP layer and a multimodal checkpoint's vision parts (never loaded by kdtree)."""
+    """The MTP layer, the rotary buffers and a multimodal checkpoint's vision parts (never loaded by kdtree)."""
     generator = torch.Generator().manual_seed(7)
     tensors: dict[str, torch.Tensor] = {}
+    if layout.rotary_buffers:
+        inv_freq = hf_inv_freq(cfg).bfloat16()
+        for i in range(cfg.num_hidden_layers + int(layout.mtp)):
+            tensors[f"{body}layers.{i}.self_attn.rotary_emb.inv_freq"] = inv_freq.clone()
     if layout.mtp:
-        D, p = cfg.hidden_size, f"{body}layers.{cfg.num_hidden_layers}."
-        for leaf, shape in (("enorm.weight", (D,)), ("hnorm.weight", (D,)), ("eh_proj.weight", (D, 2 * D)),
+        D, V, p = cfg.hidden_size, cfg.vocab_size, f"{body}layers.{cfg.num_hidden_layers}."
+        for leaf, shape in (("embed_tokens.weight", (V, D)), ("shared_head.head.weight", (V, D)),
+                            ("enorm.weight", (D,)), ("hnorm.weight", (D,)), ("eh_proj.weight", (D, 2 * D)),
                             ("shared_head.norm.weight", (D,)), ("input_layernorm.weight", (D,)),
                             ("self_attn.kv_a_layernorm.weight", (cfg.kv_lora_rank,)),
                             ("self_attn.o_proj.weight", (D, cfg.num_attention_heads * cfg.v_head_dim))):
@@ -284,3 +365,33 @@ def _extras(cfg: ModelConfig, layout: Layout, body: str) -> dict[str, torch.Tens
         tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(12, 3, 2, 2, generator=generator).bfloat16()
         tensors["mm_projector.proj.0.weight"] = torch.randn(cfg.hidden_size, 12, generator=generator).bfloat16()
     return tensors
+
+
+# ---------------------------------------------------------------------------- edits (the error tests')
+
+def edit_tensors(directory: str | Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Rewrite the checkpoint as one model.safetensors after `change` edits its tensors in place."""
+    directory = Path(directory)
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+        file.unlink()
+    (directory / "model.safetensors.index.json").unlink(missing_ok=True)
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+def edit_config(directory: str | Path, change: Callable[[dict], None]) -> None:
+    """`change` edits config.json's object in place."""
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+
+
+def edit_index(directory: str | Path, change: Callable[[dict[str, str]], None]) -> None:
+    """`change` edits model.safetensors.index.json's weight_map in place."""
+    path = Path(directory) / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    change(index["weight_map"])
+    path.write_text(json.dumps(index))

@@ -119,3 +119,11 @@ def test_bench_check_refuses_what_it_cannot_check(tmp_path, capsys):
                                                             "stats": {"median": 1.0}, "extra_info": {}}]})
     assert bench_check.main(["--json", str(other)]) == 1
     assert "no check is measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", bench_check.CHECKS, ids=lambda c: c.label)
+def test_each_bench_check_cites_a_doc_of_the_repository_in_its_words(check):
+    doc, _, claim = check.target.partition(": ")
+    assert (REPO / doc).is_file(), f"{check.target!r} cites {doc}, which is not in the repository"
+    assert claim.removesuffix(" (GPU)") in (REPO / doc).read_text().replace("`", ""), \
+        f"{doc} does not state {claim!r}"

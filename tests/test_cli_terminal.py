@@ -19,6 +19,7 @@ mostly interpreter and torch start-up).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,7 +51,7 @@ RUNS = [
     ("kdtr inspect {golden}/kernels/tree_build.kdtr --no-metadata", "cases/beyond_possible/draft_logits",
      "KDTR 1.0, alignment 64, "),
     ("kdtr verify {golden}/kernels/accept_compact.kdtr", "accept_compact.kdtr", "accept_compact.kdtr"),
-    ("kdtree demo --max-new-tokens 4 --budget 4 --block-size 3", "DDTree layerskip",
+    ("kdtree demo --max-new-tokens 4 --budget 4 --block-size 3 --plot {out}/demo.png", "DDTree layerskip",
      "oracle: knows the AR continuation, right with probability 0.8 (an upper bound); layerskip"),
 ]
 
@@ -133,6 +134,39 @@ def make_files(files: Path) -> None:
     (files / "broken.json").write_text("{")
     (files / "raises_at_import.py").write_text("raise RuntimeError('planted at import')\n")
     (files / "factory_raises.py").write_text("def make():\n    return 1 / 0\n")
+    make_hostile_names(files)
+
+
+# What a terminal would act on (an OSC title, a CSI screen erase, the C1 CSI, BEL, a bidi
+# override), rich markup, matplotlib mathtext, a lone surrogate and a non-UTF-8 byte, in
+# names a fixture and an adapter bring.
+OSC, ERASE, C1, RTL = "\x1b]0;pwned\x07", "\x1b[2J", "\x9b31m", "\u202e"
+HOSTILE_TRACE = f"t{OSC}{RTL}"
+HOSTILE_PROMPT = "[/x]"
+HOSTILE_ADAPTER = f"{OSC}adapter{RTL}"
+HOSTILE_RAISES = f"{ERASE}{C1}{RTL}\udc80 boom"
+HOSTILE_FIXTURE = os.fsdecode(b"\x1b[2J\xff$\\foo$.kdtr")
+RAW = [OSC, "\x1b]", ERASE, "\x9b", "\x07", RTL, "\ufffd"]      # none may reach the terminal (\ufffd: an undecodable byte)
+
+
+def make_hostile_names(files: Path) -> None:
+    """{files}/names.kdtr: tiny2's metadata with a prompt and a trace renamed (refgen show);
+    {files}/names/: the tree_build fixture under a hostile file name, and an adapter whose
+    name and exception hold control characters (kdtree validate)."""
+    with kdtr_format.open(GOLDEN / "tiny2.kdtr") as reader:
+        meta = reader.metadata
+    meta["prompts"][0]["name"] = HOSTILE_PROMPT
+    meta["traces"][0]["name"] = HOSTILE_TRACE
+    kdtr_format.write(files / "names.kdtr", {"x": np.zeros(1)}, meta)
+    (files / "names").mkdir()
+    (files / "names" / HOSTILE_FIXTURE).write_bytes((GOLDEN / "kernels" / "tree_build.kdtr").read_bytes())
+    (files / "hostile_adapter.py").write_text(
+        "class Hostile:\n"
+        f"    name = {HOSTILE_ADAPTER!r}\n"
+        "    capabilities = ('tree',)\n\n"
+        "    def build_tree(self, topk_lp, topk_id, budget, block_size):\n"
+        f"        raise RuntimeError({HOSTILE_RAISES!r})\n\n\n"
+        "def make():\n    return Hostile()\n")
 
 
 class Runs:
@@ -190,6 +224,10 @@ def runs(tmp_path_factory) -> Runs:
             runs.add(f"bare {command}", command, terminal=False)
     for program in PROGRAMS:
         runs.add(f"version {program}", f"{program} --version", terminal=False)
+    for terminal in (True, False):
+        where = "terminal" if terminal else "piped"
+        for argv in NAMES:
+            runs.add(f"names {where} {argv}", argv, terminal=terminal)
     yield runs
     runs.pool.shutdown(cancel_futures=True)
 
@@ -220,6 +258,14 @@ def test_piped(runs, argv, short, long):
     assert "…" not in result.output and "\x1b[" not in result.output, result.output
     text = runs.fill(long, key)
     assert any(text in line for line in result.stdout.splitlines()), f"{text!r} is not whole:\n{result.stdout}"
+
+
+@pytest.mark.parametrize("argv", [argv for argv, *_ in RUNS if "--plot" in argv])
+def test_a_file_written_is_named_on_stderr(runs, argv):
+    key = f"piped {argv}"
+    result = runs.result(key)
+    (written,) = [word for word in shlex.split(runs.fill(argv, key)) if word.startswith(str(runs.out(key)))]
+    assert Path(written).is_file() and f"wrote {written}" in result.stderr.splitlines(), result.stderr
 
 
 def test_a_wider_terminal_is_used_in_full(runs):
@@ -264,3 +310,32 @@ def test_version(runs, program):
     result = runs.result(f"version {program}")
     assert result.returncode == 0, result.output
     assert re.fullmatch(rf"{program}, version \d+\.\d+\.\d+\S*( \(.*\))?", result.stdout.strip()), result.output
+
+
+# ---------------------------------------------------------------------------- (d) names from files
+
+NAMES = {
+    # argv: exit status, the names as the run shows them (escaped)
+    "refgen show {files}/names.kdtr": (0, [HOSTILE_PROMPT, repr(HOSTILE_TRACE)]),
+    "kdtree validate --fixtures {files}/names --impl {files}/hostile_adapter.py:make --require tree "
+    "--html {out}/r.html --junit-xml {out}/r.xml":
+        (1, [repr(HOSTILE_ADAPTER), repr(HOSTILE_FIXTURE), "raised RuntimeError", "wrote {out}/r.html",
+             "wrote {out}/r.xml"]),
+}
+
+
+@pytest.mark.parametrize("where", ["terminal", "piped"])
+@pytest.mark.parametrize("argv", NAMES, ids=list(NAMES))
+def test_names_from_files_reach_the_terminal_escaped(runs, argv, where):
+    key = f"names {where} {argv}"
+    result = runs.result(key)
+    status, shown = NAMES[argv]
+    assert result.returncode == status and "Traceback" not in result.output, result.output
+    raw = [r for r in RAW if r in result.output]
+    assert not raw, f"{raw} reached the terminal raw:\n{result.output!r}"
+    text = " ".join(result.screen_lines) if where == "terminal" else result.output
+    for name in shown:
+        assert runs.fill(name, key) in text, f"{name!r} is not shown:\n{result.output}"
+    if where == "terminal":
+        too_wide = [line for line in result.screen_lines if len(line) > 80]
+        assert not too_wide, "lines wider than the 80-column terminal:\n" + "\n".join(too_wide)

@@ -1,8 +1,8 @@
 """The report as one self-contained HTML page (`kdtree validate --html PATH`).
 
-Top to bottom: the summary (verdict, counts, implementation, device, fixtures, commit,
-versions, time) and the FAIL rows in one line each; then per section a plot of every row's
-error against its tolerance (error / tolerance on a log scale, the tolerance at 1; rows
+Top to bottom: the summary (verdict, counts, implementation, adapter class and --impl
+spec, device, fixtures, commit, versions, time) and the FAIL rows in one line each; then
+per section a plot of every row's error against its tolerance (error / tolerance on a log scale, the tolerance at 1; rows
 without a float error are named with their status) and the section's rows (status,
 check, numbers, detail); then for each failing row that names its first wrong node
 (tables["first_wrong_node"]: verify logits, target or sampled choices) the round's tree
@@ -24,11 +24,12 @@ import io
 import os
 from typing import Any, Iterable, Mapping
 
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from kdtr_format.clikit import atomic_output
+from kdtr_format.clikit import atomic_output, shown
 
 from .report import Check, Report, Status
 
@@ -56,14 +57,21 @@ img { max-width: 100%; display: block; margin: 6px 0; }
 
 
 def to_html(report: Report) -> str:
-    """The page (module docstring)."""
+    """The page (module docstring). Every text from the fixtures or the adapter is shown through
+    `shown` (a lone surrogate or a control character as its escape), and plot labels are never
+    read as mathtext (a `$` in a name is a dollar sign)."""
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _page(report)
+
+
+def _page(report: Report) -> str:
     sections: dict[str, list[Check]] = {}
     for check in report.checks:
         sections.setdefault(check.section, []).append(check)
     parts = [f"<h1>kdtree validate: {_e(report.implementation)}</h1>", _summary(report)]
     for section, rows in sections.items():
         parts += [f'<h2 id="{_anchor(section)}">{_e(section)}</h2>',
-                  _image(_tolerance_figure(rows), f"error against tolerance, every row of {section}"),
+                  _image(_tolerance_figure(rows), f"error against tolerance, every row of {shown(section)}"),
                   _rows_table(rows)]
     wrong = [c for c in report.checks if c.status is Status.FAIL and "first_wrong_node" in c.tables]
     if wrong:
@@ -71,14 +79,14 @@ def to_html(report: Report) -> str:
         for check in wrong:
             node = check.tables["first_wrong_node"]
             parts += [f"<h3>{_e(check.section)}: {_e(check.name)}, trace {_e(node['trace'])} round {node['round']}</h3>",
-                      _image(_tree_figure(node), f"the tree of trace {node['trace']} round {node['round']}, "
+                      _image(_tree_figure(node), f"the tree of trace {shown(node['trace'])} round {node['round']}, "
                                                  f"node {node['node']} marked")]
     accepted = [c for c in report.checks if acceptance_lengths(c)]
     if accepted:
         parts.append("<h2>Acceptance lengths</h2>")
         for check in accepted:
             parts += [f"<h3>{_e(check.section)}: {_e(check.name)}</h3>",
-                      _image(_acceptance_figure(acceptance_lengths(check)), f"acceptance lengths, {check.name}")]
+                      _image(_acceptance_figure(acceptance_lengths(check)), f"acceptance lengths, {shown(check.name)}")]
     parts.append(_timing(report))
     title = f"kdtree validate: {report.implementation}: {'FAILED' if report.failed else 'PASSED'}"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
@@ -103,7 +111,7 @@ def acceptance_lengths(check: Check) -> dict[str, list[int]]:
 
 
 def _e(text: Any) -> str:
-    return html.escape(str(text))
+    return html.escape(shown(text))
 
 
 def _anchor(text: str) -> str:
@@ -112,7 +120,9 @@ def _anchor(text: str) -> str:
 
 def _summary(report: Report) -> str:
     verdict = "FAILED" if report.failed else "PASSED"
-    facts = {"implementation": report.implementation, "device": f"{report.device} {report.device_name}".strip(),
+    facts = {"implementation": report.implementation,
+             "adapter": f"{report.adapter} ({f'--impl {report.impl}' if report.impl else 'built-in'})",
+             "device": f"{report.device} {report.device_name}".strip(),
              "fixtures": report.fixtures, "commit": report.commit or "unknown",
              "versions": ", ".join(f"{k} {v}" for k, v in report.versions.items() if v),
              "backends": ", ".join(f"{k}: {v}" for k, v in report.backends.items())}
@@ -177,7 +187,7 @@ def _tolerance_figure(rows: list[Check]) -> Figure:
     ax.axvline(1.0, color="#444", linestyle="--", linewidth=1)
     ax.set_xscale("log")
     ax.set_xlim(FLOOR, top)
-    ax.set_yticks(y, [c.name for c in rows], fontsize=8)
+    ax.set_yticks(y, [shown(c.name) for c in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlabel("error / tolerance (log scale; dashed: the tolerance; an error of 0 at the left edge)")
     return fig
@@ -225,16 +235,17 @@ def _tree_figure(node: Mapping[str, Any]) -> Figure:
         for i in range(len(parents)):
             ax.text(x[i], -depth[i], str(i), ha="center", va="center", fontsize=6.5, zorder=3,
                     color="#fff" if i == wrong or i in accepted else "#000")
-    ax.annotate(f"first wrong node {wrong} (depth {node['depth']}, position {node['position']})",
-                (x[wrong], -depth[wrong]), xytext=(0, -22), textcoords="offset points", ha="center",
-                color="#c62828", fontsize=9, fontweight="bold")
+    width, height = fig.get_size_inches()         # the label under the axes, from their left edge: never cut
+    fig.text(0.8 / width, 0.12 / height,
+             f"first wrong node {wrong} (depth {node['depth']}, position {node['position']})",
+             color="#c62828", fontsize=9, fontweight="bold", ha="left", va="bottom")
     ax.set_yticks(-np.arange(depth.max() + 1), [f"depth {d}" for d in range(depth.max() + 1)], fontsize=8)
     ax.set_xticks([])
     ax.set_xlim(-0.8, leaves - 0.2)
     ax.set_ylim(-depth.max() - 0.8, 0.5)
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
-    ax.set_title(f"trace {node['trace']} round {node['round']}, {len(parents)} nodes\nblue: the reference's "
+    ax.set_title(f"trace {shown(node['trace'])} round {node['round']}, {len(parents)} nodes\nblue: the reference's "
                  "accepted path; red: the first wrong node and its path", fontsize=9)
     return fig
 
@@ -249,7 +260,7 @@ def _acceptance_figure(lengths: Mapping[str, list[int]]) -> Figure:
         counts = np.bincount(np.asarray(values, dtype=np.int64), minlength=top + 1)[1:]
         mean = f"mean {np.mean(values):.2f}, " if values else ""
         ax.bar(np.arange(1, top + 1) + (i - (len(lengths) - 1) / 2) * width, counts, width=width,
-               label=f"{name} ({mean}{len(values)} rounds)")
+               label=f"{shown(name)} ({mean}{len(values)} rounds)")
     ax.set_xticks(range(1, top + 1, max(1, top // 16)))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("tokens committed per round", fontsize=9)
@@ -267,16 +278,17 @@ def _axes(fig: Figure, left: float, bottom: float, top: float = 0.3, right: floa
 def _stage_figure(rows: list[Check]) -> Figure:
     """Seconds per stage, one stacked bar per timed run."""
     stages = [k for k in rows[0].tables["stage_seconds"] if k != "device"]
-    fig = Figure(figsize=(11, 0.45 * len(rows) + 1.4))
-    ax = _axes(fig, left=3.2, bottom=0.6)
+    fig = Figure(figsize=(11, 0.45 * len(rows) + 1.6))
+    ax = _axes(fig, left=3.2, bottom=0.6, top=0.5)
     left = np.zeros(len(rows))
     for stage in stages:
         seconds = np.array([float(c.tables["stage_seconds"].get(stage, 0.0)) for c in rows])
         ax.barh(np.arange(len(rows)), seconds, left=left, label=stage, height=0.6)
         left += seconds
     device = rows[0].tables["stage_seconds"].get("device")
-    ax.set_yticks(np.arange(len(rows)), [f"{c.section}: {c.name}" for c in rows], fontsize=8)
+    ax.set_yticks(np.arange(len(rows)), [shown(f"{c.section}: {c.name}") for c in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlabel(f"seconds{f' on {device}' if device else ''}")
-    ax.legend(ncols=min(len(stages), 8), fontsize=8, loc="lower right")
+    ax.set_xlabel(f"seconds{f' on {shown(device)}' if device else ''}")
+    ax.legend(ncols=min(len(stages), 8), fontsize=8, loc="lower left", bbox_to_anchor=(0, 1),   # above the bars
+              frameon=False)
     return fig

@@ -7,8 +7,8 @@ section, name the check. A FAIL row holds a <failure> (message: the row in one l
 the terminal prints it; text: its detail), a skipped or near-tie row a <skipped> whose
 message is the row; exact and within-tolerance rows are passing testcases. A run in which
 no check ran fails as the report does, with a failing "validate" testcase `any check ran`.
-The run's implementation, device, fixtures, commit and versions are each suite's
-<properties>; times are the runner's seconds per section and the CLI's total.
+The run's implementation, adapter class, --impl spec, device, fixtures, commit and
+versions are each suite's <properties>; times are the runner's seconds per section and the CLI's total.
 Characters XML 1.0 cannot hold (control characters in an adapter's error message) are
 written as \\xNN. The file is written all or nothing, with the user's umask.
 """
@@ -73,7 +73,8 @@ def _counts(rows: Iterable[Check]) -> dict[str, str]:
 
 
 def _properties(suite: ET.Element, report: Report) -> None:
-    values = {"implementation": report.implementation, "device": report.device, "device_name": report.device_name,
+    values = {"implementation": report.implementation, "adapter": report.adapter, "impl": report.impl or "",
+              "device": report.device, "device_name": report.device_name,
               "fixtures": report.fixtures, "commit": report.commit or "",
               **{f"version.{k}": v or "" for k, v in report.versions.items()},
               **{f"backend.{k}": v for k, v in report.backends.items()}}

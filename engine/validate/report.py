@@ -83,14 +83,18 @@ class Check:
 
 @dataclass
 class Report:
-    """The rows of one run. versions (kdtree, python, numpy, torch, cuda), commit (the checkout's
-    `git describe`, None when unknown), device_name and timings (seconds: total and per step)
-    describe the run; the CLI fills them. section_seconds: the seconds each section's checks took
-    (the runner's)."""
+    """The rows of one run. implementation: the adapter's own name for itself; adapter: its class
+    (module.qualname, the runner's); impl: the `--impl` spec it was loaded from (None: the
+    built-in engine). versions (kdtree, python, numpy, torch, cuda), commit (the kdtree
+    checkout's `git describe`, None when unknown), device_name and timings (seconds: total and per
+    step) describe the run; the CLI fills them and impl. section_seconds: the seconds each
+    section's checks took (the runner's)."""
 
     implementation: str
     device: str
     fixtures: str
+    adapter: str = ""
+    impl: str | None = None
     backends: dict[str, str] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
     versions: dict[str, str | None] = field(default_factory=dict)
@@ -120,7 +124,8 @@ class Report:
         return f"{verdict}: {len(self.checks)} checks ({parts}){ran}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"implementation": self.implementation, "device": self.device, "device_name": self.device_name,
+        return {"implementation": self.implementation, "adapter": self.adapter, "impl": self.impl,
+                "device": self.device, "device_name": self.device_name,
                 "fixtures": self.fixtures, "backends": self.backends, "versions": self.versions,
                 "commit": self.commit, "timings": self.timings, "section_seconds": self.section_seconds,
                 "passed": not self.failed,

@@ -182,6 +182,7 @@ class Validation:
         self.log = log
         self.fixtures = str(directory)
         self._report = Report(implementation=getattr(self.adapter, "name", type(self.adapter).__name__),
+                              adapter=f"{type(self.adapter).__module__}.{type(self.adapter).__qualname__}",
                               device=device, fixtures=self.fixtures,
                               backends=dict(getattr(self.adapter, "backends", {})))
         self._rows: dict[str, list[Check]] = {}

@@ -106,11 +106,11 @@ def test_checkpoint_bits_dequantize_to_the_fixture_weights(fixtures, layout):
     _, paths = fixtures
     with kdtr_format.open(paths[layout]) as fixture:
         sources = fixture.metadata["checkpoint"]["weights"]
-        experts = fixture.metadata["checkpoint"]["experts"]
+        experts = fixture.metadata["checkpoint"]["kept_experts"]
         formats = set()
         for name, source in sources.items():
             formats.add(source["format"])
-            names = ([source["tensor"].format(e=e) for e in range(experts)] if "{e}" in source["tensor"]
+            names = ([source["tensor"].format(e=e) for e in experts] if "{e}" in source["tensor"]
                      else [source["tensor"]])
             value = np.stack([_dequantize(fixture, n, source["format"]) for n in names]) if len(names) > 1 \
                 else _dequantize(fixture, names[0], source["format"])

@@ -7,19 +7,28 @@ them (the first wrong node of a failing round, acceptance lengths per trace)."""
 from __future__ import annotations
 
 import html.parser
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from rich.console import Console
 
 import headless
 import kdtr_format
 from engine.adapter import TorchAdapter
 from cli_run import run_main
 from engine.validate import GOLDEN_DIR, Check, Report, Status, ValidateError, Validation, plan
-from engine.validate.html import acceptance_lengths, to_html
+from engine.cli import render
+from engine.validate.html import _stage_figure, _tree_figure, acceptance_lengths, to_html, write_html
 from engine.validate.protocol_v2 import PerRequest
 from engine.validate.junit import to_junit, write_junit
 
@@ -86,6 +95,79 @@ def a_row_of_every_status() -> Report:
                     tables={"stage_seconds": {"device": "cpu", "draft": 0.1, "verify": 0.3},
                             "acceptance": {"accepted_ranks": [[0, 1], [], [0]]}})]
     return Report("every status", "cpu", "somewhere", checks=checks, section_seconds={"a.kdtr": 0.5})
+
+
+def hostile_names() -> Report:
+    """A failing report whose names hold what matplotlib's mathtext (`$\\foo$`), a UTF-8 encoder (a
+    lone surrogate, a non-UTF-8 file name's byte) and a terminal (an escape sequence) would act on."""
+    node = {"trace": "$\\foo$", "round": 0, "node": 2, "depth": 1, "position": 5, "parents": [-1, 0, 0],
+            "accepted": [0, 1]}
+    checks = [Check("$\\foo$.kdtr", "$\\foo$", Status.FAIL, 2e-3, 1e-5, detail="forward() raised \udc80 \x1b[2J",
+                    tables={"first_wrong_node": node, "acceptance_lengths": {"$\\bar$": [1, 2]}}),
+              Check("\udcff.kdtr", "timed $\\x$", Status.EXACT,
+                    tables={"stage_seconds": {"device": "$\\cpu$", "draft": 0.1, "verify": 0.2}})]
+    return Report("$\\foo$ \x1b]0;pwned\x07", "cpu", "\udcff", checks=checks, backends={"stages": "\u202e"})
+
+
+# ---- what the reports record of the run ----
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def commit_of_a_copy(root: Path, inside: str) -> str:
+    """What `_commit()` says for a copy of the package (no .git of its own) at root/inside."""
+    for package in ("engine", "kdtr_format"):
+        shutil.copytree(REPO / package, root / inside / package, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env["PYTHONPATH"] = str(root / inside)
+    run = subprocess.run([sys.executable, "-c", "from engine.cli import _commit; print(_commit())"], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def a_foreign_repository(root: Path) -> str:
+    git = ["git", "-c", "user.name=x", "-c", "user.email=x@x", "-C", str(root)]
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / "theirs.txt").write_text("not kdtree\n")
+    subprocess.run([*git, "add", "theirs.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "theirs"], check=True)
+    return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("inside", [".", "vendor/kdtree"])
+def test_a_copy_inside_another_repository_records_no_commit(tmp_path, inside):
+    theirs = a_foreign_repository(tmp_path)
+    assert commit_of_a_copy(tmp_path, inside) == "None", f"the foreign repository's commit is {theirs}"
+
+
+def test_a_copy_outside_any_repository_records_no_commit(tmp_path):
+    assert commit_of_a_copy(tmp_path, ".") == "None"
+
+
+def test_the_report_names_the_adapter_class_and_the_impl_spec(tmp_path, capsys):
+    fixture = GOLDEN_DIR / "kernels" / "tree_build.kdtr"
+    spec = f"{BROKEN}:BrokenTieAdapter"
+    json_path, xml_path, html_path = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "r.html"
+    code, out, _ = run_main(["validate", "--fixtures", str(fixture), "--impl", spec, "--require", "topk,tree",
+                             "--json", str(json_path), "--junit-xml", str(xml_path), "--html", str(html_path)], capsys)
+    assert code == 1
+    adapter = "kdtree_impl_broken_adapter.BrokenTieAdapter"
+    assert f"adapter: {adapter} (--impl {spec})" in " ".join(out.split())
+    report = json.loads(json_path.read_text())
+    assert (report["adapter"], report["impl"]) == (adapter, spec)
+    properties = {p.get("name"): p.get("value") for p in ET.parse(xml_path).getroot().iter("property")}
+    assert (properties["adapter"], properties["impl"]) == (adapter, spec)
+    assert f"{adapter} (--impl {spec})" in " ".join(Outline(html_path.read_text()).text)
+
+
+def test_the_built_in_engine_is_named_so(tmp_path, capsys):
+    json_path = tmp_path / "r.json"
+    code, out, _ = run_main(["validate", "--fixtures", str(GOLDEN_DIR / "kernels" / "tree_build.kdtr"),
+                             "--require", "topk,tree,compile", "--json", str(json_path)], capsys)
+    assert code == 0 and "adapter: engine.adapter.TorchAdapter (built-in)" in out
+    report = json.loads(json_path.read_text())
+    assert (report["adapter"], report["impl"]) == ("engine.adapter.TorchAdapter", None)
 
 
 # ---- the rows: case by case as in the report, and what they carry ----
@@ -310,9 +392,10 @@ def test_validate_writes_junit_xml_and_html(tmp_path, capsys):
     if not fixture.exists():
         pytest.skip(f"golden fixture {fixture} is absent")
     xml_path, html_path = tmp_path / "r.xml", tmp_path / "r.html"
-    code, out, _ = run_main(["validate", "--fixtures", str(fixture), "--impl", f"{BROKEN}:BrokenTieAdapter",
-                             "--require", "topk,tree", "--junit-xml", str(xml_path), "--html", str(html_path)], capsys)
+    code, out, err = run_main(["validate", "--fixtures", str(fixture), "--impl", f"{BROKEN}:BrokenTieAdapter",
+                               "--require", "topk,tree", "--junit-xml", str(xml_path), "--html", str(html_path)], capsys)
     assert code == 1 and "FAILED" in out
+    assert f"wrote {xml_path}" in err and f"wrote {html_path}" in err
     assert schema_errors(xml_path) == []
     (failure,) = ET.parse(xml_path).getroot().iter("failure")
     assert "tree build" in failure.get("message") and "tied_logits" in failure.text
@@ -328,8 +411,34 @@ def test_html_without_matplotlib_is_refused_before_any_work(tmp_path, capsys, mo
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else
                         find_spec(name, *a))
     code, _, err = run_main(["validate", "--html", str(tmp_path / "r.html")], capsys)
-    assert code == 2 and err.strip() == "kdtree: error: --html needs matplotlib (pip install 'kdtree[plot]')"
+    assert code == 2 and err.strip() == ("kdtree: error: --html needs matplotlib: pip install matplotlib (in a "
+                                         "checkout: pip install -e '.[plot]')")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- the terminal report ----
+
+def test_the_terminal_report_escapes_what_names_hold():
+    buffer = io.StringIO()
+    render(hostile_names(), Console(file=buffer, force_terminal=True, width=80))
+    text = buffer.getvalue()
+    for raw in ("\x1b[2J", "\x1b]", "\x07", "\u202e", "\udc80", "\udcff"):
+        assert raw not in text, f"{raw!r} reached the terminal:\n{text!r}"
+    for shown in (repr("$\\foo$ \x1b]0;pwned\x07"), repr("\udcff.kdtr"), repr("forward() raised \udc80 \x1b[2J")):
+        assert shown in text, f"{shown} is not shown:\n{text}"
+
+
+def test_the_terminal_report_wraps_a_long_row_under_itself():
+    long = "corpus budget_beyond_possible: budget larger than the number of possible nodes"
+    report = Report("x", "cpu", "somewhere", adapter="m.A",
+                    checks=[Check("a.kdtr", long, Status.EXACT, detail="w " * 60, regime="exact"),
+                            Check("a.kdtr", "short", Status.SKIPPED)])
+    buffer = io.StringIO()
+    render(report, Console(file=buffer, force_terminal=True, color_system=None, width=80))
+    lines = buffer.getvalue().splitlines()
+    rows = lines[lines.index("a.kdtr") + 1 : lines.index("fixtures: somewhere")]
+    assert all(len(line) <= 80 and line.startswith("  ") for line in rows), "\n".join(rows)
+    assert " ".join(" ".join(rows).split()) == f"exact {long} [exact] {'w ' * 59}w skipped short"
 
 
 # ---- the HTML page ----
@@ -377,6 +486,47 @@ def test_html_page_summary_first_then_every_row_and_its_plots(failing, failing_p
     every = Outline(to_html(a_row_of_every_status()))
     assert "seconds per stage of the timed runs" in [alt for alt, _ in every.images]
     assert "a.kdtr" in " ".join(every.text) and "0.50" in " ".join(every.text)        # time per section
+
+
+def test_html_page_shows_names_that_matplotlib_and_utf8_cannot_take(tmp_path):
+    path = tmp_path / "r.html"
+    write_html(hostile_names(), path)
+    text = " ".join(Outline(path.read_text(encoding="utf-8")).text)
+    for shown in ("$\\foo$.kdtr", repr("\udcff.kdtr"), repr("forward() raised \udc80 \x1b[2J")):
+        assert shown in text, shown
+    assert "\x1b" not in text and "\u202e" not in text
+
+
+def drawn_boxes(fig):
+    """The figure drawn: its box and the renderer to measure artists with."""
+    fig.canvas = FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    return fig.bbox, renderer
+
+
+@pytest.mark.parametrize("node", [2, 4])                 # the leftmost leaf, the rightmost
+def test_the_tree_plot_shows_its_label_whole(node):
+    fig = _tree_figure({"trace": "t0", "round": 0, "node": node, "depth": 1, "position": 123456,
+                        "parents": [-1, 0, 0, 0, 0], "accepted": [0, 1]})
+    box, renderer = drawn_boxes(fig)
+    (label,) = [t for t in fig.axes[0].texts + fig.texts if "first wrong node" in t.get_text()]
+    extent = label.get_window_extent(renderer)
+    assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0 and extent.y1 <= box.y1, \
+        (extent, box)
+
+
+def test_the_stage_time_legend_covers_no_bar():
+    timed = [Check("a.kdtr", f"run {i}", Status.EXACT,
+                   tables={"stage_seconds": {"device": "cpu", **{s: 0.1 * (i + 1) for s in
+                           ("prefill", "topk", "build", "compile", "verify", "accept", "compact")}}})
+             for i in range(3)]
+    fig = _stage_figure(timed)
+    box, renderer = drawn_boxes(fig)
+    legend = fig.axes[0].get_legend().get_window_extent(renderer)
+    assert box.x0 <= legend.x0 and legend.x1 <= box.x1 and box.y0 <= legend.y0 and legend.y1 <= box.y1
+    for bar in fig.axes[0].patches:
+        assert not legend.overlaps(bar.get_window_extent(renderer)), "the legend covers a bar"
 
 
 def test_html_page_in_headless_chromium(failing, failing_page, tmp_path):

@@ -274,6 +274,43 @@ def test_sigkill_mid_write_leaves_no_file_under_the_final_name(tmp_path):
     assert all(p.name.startswith(".killed.kdtr.") and p.name.endswith(".tmp") for p in leftovers)
 
 
+SIGTERM_WRITES = {
+    "Writer": """
+        with kdtr_format.Writer(path) as w:
+            w.add("t", np.zeros(1 << 18, np.float32))
+            print("writing", flush=True)
+            time.sleep(60)
+        """,
+    "atomic_output": """
+        with atomic_output(path) as file:
+            file.write(b"partial")
+            print("writing", flush=True)
+            time.sleep(60)
+        """,
+    "replacing": """
+        with atomic.replacing(path) as tmp:
+            open(tmp, "wb").write(b"partial")
+            print("writing", flush=True)
+            time.sleep(60)
+        """,
+}
+
+
+@pytest.mark.parametrize("how", SIGTERM_WRITES)
+def test_sigterm_mid_write_removes_the_temporary_file(tmp_path, how):
+    path = tmp_path / "termed.kdtr"
+    script = "import sys, time, numpy as np, kdtr_format\nfrom kdtr_format import atomic\n" \
+             "from kdtr_format.clikit import atomic_output\n" \
+             f"path = {str(path)!r}\n" + textwrap.dedent(SIGTERM_WRITES[how])
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert child.stdout.readline().strip() == b"writing"
+    assert [p.name.endswith(".tmp") for p in tmp_path.iterdir()] == [True]
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == -signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_writer_refuses_use_after_commit(tmp_path):
     w = kdtr_format.Writer(tmp_path / "a.kdtr")
     w.commit()

@@ -124,6 +124,39 @@ def test_convert_reads_foreign_npz_and_h5(tmp_path):
         assert f.names() == ["group/w"] and f["group/w"].dtype == np.float32
 
 
+def _h5_reaching_outside(directory: Path, how: str) -> Path:
+    """An HDF5 file whose dataset `d` (or link `d`) reads bytes of another file in `directory`."""
+    import h5py
+
+    (directory / "secret.bin").write_bytes(b"bytes of another file")
+    with h5py.File(directory / "other.h5", "w") as f:
+        f["x"] = np.arange(4)
+    path = directory / f"{how}.h5"
+    with h5py.File(path, "w") as f:
+        f["own"] = np.zeros(2)
+        if how == "external storage":
+            f.create_dataset("group/d", shape=(21,), dtype="u1", external=[("secret.bin", 0, 21)])
+        elif how == "virtual":
+            layout = h5py.VirtualLayout(shape=(4,), dtype="i8")
+            layout[:] = h5py.VirtualSource("other.h5", "x", shape=(4,))
+            f.create_virtual_dataset("group/d", layout)
+        else:
+            f["group/d"] = h5py.ExternalLink("other.h5", "/x")
+    return path
+
+
+@pytest.mark.parametrize("how, says", [("external storage", "stores its data in another file"),
+                                       ("virtual", "is a virtual dataset"),
+                                       ("external link", "is an external link")])
+def test_convert_refuses_an_h5_dataset_that_reads_another_file(tmp_path, how, says):
+    source = _h5_reaching_outside(tmp_path, how)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = kdtr("convert", source, tmp_path / "out.kdtr")
+    error = _one_line_error(result)
+    assert result.exit_code == 2 and f"'group/d' {says}" in error, error
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_failed_convert_leaves_no_output(tmp_path):
     source = tmp_path / "clash.kdtr"
     kdtr_format.write(source, {"a": np.zeros(1), "a/b": np.zeros(1)})

@@ -8,18 +8,16 @@ into one line and exit status 2, with nothing written.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from refgen.checkpoint import CheckpointError, load, open_checkpoint, plan_import
 from refgen.weights import init_weights
-from synthetic_checkpoint import SMALL, Layout, write_checkpoint
+from synthetic_checkpoint import SMALL, Layout, edit_config, edit_index, edit_tensors, write_checkpoint
 
 TINY = dataclasses.replace(SMALL, num_hidden_layers=2, n_routed_experts=4, n_group=1)
 L0, L1 = "model.layers.0.", "model.layers.1."
@@ -38,33 +36,15 @@ def good(tmp_path_factory) -> Callable[[str], Path]:
 
 
 def tensors_edit(change: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
-    """Rewrite the checkpoint as one model.safetensors after `change` edits its tensors."""
-    def apply(directory: Path) -> None:
-        tensors = {}
-        for file in sorted(directory.glob("*.safetensors")):
-            tensors.update(load_file(file))
-            file.unlink()
-        (directory / "model.safetensors.index.json").unlink()
-        change(tensors)
-        save_file(tensors, directory / "model.safetensors")
-    return apply
+    return lambda directory: edit_tensors(directory, change)
 
 
 def config_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
-    def apply(directory: Path) -> None:
-        config = json.loads((directory / "config.json").read_text())
-        change(config)
-        (directory / "config.json").write_text(json.dumps(config))
-    return apply
+    return lambda directory: edit_config(directory, change)
 
 
 def index_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
-    def apply(directory: Path) -> None:
-        path = directory / "model.safetensors.index.json"
-        index = json.loads(path.read_text())
-        change(index["weight_map"])
-        path.write_text(json.dumps(index))
-    return apply
+    return lambda directory: edit_index(directory, change)
 
 
 def _drop(*names: str):
@@ -85,7 +65,13 @@ def _quant(key: str, value):
     return change
 
 
-def _int4_weights(key: str, value):
+def _group(key: str, value):
+    def change(config: dict) -> None:
+        config["quantization_config"]["config_groups"]["group_0"][key] = value
+    return change
+
+
+def _group_weights(key: str, value):
     def change(config: dict) -> None:
         config["quantization_config"]["config_groups"]["group_0"]["weights"][key] = value
     return change
@@ -142,14 +128,33 @@ ROWS = [
      [EXPERT.split(".experts.")[0], "does not quantize"]),
     ("int4 quantized but stored plain", "int4", config_edit(_quant("ignore", ["lm_head"])),
      ["quantization_config quantizes model.layers.", "stores it unquantized"]),
-    ("int4 asymmetric", "int4", config_edit(_int4_weights("symmetric", False)), ["symmetric"]),
-    ("int4 8 bits", "int4", config_edit(_int4_weights("num_bits", 8)), ["num_bits", "8"]),
+    ("int4 asymmetric", "int4", config_edit(_group_weights("symmetric", False)), ["symmetric"]),
+    ("int4 8 bits", "int4", config_edit(_group_weights("num_bits", 8)), ["num_bits", "8"]),
     ("int4 zero point", "int4",
      tensors_edit(_add(EXPERT.replace("weight", "weight_zero_point"), torch.zeros(8, 6, dtype=torch.int32))),
      ["weight_zero_point", "asymmetric"]),
-    ("int4 quantized activations", "int4",
-     config_edit(lambda c: c["quantization_config"]["config_groups"]["group_0"].update(
-         input_activations={"num_bits": 8, "type": "float"})), ["input_activations"]),
+    ("int4 quantized activations", "int4", config_edit(_group("input_activations", {"num_bits": 8, "type": "float"})),
+     ["input_activations"]),
+    ("ct fp8 static activations", "ct-fp8-block",
+     config_edit(_group("input_activations", {"num_bits": 8, "type": "float", "strategy": "tensor"})),
+     ["group_0.input_activations", "stored scales"]),
+    ("ct fp8 strategy", "ct-fp8-block", config_edit(_group_weights("strategy", "tensor_group")),
+     ["weights.strategy", "'tensor_group'", "'block'"]),
+    ("ct fp8 block_structure", "ct-fp8-block", config_edit(_group_weights("block_structure", [128])),
+     ["weights.block_structure", "[128]"]),
+    ("ct fp4", "ct-fp8-block", config_edit(_group_weights("num_bits", 4)), ["weights.num_bits", "8", "4"]),
+    ("ct format", "ct-fp8-block", config_edit(_quant("format", "nvfp4-pack-quantized")),
+     ["format", "'nvfp4-pack-quantized'", "'float-quantized' (FP8)"]),
+    ("ct kv cache", "ct-fp8-block", config_edit(_quant("kv_cache_scheme", {"num_bits": 8, "type": "float"})),
+     ["kv_cache_scheme"]),
+    ("ct fp8 scale shape", "ct-fp8-block",
+     tensors_edit(_replace(Q_A.replace("weight", "weight_scale"), lambda s: torch.ones(3, 2))),
+     [Q_A.replace("weight", "weight_scale"), "[3, 2]", "[1, 2]"]),
+    ("ct fp8 ignored but scaled", "ct-fp8-block", config_edit(_quant("ignore", ["lm_head", "re:.*"])),
+     [".weight_scale: an FP8 weight_scale, but quantization_config does not quantize model.layers."]),
+    ("ct fp8 quantized but plain", "ct-fp8-channel",
+     tensors_edit(lambda t: t.update({Q_A: t[Q_A].float().bfloat16()}) or t.pop(Q_A.replace("weight", "weight_scale"))),
+     [Q_A, "quantizes", "float-quantized", "stores it unquantized"]),
 ]
 
 
@@ -175,8 +180,17 @@ def test_a_non_finite_fp8_value_is_an_error_naming_the_tensor(good, tmp_path):
     nan = torch.tensor([0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn)
     tensors_edit(_replace(Q_A, lambda q: torch.cat([nan.expand(1, q.shape[1]), q[1:]])))(directory)
     plan = plan_import(open_checkpoint(directory))          # headers are fine; the value is read at load
-    with pytest.raises(CheckpointError, match=rf"{Q_A}: dequantizes to a non-finite value at \[0, 0\]"):
+    with pytest.raises(CheckpointError, match=rf"{Q_A}: holds nan at \[0, 0\] \(F8_E4M3\)"):
         load(plan)
+
+
+def test_a_product_beyond_float32_is_an_error_naming_the_weight(good, tmp_path):
+    """A finite scale whose product with a weight overflows the stored float32: caught after dequantization."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(good("fp8"), directory)
+    tensors_edit(_replace(Q_A + "_scale_inv", lambda s: torch.full_like(s, 3e38)))(directory)
+    with pytest.raises(CheckpointError, match=rf"{Q_A}: dequantizes to a non-finite value at \["):
+        load(plan_import(open_checkpoint(directory)))
 
 
 @pytest.mark.parametrize("slice_, fragment", [({"layers": 3}, "--layers 3: the checkpoint has 2 layers"),

@@ -1,8 +1,9 @@
 """Importing checkpoints in the layouts DeepSeek-V3 / Kimi K2.x ship (refgen/checkpoint.py).
 
 The checkpoints are written by tests/synthetic_checkpoint.py, independently of refgen: torch
-quantizes FP8 blocks, compressed-tensors packs INT4, and the same module computes what each
-weight dequantizes to with its own formulas. Checked: every tensor is accounted for (kept, sliced
+quantizes DeepSeek's FP8 blocks, compressed-tensors packs INT4 and quantizes float-quantized FP8,
+and the same module computes what each weight dequantizes to with its own formulas (compressed-
+tensors' own decompressor for float-quantized). Checked: every tensor is accounted for (kept, sliced
 away, MTP, outside the language model); the dequantized weights equal the independent formulas
 bit for bit (float64 from refgen.quant, float32 as stored); the slice keeps the first layers and
 experts and the router rows to match; the reference on the imported weights gives the logits of
@@ -26,17 +27,22 @@ from refgen import model as reference
 from refgen.checkpoint import load, open_checkpoint, plan_import
 from refgen.fixtures import tensor_drift
 from refgen.model import KVCache, Model
-from refgen.quant import fp8_block, int4_packed
+from refgen.quant import WeightScheme, fp8_scaled, int4_packed
 from refgen.weights import init_weights, weight_shapes
-from synthetic_checkpoint import SMALL, Layout, write_checkpoint
+from synthetic_checkpoint import SMALL, Layout, ct_fp8_compress, ct_fp8_dequantize, write_checkpoint
 
 LAYOUTS = {
     "fp8": Layout(quant="fp8", mtp=True),                           # DeepSeek-V3 / Kimi K2, MTP layer
     "fp8-fused": Layout(quant="fp8", experts="fused"),              # transformers 5.x save of an FP8 model
     "int4-k25": Layout(quant="int4", multimodal=True),              # Kimi K2.5: text_config, vision tower
     "bf16-fused": Layout(experts="fused", shard_bytes=200_000),
+    "ct-fp8-block": Layout(quant="ct-fp8-block"),                   # llm-compressor FP8_BLOCK: 128 x 128, float32
+    "ct-fp8-channel": Layout(quant="ct-fp8-channel"),               # FP8_DYNAMIC: a bf16 scale a row
 }
 SLICE = {"layers": 2, "experts": 4}
+# SMALL routes over n_group 2 groups of 4: the slice keeps the first 2 experts of each group
+GROUP = SMALL.n_routed_experts // SMALL.n_group
+KEPT = [g * GROUP + j for g in range(SMALL.n_group) for j in range(SLICE["experts"] // SMALL.n_group)]
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +59,9 @@ def checkpoints(tmp_path_factory):
 
 
 def _kept(name: str, value: np.ndarray) -> np.ndarray:
-    """A full-model weight cut to SLICE: experts and router rows 0..E-1."""
+    """A full-model weight cut to SLICE: the kept experts and their router rows."""
     if ".experts." in name or name.endswith(("moe.gate", "moe.e_score_correction_bias")):
-        return value[:SLICE["experts"]]
+        return value[KEPT]
     return value
 
 
@@ -71,7 +77,7 @@ def test_every_tensor_is_accounted_for(checkpoints, layout):
     assert plan.mtp_names == sorted(mtp)
     assert plan.counts["outside"] == len(outside) == (2 if LAYOUTS[layout].multimodal else 0)
     kept = {f"checkpoint/{n}" for n in written.names if n not in mtp and n not in outside
-            and ".layers.2." not in n and not any(f".experts.{e}." in n for e in range(4, 8))}
+            and ".layers.2." not in n and not any(f".experts.{e}." in n for e in set(range(8)) - set(KEPT))}
     assert set(imported.bits) == kept
     assert plan.counts["kept"] == len(kept)
     assert set(imported.weights) == set(weight_shapes(plan.cfg))
@@ -88,8 +94,8 @@ def test_dequantized_weights_equal_the_independent_formulas(checkpoints, layout)
         np.testing.assert_array_equal(np.asarray(value, np.float64), expected.astype(np.float32), err_msg=name)
 
 
-def test_fp8_block_dequant_is_exact_in_float64(checkpoints):
-    """refgen.quant.fp8_block in float64 == torch's e4m3 decode times the expanded scales, for every FP8
+def test_fp8_scaled_dequant_is_exact_in_float64(checkpoints):
+    """refgen.quant.fp8_scaled in float64 == torch's e4m3 decode times the expanded scales, for every FP8
     tensor (partial row and column blocks among them: 80 x 192, 96 x 192, 256 x 64)."""
     directory, _ = checkpoints("fp8")
     tensors = {}
@@ -103,7 +109,7 @@ def test_fp8_block_dequant_is_exact_in_float64(checkpoints):
         q, s = tensors[name.removesuffix("_scale_inv")], tensors[name]
         r, c = q.shape
         independent = (q.double() * s.double().repeat_interleave(128, 0)[:r].repeat_interleave(128, 1)[:, :c])
-        ours = fp8_block(q.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn), s.numpy(), (128, 128))
+        ours = fp8_scaled(q.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn), s.numpy(), (128, 128))
         np.testing.assert_array_equal(ours, independent.numpy(), err_msg=name)
 
 
@@ -127,6 +133,52 @@ def test_int4_dequant_is_exact_in_float64(checkpoints):
         np.testing.assert_array_equal(ours, independent.numpy(), err_msg=name)
 
 
+@pytest.mark.parametrize("layout", ["ct-fp8-block", "ct-fp8-channel"])
+def test_float_quantized_fp8_is_read_as_float_quantized(checkpoints, layout):
+    """The formats recorded, and bf16 scales (FP8_DYNAMIC) giving float32 weights that are the exact
+    products compressed-tensors' decompressor computes in float64 (4 + 8 significant bits)."""
+    directory, written = checkpoints(layout)
+    imported = load(plan_import(open_checkpoint(directory), **SLICE))
+    assert imported.metadata["format"] == "float-quantized"
+    assert {s["format"] for s in imported.metadata["weights"].values()} == {"plain", "float-quantized"}
+    scale = imported.bits["checkpoint/model.layers.0.self_attn.q_a_proj.weight_scale"]
+    assert (scale.dtype, scale.shape) == ((reference.NARROW[2], (96, 1)) if layout == "ct-fp8-channel"
+                                          else (np.float32, (1, 2)))
+    if layout == "ct-fp8-channel":
+        for name in ("layers.0.attn.wq_a", "layers.1.moe.experts.w_down"):
+            np.testing.assert_array_equal(np.asarray(imported.weights[name], np.float64),
+                                          _kept(name, written.dequantized[name]), err_msg=name)
+
+
+STRATEGIES = {  # strategy -> (compressed-tensors' QuantizationArgs extras, refgen's WeightScheme)
+    "tensor": ({}, WeightScheme(("Linear",), "float-quantized", "tensor")),
+    "channel": ({}, WeightScheme(("Linear",), "float-quantized", "channel")),
+    "group": ({"group_size": 32}, WeightScheme(("Linear",), "float-quantized", "group", group_size=32)),
+    "block": ({"block_structure": [64, 128]},
+              WeightScheme(("Linear",), "float-quantized", "block", block_structure=(64, 128))),
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_fp8_scales_of_every_strategy_match_the_decompressor(strategy):
+    """refgen.quant.fp8_scaled in float64 == compressed-tensors' decompressor in float64, for each FP8
+    strategy: the scale shape it stores and the products (200 x 320: partial blocks under 64 x 128)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    extras, ours = STRATEGIES[strategy]
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=8, type="float", symmetric=True, strategy=strategy, **extras))
+    generator = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 320, generator=generator) * torch.rand(200, 1, generator=generator) * 4
+    compressed = ct_fp8_compress(w, scheme)
+    q = compressed["weight"].view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    scale = compressed["weight_scale"].numpy()
+    assert scale.shape == ours.scale_shape(200, 320)
+    b0, b1 = ours.block(200, 320)
+    got = fp8_scaled(q, scale.reshape(-(-200 // b0), -(-320 // b1)), (b0, b1))
+    np.testing.assert_array_equal(got, ct_fp8_dequantize(compressed, scheme))
+
+
 def test_int4_nibble_order_and_offset():
     """A hand-packed word: element j of a row is nibble j % 8 of word j // 8, lowest first, stored + 8."""
     values = np.array([-8, -1, 0, 1, 7, 3, -5, 2], dtype=np.int64)
@@ -143,11 +195,12 @@ def test_slice_keeps_the_first_layers_and_experts(checkpoints):
     imported = load(plan)
     assert dataclasses.replace(SMALL, num_hidden_layers=2, n_routed_experts=4) == plan.cfg
     gate = np.asarray(imported.weights["layers.1.moe.gate"], np.float64)
-    np.testing.assert_array_equal(gate, written.dequantized["layers.1.moe.gate"][:4])
+    np.testing.assert_array_equal(gate, written.dequantized["layers.1.moe.gate"][KEPT])
     assert imported.bits["checkpoint/model.layers.1.mlp.gate.weight"].shape == (4, SMALL.hidden_size)
     assert imported.metadata["layers"] == 2 and imported.metadata["num_hidden_layers"] == 3
+    assert imported.metadata["kept_experts"] == KEPT == [0, 1, 4, 5]
     mtp = [n for n in written.names if ".layers.3." in n]
-    assert imported.metadata["mtp"] == {"layers": [3], "tensors": len(mtp), "kept": False}
+    assert imported.metadata["mtp"] == {"layers": [3], "declared": 1, "tensors": len(mtp), "kept": False}
     assert ckpt.config_notes and set(ckpt.config_notes) < set(plan.notes)     # from_hf_dict's, then the import's
     assert [n.split()[0] for n in plan.notes[len(ckpt.config_notes):]] == ["layers", "routed", "MTP"]
     full = plan_import(ckpt)                               # no slice: every layer and expert, MTP still out
@@ -251,7 +304,7 @@ def test_generate_writes_both_forms_and_verify_regenerates(checkpoints, refgen_p
         for name in bits:
             original = tensors[name[len("checkpoint/"):]]
             if ".mlp.gate." in name:
-                original = original[:4]
+                original = original[KEPT]
             got = fixture.torch(name)
             assert got.dtype == original.dtype and torch.equal(got.view(torch.uint8), original.view(torch.uint8)), name
         assert origin["weights"]["layers.1.moe.experts.w_gate"] == {
