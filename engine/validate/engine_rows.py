@@ -143,10 +143,11 @@ def uniforms_check(section: str, drawn: list[np.ndarray]) -> Check:
     repeats = np.flatnonzero(values[order][1:] == values[order][:-1])
     if repeats.size:
         (k0, b0, i0), (k, b, i) = where[order[repeats[0]]], where[order[repeats[0] + 1]]
+        value = float(values[order[repeats[0]]])
         return Check(section, name, Status.FAIL,
                      detail=f"{repeats.size} of {len(values)} uniforms repeat an earlier draw: {_draw(k)}'s [{b}, {i}] "
-                            f"= {_draw(k0)}'s [{b0}, {i0}] = {float(values[order[repeats[0]]])!r} (a generator re-seeded, "
-                            f"or a draw reused: every decision needs a fresh uniform)")
+                            f"= {_draw(k0)}'s [{b0}, {i0}] = {value!r} (a generator re-seeded, or a draw reused: "
+                            f"every decision needs a fresh uniform)")
     pairs = [(u[:, :w].reshape(-1), v[:, :w].reshape(-1))
              for u, v in zip(drawn[1:], drawn[2:]) for w in [min(u.shape[1], v.shape[1])]]
     x, y = (np.concatenate(side) for side in zip(*pairs)) if pairs else (np.zeros(0), np.zeros(0))
@@ -254,9 +255,9 @@ def _replay(fixture: _Fixture, model, stages, section: str, traces: list[Mapping
     budgets += [max(budgets)] * len(companions)
     lengths = [int(t["max_new_tokens"]) for t in traces] + \
               [len(fixture[f"prompts/{p}/ar/tokens"]) for p in companions]
+    uniforms = _recorded_uniforms(fixture, traces, max(budgets) + 1) if ddtree.temperature > 0 else None
     result = ddtree_decode(model, ReplayDrafter(recorded, fixture.cfg.vocab_size, model.device), prompts, ddtree,
-                           lengths, budgets=budgets, stages=stages, record=True,
-                           uniforms=_recorded_uniforms(fixture, traces, max(budgets) + 1) if ddtree.temperature > 0 else None)
+                           lengths, budgets=budgets, stages=stages, record=True, uniforms=uniforms)
     rows = []
     for t, request in zip(traces, result.requests):
         name = t["name"]
