@@ -24,10 +24,10 @@ bits. An exception in one is that row's FAIL.
   first and the last id, two ids inside one shard), each rank holding its shard, gathered
   as the sharded forward gathers them (`World.gather`) and chosen by the stages' greedy
   choice: the smaller id of each pair, margin 0.
-- "engine invariant: logits bitwise across row counts" (invariant mode, `--invariant`, only;
-  the pytest plugin shows it skipped otherwise): every prompt prefilled in one ragged forward beside
-  the others, against the same prompt alone, one token per forward: every logit bit for
-  bit (docs/precision.md, section 3).
+- "engine invariant: logits bitwise across row counts" (in invariant mode, `--invariant`,
+  only; the pytest plugin shows it skipped otherwise): every prompt prefilled in one ragged
+  forward beside the others, against the same prompt alone, one token per forward: every
+  logit bit for bit (docs/precision.md, section 3).
 """
 
 from __future__ import annotations
