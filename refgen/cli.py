@@ -60,7 +60,7 @@ KIND_HELP = {
     "tree_build": "top-k and best-first tree build edge cases (B = 0, 1, beyond possible, ties, L = 0, 1)",
     "verify_attention": "ragged tree-verify MLA attention batches (K2 and tiny dims)",
     "accept_compact": "accept walks (non-prefix paths) and the KV compaction they imply",
-    "paged_kv": "verify attention and KV compaction through block tables (pages 1, 16, 64)",
+    "paged_kv": "verify attention and KV compaction through block tables (pages 1, 3, 16, 64)",
     "corpus": "the bugs other DDTree integrations shipped, one named regression case each",
 }
 

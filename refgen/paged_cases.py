@@ -69,6 +69,11 @@ PAGED_CASES = (
               (("random", 16), ("random", 16), ("random", 16)), shared=1),
     PagedCase("compact_k2_page64", "compact", "kimi-k2", 64, (130, 70), (("random", 40), ("random", 12)), shared=1),
     PagedCase("compact_k2_page1", "compact", "kimi-k2", 1, (10, 12), (("random", 8), ("random", 8)), shared=8),
+    # A page of 3 slots: an in-page offset taken as `slot & (page - 1)` holds only for powers of two.
+    PagedCase("attention_tiny2_page3", "attention", "tiny2", 3, (10, 7, 20),
+              (("random", 6), ("chain", 3), ("star", 5)), shared=2),
+    PagedCase("compact_tiny2_page3", "compact", "tiny2", 3, (9, 7, 13),
+              (("random", 8), ("random", 6), ("random", 5)), shared=2),
 )
 
 

@@ -12,15 +12,19 @@ Sections of the report, each a list of `Check` rows:
    margin_threshold it is a near-tie (reported, not a failure), above it a
    FAIL. Traces are replayed teacher-forced: each round takes the fixture's
    start, root, draft and tree, so one wrong round cannot hide the rest.
-2. Engine decode (the built-in engine only): `engine.decode` batched over the
-   fixture's prompts (AR) and traces (DDTree with the replay drafter and, for
-   sampled traces, the recorded uniforms: every round's tree, choices and
-   acceptance exact, whole token sequences equal), each batch holding
-   requests of different prompts, budgets and lengths.
+2. Engine decode (the built-in engine only, engine_rows.py): `engine.decode`
+   batched over the fixture's prompts (AR) and traces (DDTree with the replay
+   drafter and, for sampled traces, the recorded uniforms: every round's tree,
+   choices and acceptance exact, whole token sequences equal), each batch
+   holding requests of different prompts, budgets and lengths; and what its
+   decode loop decides alone: the uniforms its own sampling draws (fresh every
+   round), its greedy choice on tied logits (the smaller id, across the
+   vocabulary shards under TP), and in invariant mode a token's logits bit for
+   bit whatever the rows of its forward.
 3. Kernel cases (`kernels/*.kdtr`): top-k from draft logits, tree build
    (float64 scores too) and compile (positions, visibility bits, EAGLE links)
-   bit-exact from the given top-k, accept and compaction exact, verify
-   attention within tolerance; paged KV (`kernels/paged_kv.kdtr`, protocol v2
+   bit-exact from the given top-k, accept and compaction exact (the whole
+   cache), verify attention within tolerance (every request of a case); paged KV (`kernels/paged_kv.kdtr`, protocol v2
    only: paged_checks.py): verify attention and compaction through a block table.
 4. The invariant (the built-in engine only): DDTree greedy == AR greedy for
    every preset, with the oracle, random and layerskip drafters: on each model
@@ -52,8 +56,8 @@ outputs, capability declarations), `protocol_v2` (the batched protocol, its
 declarations, the per-request view of a v2 adapter), `checked` (the checking
 proxies), `report` (rows, the report, JSON), `compare` (one comparison -> one
 row), `regime` (how a dtype judges rows, the routing watch), `fixtures`
-(finding them), `model_checks`, `kernel_checks` and `invariant` (the sections
-above), `deviations` (what an adapter declares about where it differs from the
+(finding them), `model_checks`, `engine_rows`, `kernel_checks` and `invariant`
+(the sections above), `deviations` (what an adapter declares about where it differs from the
 reference, noted on the rows it affects), `batched` and `batched_model` (the
 batched rows), `paged_checks` (the paged-KV rows), `runner` (all of them in order, then the requirements; or one case,
 one row, at a time: `plan`, `Validation`), and the report's other forms, `junit`
@@ -69,7 +73,7 @@ from .deviations import Deviation, declared_deviations
 from .fixtures import GOLDEN_DIR, REPO_ROOT, find_fixtures, model_fixture_config
 from .invariant import INVARIANT_DDTREE, INVARIANT_TOKENS, MARGIN_REL, invariant_checks, \
     preset_invariant_checks, random_weights
-from .model_checks import replayed_round
+from .engine_rows import replayed_round
 from .protocol import CAPABILITIES, METHODS, EngineAdapter, capabilities, load_impl, resolve_capabilities
 from .protocol_v2 import CAPABILITIES_V2, METHODS_V2, PerRequest
 from .report import Check, Report, Status, ValidateError, write_json

@@ -19,8 +19,9 @@ attention take every request of the fixture (or the round) in one call.
 Model fixtures (batched_model.py) run every trace as one request of one batch, with the
 adapter's own cache and compaction, timed per stage. Kernel cases: top-k, tree build and
 compile over tree_build's cases; accept and KV compaction (grouped by row widths, caches
-zero-padded to the longest) over accept_compact's; each verify_attention case's own ragged
-batch in one attention call.
+zero-padded to the longest; each request's whole cache compared, its padding included, so a
+write past its committed slots fails) over accept_compact's; each verify_attention case's
+own ragged batch in one attention call, every request's output compared.
 """
 
 from __future__ import annotations
@@ -262,19 +263,24 @@ def _accept_compact_cases(adapter: CheckedV2, caps: set[str], reader, section: s
         accept_rows(adapter, section, cases, accepted)
     for group in groups(cases, lambda r: (r["c_kv"].shape[1], r["k_pe"].shape[1])) if "compact" in caps else []:
         slots = max(len(r["c_kv"]) for r in group)
-        c_kv, k_pe = (np.stack([np.pad(r[w], ((0, slots - len(r[w])), (0, 0))) for r in group]) for w in ("c_kv", "k_pe"))
+        c_kv, k_pe = (np.stack([_padded(r[w], slots) for r in group]) for w in ("c_kv", "k_pe"))
         with fault_into(compacted, section, "batched KV compaction", listing(group)):
             c_kv, k_pe = adapter.compact(put(adapter, c_kv), put(adapter, k_pe),
                                          put(adapter, [r.start for r in group], torch.int64),
                                          put(adapter, np.concatenate([r["accepted"] for r in group]), torch.int64),
                                          offsets([len(r["accepted"]) for r in group], adapter))
             c_kv, k_pe = host(c_kv), host(k_pe)
-            for b, r in enumerate(group):
+            for b, r in enumerate(group):       # the whole cache: its zero padding stays zero too
                 where = at(r, b, len(group))
-                compacted += [compare_exact(section, "c_kv after", c_kv[b, :len(r["c_kv"])], r["c_kv_after"], where),
-                              compare_exact(section, "k_pe after", k_pe[b, :len(r["k_pe"])], r["k_pe_after"], where)]
+                compacted += [compare_exact(section, f"{w} after", got[b], _padded(r[f"{w}_after"], slots), where)
+                              for w, got in (("c_kv", c_kv), ("k_pe", k_pe))]
     return [row(section, "batched accept", {"accept"}, caps, accepted),
             row(section, "batched KV compaction", {"compact"}, caps, compacted)]
+
+
+def _padded(rows: np.ndarray, slots: int) -> np.ndarray:
+    """rows [S, w] -> [slots, w], zero rows appended."""
+    return np.pad(rows, ((0, slots - len(rows)), (0, 0)))
 
 
 def _verify_attention_cases(adapter: CheckedV2, caps: set[str], reader, section: str,

@@ -18,21 +18,54 @@ def classify_divergence(margin: float, threshold: float) -> Status:
     return Status.NEAR_TIE if margin < threshold else Status.FAIL
 
 
+SHOWN = 16                      # values a FAIL's detail lists before eliding the rest
+
+
 def compare_exact(section: str, name: str, actual: Any, expected: Any, where: str = "") -> Check:
-    """Integer (or bit-exact float) outputs: shape and every value equal."""
+    """Integer (or bit-exact float) outputs: shape and every value equal. A FAIL names the
+    first index that differs; for a 1-D output of the wrong length (an accepted path one
+    token long or short) it also lists both outputs' values."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     at = f" ({where})" if where else ""
     if actual.shape != expected.shape:
-        return Check(section, name, Status.FAIL,
-                     detail=f"shape {list(actual.shape)} != expected {list(expected.shape)}{at}")
+        return Check(section, name, Status.FAIL, detail=f"{_lengths(actual, expected)}{at}")
     differ = np.flatnonzero(actual.reshape(-1) != expected.reshape(-1))
+    if differ.size and not expected.ndim:
+        return Check(section, name, Status.FAIL, detail=f"got {actual}, expected {expected}{at}")
     if differ.size:
         i = int(differ[0])
-        index = np.unravel_index(i, expected.shape) if expected.ndim else ()
+        index = list(map(int, np.unravel_index(i, expected.shape)))
         return Check(section, name, Status.FAIL,
-                     detail=f"{differ.size} differ; first at {list(map(int, index))}: got "
+                     detail=f"{differ.size} differ; first at {index}: got "
                             f"{actual.reshape(-1)[i]}, expected {expected.reshape(-1)[i]}{at}")
     return Check(section, name, Status.EXACT)
+
+
+def _lengths(actual: np.ndarray, expected: np.ndarray) -> str:
+    """Why outputs of different shapes differ: for 1-D ones their values and the first index
+    that differs (where the shorter one ends, when it is a prefix of the longer one)."""
+    if actual.ndim > 1 or expected.ndim != 1:
+        return f"shape {list(actual.shape)} != expected {list(expected.shape)}"
+    actual = actual.reshape(-1)
+    common = min(len(actual), len(expected))
+    differ = np.flatnonzero(actual[:common] != expected[:common])
+    i = int(differ[0]) if differ.size else common
+    got, want = (_value(a, i) for a in (actual, expected))
+    return (f"{_count(len(actual))}, expected {len(expected)}: got {_values(actual)}, expected "
+            f"{_values(expected)}; first difference at [{i}]: got {got}, expected {want}")
+
+
+def _values(a: np.ndarray) -> str:
+    shown = ", ".join(str(v) for v in a[:SHOWN].tolist())
+    return f"[{shown}{', ...' if len(a) > SHOWN else ''}]"
+
+
+def _value(a: np.ndarray, i: int) -> str:
+    return str(a[i].item()) if i < len(a) else "none (past its end)"
+
+
+def _count(n: int) -> str:
+    return f"{n} value{'s' * (n != 1)}"
 
 
 Locate = Callable[[int], str]    # a row index (a tree node, a token) -> where it is, in words

@@ -1,9 +1,11 @@
-"""The corpus (`kernels/corpus.kdtr`, refgen/corpus.py): one row per shipped bug.
+"""The corpus (`kernels/corpus.kdtr`, refgen/corpus.py): one case per shipped bug.
 
-Each case runs only its own stages through the adapter and becomes one row, named
-"corpus <case>: <bug>", so a broken implementation fails the row that names its bug.
-Stages an adapter does not implement are named in the row's detail as skipped; a
-case with none left is a skipped row. The stages (refgen/corpus.py):
+Each case runs only its own stages through the adapter and becomes one row, named by
+what it checks, "corpus <case>: <its stages>" (`corpus token_zero: top-k, tree build,
+accept`): a case was made for one bug, but other bugs of its stages fail it too. A
+FAIL's detail names each failing stage and what differs there. Stages an adapter does
+not implement are named in the row's detail as skipped; a case with none left is a
+skipped row. The stages (refgen/corpus.py):
 
 - topk: ids exact, lp within one float32 ulp, -inf exactly where the reference has it;
 - topk_error: draft logits holding NaN must raise; a returned top-k is a FAIL;
@@ -24,6 +26,8 @@ from .report import Check, Status
 
 STAGE_CAPABILITIES = {"topk": {"topk"}, "topk_error": {"topk"}, "own_tree": {"topk", "tree"}, "tree": {"tree"},
                       "compile": {"compile"}, "accept": {"accept"}, "compact": {"compact"}}
+STAGE_WORDS = {"topk": "top-k", "topk_error": "top-k refuses NaN", "own_tree": "a valid tree from its own top-k",
+               "tree": "tree build", "compile": "tree compile", "accept": "accept", "compact": "KV compaction"}
 
 
 class _Case:
@@ -154,7 +158,8 @@ _STAGES: dict[str, Callable[[Any, _Case], list[Check]]] = {
 
 
 def row_name(meta: Mapping[str, Any]) -> str:
-    return f"corpus {meta['name']}: {meta['bug']}"
+    """A case's row, named by what it checks: its name, then its stages."""
+    return f"corpus {meta['name']}: {', '.join(STAGE_WORDS[stage] for stage in meta['stages'])}"
 
 
 def _needs(meta: Mapping[str, Any]) -> set[str]:
@@ -172,22 +177,28 @@ def corpus_cases(adapter, caps: set[str], reader, section: str) -> list[Check]:
     for meta in reader.metadata.get("cases", []):
         case = _Case(reader, meta, section)
         needs = _needs(meta)
-        checks, missing = [], []
+        checks, missing, failures = [], [], []
         for stage in meta["stages"]:
             if not STAGE_CAPABILITIES[stage] <= caps:
                 missing.append(stage)
                 continue
             try:
-                checks += _STAGES[stage](adapter, case)
+                found = _STAGES[stage](adapter, case)
             except AdapterFault as fault:    # a crash or a forbidden output fails this case, not the fixture
-                checks.append(case.fail(f"{stage}: {fault}"))
+                found = [case.fail(str(fault))]
+            checks += found
+            failures += [_failure(stage, case, c) for c in found if c.status is Status.FAIL]
         skipped = f"{', '.join(missing)} skipped (not implemented by adapter)" if missing else ""
         if not checks:
             rows.append(Check(section, case.row, Status.SKIPPED, detail=skipped, needs=tuple(sorted(needs))))
             continue
         row = merge(section, case.row, checks, needs)
-        failures = [c.detail if c.name == case.row else f"{c.name}: {c.detail}"
-                    for c in checks if c.status is Status.FAIL]
         row.detail = "; ".join(filter(None, ["; ".join(failures) or row.detail, skipped]))
         rows.append(row)
     return rows
+
+
+def _failure(stage: str, case: _Case, check: Check) -> str:
+    """A failing comparison in the row's detail: its stage, what it compared, what differs."""
+    what = "" if check.name == case.row else f" {check.name}"
+    return f"{STAGE_WORDS[stage]}{what}: {check.detail}"

@@ -1,6 +1,7 @@
 """Kernel cases (`kernels/*.kdtr`): top-k from draft logits, tree build (float64
 scores too) and compile (positions, visibility bits, EAGLE links) bit-exact from the
-given top-k, accept and compaction exact, verify attention within tolerance. Every
+given top-k, accept and compaction exact (the whole cache, every slot past the committed
+ones included), verify attention within tolerance (every request of a case's batch). Every
 adapter call goes through the checked adapter; a fault is the FAIL row of its check.
 `KERNEL_ROWS` names each kind's rows and the capabilities each needs (the corpus: one row
 per case, corpus_checks.corpus_rows).

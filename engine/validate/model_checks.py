@@ -1,8 +1,8 @@
 """Model fixtures (`<preset>.kdtr`) through the checked adapter: prefill and verify
 logits within tolerance; AR tokens, tree build, target choices, accept, sampled choices
 and committed tokens exact, every trace (greedy and sampled) replayed teacher-forced; the
-fixture's adversarial sampling cases exact. For the built-in engine also its own batched
-decode loops and the invariant on the fixture's weights.
+fixture's adversarial sampling cases exact. For the built-in engine also its own rows
+(engine_rows.py) and the invariant (invariant.py) on the fixture's weights.
 
 A FAIL in verify logits, target choices or sampled choices names the first wrong node
 (trace, round, node index, its depth and position) and points to `kdtree diverge`.
@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
-import torch
 
-from kdtr_format import DDTreeConfig, ModelConfig
+from kdtr_format import ModelConfig
 
-from ..adapter import TorchAdapter
-from ..decode import DecodeResult, ar_decode, ddtree_decode
-from ..drafters import ReplayDrafter
-from .acceptance import engine_acceptance, with_acceptance
 from .checked import fault_into
-from .compare import _int, _words, compare_exact, compare_tree, merge, row, unpack_bits
+from .compare import _int, _words, compare_exact, compare_tree, row, unpack_bits
+from .engine_rows import engine_checks
 from .fixtures import model_fixture_config
 from .invariant import invariant_checks
 from .regime import Regime, RoutingWatch, reached_rows, sequence_reached
@@ -45,8 +41,6 @@ ROWS: dict[str, set[str]] = {
     "DDTree tokens": {"model", "accept"},
     "sampled DDTree tokens": {"model", "sample_accept"},
 }
-# The built-in engine's own rows (after ROWS; then the invariant's, invariant.INVARIANT_ROWS).
-ENGINE_AR, ENGINE_REPLAY = "engine AR decode (batched)", "engine DDTree replay (batched)"
 DIVERGE_HINT = "`kdtree diverge` finds the first op where verify and decode differ"
 
 
@@ -83,7 +77,7 @@ def _model_fixture(adapter: Any, caps: set[str], reader, section: str, builtin: 
     if regime.routing_threshold is not None and model:
         checks.append(fixture.routing.check(section))
     if builtin:
-        checks += fixture.engine_decode_checks(adapter, section)
+        checks += engine_checks(adapter, fixture, section)
         checks += invariant_checks(adapter, [fixture[f"prompts/{p['name']}/tokens"] for p in metadata["prompts"]],
                                    fixture.threshold, section, regime.label("tokens"))
     return checks
@@ -357,122 +351,6 @@ class _Fixture:
                          compare_exact(section, "accepted", accepted, case(p + "accepted"), where),
                          compare_exact(section, "next root", next_root, _int(case(p + "next_root")), where)]
 
-    def engine_decode_checks(self, adapter: TorchAdapter, section: str) -> list[Check]:
-        """The built-in engine's own batched decode loops against the fixture; an exception
-        in one is that row's FAIL."""
-        model, stages = adapter.model, adapter.stages
-        prompts = [p["name"] for p in self.prompts]
-
-        def ar_rows() -> list[Check]:
-            expected = [self[f"prompts/{p}/ar/tokens"] for p in prompts]
-            ar = ar_decode(model, [self[f"prompts/{p}/tokens"] for p in prompts], [len(e) for e in expected],
-                           stages=stages)
-            return [self.tokens(section, "engine AR decode", got.tokens, want, self[f"prompts/{p}/ar/margins"],
-                                f"prompt {p}", reached=self.ar_reached(p)[0], sequence=True)
-                    for p, got, want in zip(prompts, ar.requests, expected)]
-
-        greedy: list[DecodeResult] = []           # the greedy traces' own requests, for the acceptance table
-
-        def replay_rows() -> list[Check]:
-            rows = []
-            for key in sorted({_batch_key(t) for t in self.traces}):
-                group = [t for t in self.traces if _batch_key(t) == key]
-                group_rows, result = self._replay(model, stages, section, group, prompts if key[1] == 0 else [])
-                rows += group_rows
-                if key[1] == 0:
-                    greedy.append(dataclasses.replace(result, requests=result.requests[:len(group)]))
-            return rows
-
-        replay = _engine_row(section, ENGINE_REPLAY, replay_rows)
-        return [_engine_row(section, ENGINE_AR, ar_rows), with_acceptance(replay, engine_acceptance(*greedy))]
-
-    def _replay(self, model, stages, section: str, traces: list[Mapping[str, Any]],
-                companions: list[str]) -> tuple[list[Check], DecodeResult]:
-        """Traces of one block size and temperature in one batch, each with its own prompt, budget,
-        length and (sampled) uniforms, beside companion requests: the fixture's prompts with flat
-        drafts, whose tokens must be their AR tokens (DDTree greedy == AR greedy), so that a leak
-        between requests has other requests to leak into. Whole sequences are compared."""
-        ddtree = DDTreeConfig.from_dict(traces[0]["ddtree"])
-        recorded = [{_int(self[f"traces/{t['name']}/rounds/{r}/start"]):
-                     self[f"traces/{t['name']}/rounds/{r}/draft_logits"] for r in range(t["rounds"])}
-                    for t in traces] + [{} for _ in companions]
-        prompts = [self[f"prompts/{t['prompt']}/tokens"] for t in traces] + \
-                  [self[f"prompts/{p}/tokens"] for p in companions]
-        budgets = [int(t["ddtree"]["budget"]) for t in traces]
-        budgets += [max(budgets)] * len(companions)
-        lengths = [int(t["max_new_tokens"]) for t in traces] + \
-                  [len(self[f"prompts/{p}/ar/tokens"]) for p in companions]
-        result = ddtree_decode(model, ReplayDrafter(recorded, self.cfg.vocab_size, model.device), prompts, ddtree,
-                               lengths, budgets=budgets, stages=stages, record=True,
-                               uniforms=self._uniforms(traces, max(budgets) + 1) if ddtree.temperature > 0 else None)
-        rows = []
-        for t, request in zip(traces, result.requests):
-            name = t["name"]
-            margins = self[f"traces/{name}/margins"] if ddtree.temperature > 0 else \
-                self[f"prompts/{t['prompt']}/ar/margins"]
-            ar_reached, taints = self.ar_reached(t["prompt"])
-            trace_rows = [self.tokens(section, "tokens", request.tokens, self[f"traces/{name}/tokens"], margins,
-                                      f"trace {name}", reached=ar_reached, sequence=True)]
-            lengths = compare_exact(section, "acceptance lengths", request.acceptance_lengths,
-                                    self[f"traces/{name}/acceptance_lengths"], f"trace {name}")
-            for r, got in enumerate(request.rounds[:t["rounds"]]):
-                rp, where = f"traces/{name}/rounds/{r}", f"trace {name} round {r}"
-                # The engine computed its own top-k from the draft logits here, and the contract lets
-                # top-k lp differ by a float32 ulp between implementations. Where they do and the tree
-                # then differs, that is a score near-tie, not a bug: the round's rows are near-ties (the
-                # bit-exact tree build from the fixture's top-k is checked on its own, and the committed
-                # tokens above stay exact). Scores are compared with the log-prob tolerance.
-                round_rows = [compare_exact(section, what, getattr(got, what).numpy(), self[f"{rp}/{what}"],
-                                            where) for what in ("parents", "tokens", "depths", "accepted")]
-                round_rows += [
-                    self.close(section, "scores", got.scores.numpy(), self[f"{rp}/scores"], "logprobs", where),
-                    self.tokens(section, "choices", got.choices.numpy(), self[f"{rp}/choices"],
-                                self[f"{rp}/margins"], where, reached=self.tree_reached(rp, taints)),
-                    compare_exact(section, "next root", got.next_root, _int(self[f"{rp}/next_root"]), where)]
-                round_rows = replayed_round(round_rows, tree_rows=3,
-                                            same_topk=np.array_equal(got.topk_lp.numpy(), self[f"{rp}/topk_lp"]))
-                choices_tied = any(row.name == "choices" and row.status is Status.NEAR_TIE for row in round_rows)
-                trace_rows += follow_near_tie(round_rows, choices_tied, ("accepted", "next root"))
-                if any(row.status is Status.NEAR_TIE for row in round_rows):
-                    break                       # the request left the recorded path: later rounds are not comparable
-            tied = any(row.status is Status.NEAR_TIE for row in trace_rows)
-            rows += trace_rows + follow_near_tie([lengths], tied, ("acceptance lengths",))
-        beside = ", ".join(t["name"] for t in traces)
-        for p, request in zip(companions, result.requests[len(traces):]):
-            rows.append(self.tokens(section, "tokens", request.tokens, self[f"prompts/{p}/ar/tokens"],
-                                    self[f"prompts/{p}/ar/margins"],
-                                    f"prompt {p} with flat drafts, batched with trace {beside}",
-                                    reached=self.ar_reached(p)[0], sequence=True))
-        return rows, result
-
-    def _uniforms(self, traces: list[Mapping[str, Any]], width: int) -> list[torch.Tensor]:
-        """The traces' recorded uniforms as ddtree_decode takes them: [B, 1] for the prefill, then
-        [B, width] per round, as many rounds as an engine that commits one token a round needs
-        (0.5 where a request has no recorded round or node)."""
-        rounds = max(int(t["max_new_tokens"]) for t in traces)
-        table = [torch.full((len(traces), 1 if r == 0 else width), 0.5, dtype=torch.float64)
-                 for r in range(rounds + 1)]
-        for b, t in enumerate(traces):
-            table[0][b, 0] = float(self[f"traces/{t['name']}/prefill_uniform"])
-            for r in range(int(t["rounds"])):
-                u = self[f"traces/{t['name']}/rounds/{r}/uniforms"]
-                table[r + 1][b, :len(u)] = torch.tensor(u)
-        return table
-
-
-def _batch_key(trace: Mapping[str, Any]) -> tuple[int, float]:
-    """What one engine decode call shares: the block size and the temperature."""
-    return int(trace["ddtree"]["block_size"]), float(trace["ddtree"].get("temperature", 0.0))
-
-
-def _engine_row(section: str, name: str, rows: Callable[[], list[Check]]) -> Check:
-    """The built-in engine's row: its comparisons merged, or a FAIL naming what it raised."""
-    try:
-        return merge(section, name, rows())
-    except Exception as exc:
-        return Check(section, name, Status.FAIL, detail=f"the engine raised {type(exc).__name__}: {exc}")
-
-
 class _Nodes:
     """A round's nodes in words for one comparison's detail ('node i (depth d, position p)'),
     keeping the node it named: a FAIL row carries it as tables["first_wrong_node"] (trace,
@@ -501,23 +379,3 @@ class _Nodes:
         return dataclasses.replace(check, detail=f"{check.detail}; {DIVERGE_HINT}", tables=tables)
 
 
-def follow_near_tie(rows: list[Check], tied: bool, names: tuple[str, ...]) -> list[Check]:
-    """When `tied` (a near-tie decided what these rows depend on: a round's choices for its accept
-    path and next root, any of a trace's decisions for its acceptance lengths), the FAIL rows of
-    `names` are near-ties: they follow the near-tie, they do not add a failure of their own."""
-    if not tied:
-        return rows
-    return [dataclasses.replace(row, status=Status.NEAR_TIE, detail=f"{row.detail}; follows a near-tie decision")
-            if row.status is Status.FAIL and row.name in names else row for row in rows]
-
-
-def replayed_round(rows: list[Check], tree_rows: int, same_topk: bool) -> list[Check]:
-    """A replayed round's checks, the first `tree_rows` of them on the tree's shape. When the
-    implementation's own top-k log-probs differ from the fixture's (by the float32 ulp the contract
-    allows) and the tree differs, every failing row of the round is a near-tie, not a bug."""
-    tree_differs = any(row.status is Status.FAIL for row in rows[:tree_rows])
-    if same_topk or not tree_differs:
-        return rows
-    return [dataclasses.replace(row, status=Status.NEAR_TIE,
-                                detail=f"{row.detail}; top-k lp differ from the fixture's (contract: a score near-tie)")
-            if row.status is Status.FAIL else row for row in rows]

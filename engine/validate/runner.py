@@ -50,7 +50,8 @@ from .deviations import with_deviations
 from .fixtures import _kdtr_files, find_fixtures
 from .invariant import INVARIANT_ROWS, preset_invariant_checks
 from .kernel_checks import KERNEL_KINDS, KERNEL_ROWS, kernel_checks
-from .model_checks import ENGINE_AR, ENGINE_REPLAY, ROWS, _model_fixture
+from .engine_rows import ENGINE_ROWS
+from .model_checks import ROWS, _model_fixture
 from .paged_checks import PAGED_KIND, PAGED_ROWS, paged_checks
 from .protocol import CAPABILITIES, resolve_capabilities
 from .protocol_v2 import CAPABILITIES_V2
@@ -136,7 +137,8 @@ def _per_request_cases(reader, section: str, dtype: str) -> tuple[Case, ...]:
         cases = [Case(section, name, tuple(sorted(needs))) for name, needs in ROWS.items()]
         if regime.routing_threshold is not None:
             cases.append(Case(section, "routing", absent=NO_ROUTING))
-        return (*cases, *(Case(section, name, (), True) for name in (ENGINE_AR, ENGINE_REPLAY, *INVARIANT_ROWS)))
+        return (*cases, *(Case(section, name, (), True, absent) for name, absent in ENGINE_ROWS.items()),
+                *(Case(section, name, (), True) for name in INVARIANT_ROWS))
     if kind == "corpus":
         return tuple(Case(section, name, tuple(sorted(needs))) for name, needs in corpus_rows(reader))
     rows = PAGED_ROWS if kind == PAGED_KIND else KERNEL_ROWS.get(kind)

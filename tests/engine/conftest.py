@@ -11,6 +11,9 @@
 - A test taking `device` runs on "cpu" and on "cuda" (skipped without a GPU).
 - Engine tests run torch with one intra-op thread (`one_torch_thread`).
 - `golden_path(preset)` -> tests/golden/<preset>.kdtr, or a skip naming the absent file.
+- `small_model_fixture` -> a tiny2 model fixture generated once a session by refgen, small
+  enough to validate in a fraction of a second (SMALL_PLAN, SMALL_BF16_PLAN), in a directory
+  of its own (tiny2.kdtr).
 - `builtin_decode_only(stages=None)`: from then on, `engine.validate.validate(None, ...)`
   checks the built-in engine with these stages and runs its own decode loops but not the
   invariant (checked on its own, and the slowest part).
@@ -27,10 +30,22 @@ import numpy as np
 import pytest
 import torch
 
-from kdtr_format import PRESETS, ModelConfig, YarnScaling
+from kdtr_format import PRESETS, DDTreeConfig, ModelConfig, YarnScaling
+from refgen.fixtures import FixturePlan, TraceSpec, model_fixture, write_fixture
 
 SEED = 1234
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
+
+# Two prompts; greedy traces of block sizes 4 and 3, one of block size 1 (root-only trees: no
+# round rejects a node), two sampled ones; bf16 cases of one prompt.
+SMALL_PLAN = FixturePlan(prompt_lengths=(5, 9), ar_new_tokens=8, traces=(
+    TraceSpec("t0", 0, "oracle", 0.8, DDTreeConfig(block_size=4, budget=6), 8),
+    TraceSpec("t1", 1, "oracle", 0.6, DDTreeConfig(block_size=3, budget=5), 8),
+    TraceSpec("t2", 0, "target", None, DDTreeConfig(block_size=3, budget=4, temperature=0.6), 6),
+    TraceSpec("t3", 1, "target", None, DDTreeConfig(block_size=3, budget=4, temperature=0.6), 6),
+    TraceSpec("t4", 1, "oracle", 0.9, DDTreeConfig(block_size=1, budget=8), 4)))
+SMALL_BF16_PLAN = FixturePlan(prompt_lengths=(4, 6), ar_new_tokens=6, traces=(
+    TraceSpec("t0", 0, "oracle", 0.9, DDTreeConfig(block_size=4, budget=6), 6),))
 
 MODELS: dict[str, ModelConfig] = {
     **PRESETS,
@@ -107,6 +122,13 @@ def golden_path() -> Callable[[str], Path]:
             pytest.skip(f"golden fixture {path} is absent (generate it with `refgen generate`)")
         return path
     return find
+
+
+@pytest.fixture(scope="session")
+def small_model_fixture(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("small") / "tiny2.kdtr"
+    write_fixture(path, model_fixture(PRESETS["tiny2"], "tiny2", seed=0, plan=SMALL_PLAN, bf16_plan=SMALL_BF16_PLAN))
+    return path
 
 
 @pytest.fixture

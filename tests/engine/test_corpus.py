@@ -1,5 +1,6 @@
 """engine.validate's corpus rows (kernels/corpus.kdtr): every broken example adapter of
-docs/examples/corpus fails exactly the case named for its bug, the correct implementations
+docs/examples/corpus fails exactly the case made for its bug, saying which stage and what
+differs; a bug of another kind fails every case of its stage; the correct implementations
 pass every case, and a row says what it skipped or what crashed."""
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ from engine.validate import GOLDEN_DIR, Status, load_impl, validate
 from engine.validate.corpus_checks import tree_problems
 
 BROKEN_MODULE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "corpus" / "broken_adapters.py"
-# What the failing row must say, per case: the symptom of its bug.
+# What the failing row must say, per case: the stage and what differs there.
 SYMPTOM = {
-    "token_zero": "shape [6] != expected [11]",
-    "nan_draft_logits": "the contract requires an explicit error",
-    "neg_inf_draft_logits": "expected -inf",
-    "duplicate_siblings": "siblings with the same token: nodes 1 and 2",
-    "star": "positions: 5 differ",
-    "budget_beyond_possible": "shape [101] != expected [40]",
-    "budget_zero": "shape [2] != expected [1]",
-    "tree_below_chain": "accepted 2 tokens, fewer than the 5 the tree's own rank-0 chain accepts",
-    "compaction_non_prefix": "c_kv_after: 192 differ",
+    "token_zero": "tree build parents: 6 values, expected 11: got [-1, 0, 1, 2, 0, 0], expected [-1, 0, 1, 2, 0, 0, "
+                  "1, 4, 0, 1, 5]; first difference at [6]: got none (past its end), expected 1 (case token_zero)",
+    "nan_draft_logits": "top-k refuses NaN: returned a top-k for draft logits holding NaN; the contract requires",
+    "neg_inf_draft_logits": "top-k topk_lp: -inf at [0, 4]: got -3.4028234663852886e+38, expected -inf",
+    "duplicate_siblings": "a valid tree from its own top-k: the tree from the adapter's own top-k is invalid: "
+                          "siblings with the same token: nodes 1 and 2",
+    "star": "tree compile positions: 5 differ",
+    "budget_beyond_possible": "tree build parents: 101 values, expected 40:",
+    "budget_zero": "tree build parents: 2 values, expected 1: got [-1, 0], expected [-1]; first difference at [1]: "
+                   "got 0, expected none (past its end)",
+    "tree_below_chain": "accept: accepted 2 tokens, fewer than the 5 the tree's own rank-0 chain accepts",
+    "compaction_non_prefix": "KV compaction c_kv_after: 192 differ",
 }
 
 
@@ -48,19 +52,20 @@ def broken():
     return sys.modules["kdtree_impl_broken_adapters"]
 
 
-CASES = [("token_zero", "token id 0 treated as padding"),
-         ("nan_draft_logits", "NaN in draft logits printed and carried on"),
-         ("neg_inf_draft_logits", "-inf in draft logits"),
-         ("duplicate_siblings", "siblings with the same token"),
-         ("star", "a tree with every node at depth 1 (star)"),
-         ("budget_beyond_possible", "budget larger than the number of possible nodes"),
-         ("budget_zero", "budget 0"),
-         ("tree_below_chain", "a greedy tree that accepts fewer tokens than its own rank-0 chain"),
-         ("compaction_non_prefix", "KV compaction that assumes the accepted path is a prefix of tree order")]
+# Each case's row names what it checks: its stages.
+CASES = [("token_zero", "top-k, tree build, accept"),
+         ("nan_draft_logits", "top-k refuses NaN"),
+         ("neg_inf_draft_logits", "top-k, a valid tree from its own top-k"),
+         ("duplicate_siblings", "top-k, a valid tree from its own top-k"),
+         ("star", "tree build, tree compile"),
+         ("budget_beyond_possible", "tree build"),
+         ("budget_zero", "tree build"),
+         ("tree_below_chain", "tree build, accept"),
+         ("compaction_non_prefix", "KV compaction")]
 
 
 def row_of(case: str) -> str:
-    return next(f"corpus {case}: {bug}" for name, bug in CASES if name == case)
+    return next(f"corpus {case}: {checks}" for name, checks in CASES if name == case)
 
 
 @pytest.mark.parametrize("case", [name for name, _ in CASES])
@@ -85,6 +90,21 @@ def test_correct_implementations_pass_every_case(corpus_dir, broken, adapter):
     if adapter == "numpy":      # the example has no compile_tree: the star case names what it skipped
         (star,) = [c for c in report.checks if c.name == row_of("star")]
         assert star.detail == "compile skipped (not implemented by adapter)"
+
+
+def test_a_bug_fails_every_case_of_its_stage_saying_what_differs(corpus_dir, broken):
+    """A case is made for one bug, but its row checks its stages: an accept walk that takes one
+    node too many fails both cases with an accept stage, each showing both paths."""
+    class OneNodeTooMany(broken.NumpyAdapter):
+        def accept(self, parents, tokens, choices):
+            accepted, next_root = super().accept(parents, tokens, choices)
+            return np.append(accepted, len(parents) - 1), next_root
+
+    report = validate(OneNodeTooMany(), corpus_dir, require="none")
+    failed = {c.name: c.detail for c in report.checks if c.status is Status.FAIL}
+    assert set(failed) == {row_of("token_zero"), row_of("tree_below_chain")}, failed
+    assert "accept accepted: 5 values, expected 4: got [0, 1, 2, 3, 10], expected [0, 1, 2, 3]; first difference " \
+           "at [4]: got 10, expected none (past its end) (case token_zero)" in failed[row_of("token_zero")]
 
 
 class AcceptOnly:

@@ -13,7 +13,9 @@ compares it with the single-device engine computed here:
 - an expert whose tokens all live on another rank (routing steered onto the last rank's experts);
 - invariant mode: a token's logits bitwise the same alone and in a batch, DDTree == AR with the
   same margins (world size 4 is where the backend's own all-reduce order would break it);
-- sharded validate passes at world sizes 2 and 4 on a small fixture generated here;
+- sharded validate passes at world sizes 2 and 4 on a small fixture generated here, its row of
+  greedy ties across shard boundaries included (a planted argmax whose ties go to the larger id
+  fails it);
 - a failing or dying rank is reported, never a hang; `kdtree validate --tp`, spawned and
   under a torchrun environment, and its bad input.
 - NCCL: world size 1 on one GPU (kimi-k2: K2's attention dims), TP-2 validate on two GPUs
@@ -36,6 +38,7 @@ from engine.drafters import OracleDrafter
 from engine.model import Transformer
 from engine.parallel import Gang, World, shard_weights, weight_split
 from engine.stages import TorchStages, top2_margins
+from engine.validate.engine_rows import ENGINE_TIES
 from kdtr_format import PRESETS, DDTreeConfig
 from refgen.fixtures import FixturePlan, TraceSpec, model_fixture, write_fixture
 from refgen.weights import init_weights
@@ -317,8 +320,41 @@ def assert_validate_passed(implementation: str, rows: list[tuple[str, str]], siz
     assert f"TP {size}" in implementation
     assert {status for name, status in rows if not name.startswith("capability ")} <= {
         "exact", "within tolerance", "near-tie"}, rows             # capability rows: what one file cannot check
-    assert {"verify logits", "engine DDTree replay (batched)", "invariant DDTree == AR (layerskip)"} <= {
-        name for name, _ in rows}
+    assert {"verify logits", "engine DDTree replay (batched)", "invariant DDTree == AR (layerskip)",
+            ENGINE_TIES} <= {name for name, _ in rows}
+
+
+class TiesToTheLargerId(TorchStages):
+    def greedy_choices(self, logits):
+        return logits.shape[-1] - 1 - logits.flip(-1).argmax(dim=-1)
+
+
+def job_tie_rows(world: World) -> list[tuple[str, str]]:
+    """validate's greedy-ties row on this rank's shard of tiny2: with the engine's stages, then with
+    an argmax whose ties go to the larger id -> [(status, detail)] of both."""
+    from engine.adapter import TorchAdapter
+    from engine.validate.engine_rows import ties_check
+
+    adapter = TorchAdapter(world=world)
+    adapter.model = engine(world, "tiny2")
+    rows = [ties_check(adapter, "tiny2.kdtr")]
+    adapter.stages = TiesToTheLargerId()
+    rows.append(ties_check(adapter, "tiny2.kdtr"))
+    return [(row.status.value, row.detail) for row in rows]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_validate_checks_greedy_ties_across_shard_boundaries(gangs, size):
+    """`kdtree validate --tp N`'s own row: ties either side of every shard boundary go to the
+    smaller id; an argmax whose ties go to the larger id fails it, naming the first boundary."""
+    results = gangs(size).run(job_tie_rows)
+    assert all(r == results[0] for r in results)
+    (status, detail), (planted, planted_detail) = results[0]
+    assert status == "exact" and f"TP {size}: ties across its {size - 1} shard boundaries" in detail, detail
+    first = World(1, size, torch.device("cpu")).part(PRESETS["tiny2"].vocab_size)[0]
+    assert planted == "FAIL" and planted_detail.startswith(
+        f"ids {first - 1}, {first} either side of the boundary of ranks 0 and 1 tie: chose {first}, expected "
+        f"{first - 1}"), planted_detail
 
 
 def test_sharded_validate_passes_at_world_size_4(gangs, small_fixture):

@@ -368,7 +368,7 @@ def check_paging(case: dict, table: np.ndarray, lengths: list[int], sharer_start
 def test_paged_attention_cases_match_float64_attention_through_the_block_table(open_golden):
     f = open_golden("kernels/paged_kv.kdtr")
     cases = paged_cases(f, "attention")
-    assert {c["page_size"] for c in cases} == {1, 16, 64}
+    assert {c["page_size"] for c in cases} == {1, 3, 16, 64}
     for case in cases:
         def g(name: str) -> np.ndarray:
             return f[f"cases/{case['name']}/{name}"]
@@ -407,7 +407,7 @@ def test_paged_attention_cases_match_float64_attention_through_the_block_table(o
 def test_paged_compaction_cases_move_only_the_requests_own_slots(open_golden):
     f = open_golden("kernels/paged_kv.kdtr")
     cases = paged_cases(f, "compact")
-    assert {c["page_size"] for c in cases} == {1, 16, 64} and all(c["shared_pages"] for c in cases)
+    assert {c["page_size"] for c in cases} == {1, 3, 16, 64} and all(c["shared_pages"] for c in cases)
     prefixes = set()
     for case in cases:
         def g(name: str) -> np.ndarray:
