@@ -5,7 +5,7 @@
     refgen generate --preset kimi-k2         one preset (repeatable); --config-file PATH for a config.json
     refgen generate --checkpoint DIR --layers 2 --experts 8 --out DIR   a fixture from a real checkpoint, sliced
     refgen generate --kernels-large          the large kernel cases (never committed)
-    refgen verify [PATH]                     regenerate and compare; exit 1 on drift
+    refgen verify [PATH]...                  regenerate and compare; exit 1 on drift
     refgen show FILE                         what a fixture holds
 
 Bad input ends in one line `refgen: error: ...` and exit status 2; drift in
@@ -45,14 +45,16 @@ from kdtr_format.clikit import Cli, CliError, OutputDirectory, console, records,
 from . import __version__  # noqa: E402
 from .checkpoint import (CheckpointError, checkpoint_fixture, fixture_name, load, open_checkpoint,  # noqa: E402
                          plan_import)
-from .fixtures import (DEFAULT_PLAN, GOLDEN_PRESETS, REGEN_RTOL, Fixture, FixtureError,  # noqa: E402
-                       check_plan, compare, model_fixture, stored_hash_problem, write_fixture)
+from .fixtures import (DEFAULT_PLAN, GOLDEN_PRESETS, Fixture, FixtureError, check_plan,  # noqa: E402
+                       model_fixture, stored_hash_problem, write_fixture)
 from .kernel_cases import KERNEL_KINDS, kernel_cases, kernel_fixture, kernel_path  # noqa: E402
+from .regen import REGEN_REL, compare  # noqa: E402
 from .weights import weight_shapes  # noqa: E402
 
 DEFAULT_DIR = "tests/golden"
 COMMITTED_DIR = Path(__file__).resolve().parents[1] / DEFAULT_DIR   # this checkout's golden fixtures
-IDENTICALLY = f"integer tensors byte-identical, floats within {REGEN_RTOL:g} relative"   # as the README says
+IDENTICALLY = (f"integers and drawn floats identical, computed floats within {REGEN_REL:g} of their scale: "
+               "the logit scale for logits and margins")   # as the README says
 MAX_WEIGHT_BYTES = 2 << 30      # refgen holds every weight in float64: refuse configs beyond this
 MAX_REPORTED = 40               # drift lines printed per file
 
@@ -278,7 +280,7 @@ def _regenerate(metadata: dict[str, Any]) -> _Job:
     raise FixtureError(f"metadata.kind: unknown fixture kind {kind!r}")
 
 
-def _fixture_files(path: Path) -> tuple[list[Path], list[str]]:
+def _fixture_files(path: Path) -> tuple[list[Path], list[Path]]:
     """The fixture files under `path` (a file or a directory) and, for this checkout's
     committed golden directory, the committed fixtures it lacks."""
     if path.is_file():
@@ -287,7 +289,23 @@ def _fixture_files(path: Path) -> tuple[list[Path], list[str]]:
     if path.resolve() != COMMITTED_DIR.resolve():
         return files, []
     expected = [f"{name}.kdtr" for name in GOLDEN_PRESETS] + [kernel_path(k, False) for k in KERNEL_KINDS]
-    return files, [name for name in expected if not (path / name).is_file()]
+    return files, [path / name for name in expected if not (path / name).is_file()]
+
+
+def _all_fixture_files(paths: tuple[Path, ...]) -> tuple[list[Path], list[Path]]:
+    """_fixture_files of every path (default: DEFAULT_DIR), each file once."""
+    if not paths:
+        if not Path(DEFAULT_DIR).is_dir():
+            raise CliError(f"no {DEFAULT_DIR} here: give PATH (run from a checkout, or name the fixtures)")
+        paths = (Path(DEFAULT_DIR),)
+    files, missing = {}, []
+    for path in paths:
+        found, lacking = _fixture_files(path)
+        if not found and not lacking:
+            raise CliError(f"{path}: no .kdtr fixtures found")
+        files.update((file.resolve(), file) for file in found)
+        missing += lacking
+    return list(files.values()), missing
 
 
 def _verify_file(path: Path, scratch: Path, progress_console: Console) -> list[str]:
@@ -317,17 +335,16 @@ def _require_fixture(metadata: dict[str, Any]) -> None:
                            "kind); `kdtr inspect` shows any KDTR file")
 
 
-@main.command(help=f"Regenerate the fixtures under PATH (a directory or one file; default {DEFAULT_DIR}) and "
-                   f"compare: {IDENTICALLY}, metadata equal but for provenance. This checkout's "
-                   f"{DEFAULT_DIR} must also hold every committed fixture. Exit 1 on any drift.")
-@click.argument("path", type=click.Path(exists=True, path_type=Path), default=DEFAULT_DIR, required=False)
-def verify(path: Path) -> int:
-    files, missing = _fixture_files(path)
-    if not files and not missing:
-        raise CliError(f"{path}: no .kdtr fixtures found")
+@main.command(help=f"Regenerate the fixtures under each PATH (a directory or one file; default {DEFAULT_DIR}) "
+                   f"and compare: {IDENTICALLY}; metadata equal but for provenance (docs/fixtures.md, "
+                   f"\"Regeneration\"). This checkout's {DEFAULT_DIR} must also hold every committed fixture. "
+                   "Exit 1 on any drift.")
+@click.argument("paths", nargs=-1, type=click.Path(exists=True, path_type=Path), metavar="[PATH]...")
+def verify(paths: tuple[Path, ...]) -> int:
+    files, missing = _all_fixture_files(paths)
     out, failed = console(), 0
-    for name in missing:
-        out.print(f"[red]MISSING[/red] {escape(str(path / name))}: run `refgen generate --all`")
+    for path in missing:
+        out.print(f"[red]MISSING[/red] {escape(str(path))}: run `refgen generate --all`")
         failed += 1
     with tempfile.TemporaryDirectory(prefix="refgen-verify-") as scratch:
         for file in files:

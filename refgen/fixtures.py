@@ -28,9 +28,8 @@ Near ties. Exact token comparison is fair only away from ties, so:
 The final seeds, the smallest margin and the smallest gap are in the metadata.
 
 Shared by every fixture kind (refgen/kernel_cases.py too): provenance
-(`generator_info`), `content_hash`, the atomic `write_fixture`, and `compare`,
-which checks a regenerated fixture against a committed one: integer tensors
-byte-identical, floats within REGEN_RTOL, metadata equal but for provenance.
+(`generator_info`), `content_hash` and the atomic `write_fixture`. When a regenerated
+fixture is the committed one is refgen.regen's job.
 """
 
 from __future__ import annotations
@@ -62,8 +61,6 @@ MARGIN_REL = 1e-3                    # margin_threshold = MARGIN_REL * logit_sca
 TOPK_GAP_MIN = 1e-5                  # ~10 float32 ulps of a log-prob in [-16, -8]
 MAX_DRAWS = 32                       # redraws of a prompt or drafter seed before giving up
 PROBE_LENGTH = 16                    # the probe prompt that measures logit_scale
-REGEN_RTOL = 1e-12                   # regenerated floats agree to this (BLAS order differs)
-PROVENANCE = ("version", "numpy")    # generator keys that may differ between regenerations
 
 # Sub-seed streams (see `sub_seed`).
 _PROBE, _PROMPT, _DRAFTER, _UNIFORMS = 0, 1, 2, 3
@@ -502,75 +499,3 @@ def stored_hash_problem(reader: Any) -> str | None:
     if actual != metadata["content_hash"]:
         return f"content_hash: stored {metadata['content_hash'][:16]}..., content gives {actual[:16]}..."
     return None
-
-
-def compare(expected: Any, actual: Any) -> list[str]:
-    """Problems of a regenerated fixture `actual` against the committed `expected`
-    (both KDTR readers): one line per drifting tensor or metadata key, [] when none."""
-    problems = metadata_drift(expected.metadata, actual.metadata, "metadata")
-    expected_names, actual_names = set(expected.names()), set(actual.names())
-    problems += [f"{name}: missing from the regenerated fixture"
-                 for name in sorted(expected_names - actual_names)]
-    problems += [f"{name}: regenerated but not in the committed fixture"
-                 for name in sorted(actual_names - expected_names)]
-    for name in sorted(expected_names & actual_names):
-        drift = tensor_drift(np.asarray(expected[name]), np.asarray(actual[name]))
-        if drift:
-            problems.append(f"{name}: {drift}")
-    return problems
-
-
-def tensor_drift(expected: np.ndarray, actual: np.ndarray) -> str | None:
-    """None when `actual` regenerates `expected`: same dtype and shape; integer and bool
-    bytes identical; floats |a - e| <= REGEN_RTOL * max(|a|, |e|, max |e| of the tensor),
-    non-finite values identical."""
-    if expected.dtype != actual.dtype or expected.shape != actual.shape:
-        return (f"{actual.dtype}{list(actual.shape)} regenerated, "
-                f"{expected.dtype}{list(expected.shape)} committed")
-    if expected.dtype.kind != "f":
-        if expected.tobytes() == actual.tobytes():
-            return None
-        where = np.argwhere(expected != actual)
-        first = tuple(int(i) for i in where[0]) if where.size else ()
-        return (f"{len(where)} of {expected.size} values differ, first at {list(first)}: "
-                f"committed {expected[first]}, regenerated {actual[first]}")
-    e, a = expected.astype(np.float64), actual.astype(np.float64)
-    finite = np.isfinite(e)
-    if not np.array_equal(finite, np.isfinite(a)) or \
-            not np.array_equal(e[~finite], a[~finite], equal_nan=True):
-        return "non-finite values differ"
-    floor = np.abs(e[finite]).max(initial=0.0)
-    diff = np.abs(np.subtract(e, a, where=finite, out=np.zeros_like(e)))
-    limit = REGEN_RTOL * np.maximum(np.maximum(np.abs(e), np.abs(a)), floor)
-    bad = finite & (diff > limit)
-    if not bad.any():
-        return None
-    worst = np.unravel_index(np.argmax(np.where(bad, diff, -1.0)), e.shape)
-    return (f"{int(bad.sum())} of {e.size} values drift beyond {REGEN_RTOL:g} relative; worst at "
-            f"{[int(i) for i in worst]}: committed {float(e[worst])!r}, regenerated {float(a[worst])!r}")
-
-
-def metadata_drift(expected: Any, actual: Any, path: str) -> list[str]:
-    """Differences between two metadata trees, floats within REGEN_RTOL; the
-    provenance keys (generator version, numpy) and content_hash are not compared."""
-    if isinstance(expected, dict) and isinstance(actual, dict):
-        problems = []
-        for key in sorted(set(expected) | set(actual)):
-            if key == "content_hash" or (path.endswith("generator") and key in PROVENANCE):
-                continue
-            if key not in actual or key not in expected:
-                side = "regenerated" if key not in expected else "committed"
-                problems.append(f"{path}.{key}: only in the {side} fixture")
-            else:
-                problems += metadata_drift(expected[key], actual[key], f"{path}.{key}")
-        return problems
-    if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
-        return [p for i, (e, a) in enumerate(zip(expected, actual))
-                for p in metadata_drift(e, a, f"{path}[{i}]")]
-    if (isinstance(expected, float) and isinstance(actual, (int, float))
-            and not isinstance(actual, bool)):
-        if abs(expected - actual) <= REGEN_RTOL * max(abs(expected), abs(actual)):
-            return []
-    elif expected == actual and type(expected) is type(actual):
-        return []
-    return [f"{path}: committed {expected!r}, regenerated {actual!r}"]
