@@ -27,24 +27,19 @@ Near ties. Exact token comparison is fair only away from ties, so:
 
 The final seeds, the smallest margin and the smallest gap are in the metadata.
 
-Shared by every fixture kind (refgen/kernel_cases.py too): provenance
-(`generator_info`), `content_hash` and the atomic `write_fixture`. When a regenerated
-fixture is the committed one is refgen.regen's job.
+Shared by every fixture kind (refgen/kernel_cases.py too): `Fixture`, provenance
+(`generator_info`) and sub-seeds. Files are refgen.files' job; when a regeneration
+is the committed fixture, refgen.regen's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-import kdtr_format
 from kdtr_format import DDTreeConfig, ModelConfig
-
 from kdtr_format.precision import bf16_bounds
 
 from . import __version__
@@ -444,58 +439,3 @@ def _round_tensors(prefix: str, r: Round) -> dict[str, np.ndarray]:
     if r.uniforms is not None:
         tensors["uniforms"] = r.uniforms
     return {f"{prefix}/{name}": array for name, array in tensors.items()}
-
-
-# ---------------------------------------------------------------------------- files
-
-def _little_endian_bytes(array: np.ndarray) -> memoryview:
-    """The array's little-endian C-order bytes (a view when it is already so laid out)."""
-    array = np.ascontiguousarray(array)
-    return memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8))
-
-
-def _metadata_digest(metadata: Mapping[str, Any]) -> Any:
-    """sha256 fed with the canonical metadata JSON (content_hash removed)."""
-    digest = hashlib.sha256()
-    body = {k: v for k, v in metadata.items() if k != "content_hash"}
-    digest.update(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                             allow_nan=False).encode("ascii"))
-    return digest
-
-
-def _sorted_names(tensors: Mapping[str, np.ndarray]) -> list[str]:
-    return sorted(tensors, key=lambda n: n.encode("utf-8"))
-
-
-def content_hash(metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> str:
-    """sha256 hex of the canonical metadata JSON (content_hash removed, keys sorted,
-    no spaces, ASCII) followed by every tensor's little-endian C-order bytes in
-    name order (sorted by UTF-8 bytes)."""
-    digest = _metadata_digest(metadata)
-    for name in _sorted_names(tensors):
-        digest.update(_little_endian_bytes(np.asarray(tensors[name])))
-    return digest.hexdigest()
-
-
-def write_fixture(path: str | os.PathLike, fixture: Fixture) -> None:
-    """Write a fixture atomically (tensors in name order), content_hash added. Each tensor
-    is read from `fixture.tensors` once, hashed and written, so a mapping that makes its
-    tensors on demand keeps one in memory at a time."""
-    digest = _metadata_digest(fixture.metadata)
-    with kdtr_format.Writer(path, metadata=fixture.metadata) as writer:
-        for name in _sorted_names(fixture.tensors):
-            array = np.asarray(fixture.tensors[name])
-            digest.update(_little_endian_bytes(array))
-            writer.add(name, array)
-        writer.metadata = {**fixture.metadata, "content_hash": digest.hexdigest()}
-
-
-def stored_hash_problem(reader: Any) -> str | None:
-    """None when a fixture file's content_hash matches its content, else what is wrong."""
-    metadata = reader.metadata
-    if "content_hash" not in metadata:
-        return "metadata: content_hash is missing"
-    actual = content_hash(metadata, {name: reader[name] for name in reader.names()})
-    if actual != metadata["content_hash"]:
-        return f"content_hash: stored {metadata['content_hash'][:16]}..., content gives {actual[:16]}..."
-    return None

@@ -8,6 +8,7 @@ roundings of the quantity it belongs to; nothing else may move. The rule, in one
 - integer and bool tensors (tokens, trees, choices, accepted paths), every float that is
   drawn, copied or made by hand (weights, kernel-case inputs and compaction results,
   uniforms, the sampling cases) and every metadata value but the floats below: identical;
+- the seeded tensors a slim file omits: their dtype, shape and sha256 (refgen.files);
 - a computed float: |regenerated - committed| <= REGEN_REL x the scale of its quantity
   (`Quantity`), plus one unit in the last place of its stored dtype (a float32 result
   rounded once from float64 flips by one ulp when the float64 value lies that close to a
@@ -27,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from .files import SEEDED_KEY, recorded_seeded, seeded_problems
+
 REGEN_REL = 1e-11                    # docs/fixtures.md "Regeneration": 1000x the spread measured across CPUs
 PROVENANCE = ("version", "numpy")    # generator keys that may differ between regenerations
-NOT_COMPARED = ("content_hash",)     # top-level keys compare() checks its own way
+NOT_COMPARED = ("content_hash", SEEDED_KEY)   # top-level keys compare() checks its own way
 
 
 @dataclass(frozen=True)
@@ -117,10 +120,15 @@ def tolerance_of(quantity: Quantity, expected: np.ndarray, logit_scale: float | 
 
 def compare(expected: Any, actual: Any) -> list[str]:
     """Problems of a regenerated fixture `actual` against the committed `expected` (both
-    KDTR readers): one line per drifting tensor or metadata key, [] when none."""
+    KDTR readers, each full or slim): one line per drifting tensor or metadata key, []
+    when none."""
     logit_scale = expected.metadata.get("logit_scale")
     problems = metadata_drift(expected.metadata, actual.metadata, "metadata", logit_scale)
-    expected_names, actual_names = set(expected.names()), set(actual.names())
+    problems += _seeded_drift(expected.metadata, actual.metadata)
+    problems += [f"committed {line}" for line in seeded_problems(expected)]
+    problems += [f"regenerated {line}" for line in seeded_problems(actual)]
+    seeded = set(recorded_seeded(expected.metadata)) | set(recorded_seeded(actual.metadata))
+    expected_names, actual_names = set(expected.names()) - seeded, set(actual.names()) - seeded
     problems += [f"{name}: missing from the regenerated fixture"
                  for name in sorted(expected_names - actual_names)]
     problems += [f"{name}: regenerated but not in the committed fixture"
@@ -138,6 +146,27 @@ def compare(expected: Any, actual: Any) -> list[str]:
         if drift:
             problems.append(f"{name}: {drift}")
     return problems
+
+
+def _seeded_drift(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """The seeded tensors whose recorded dtype, shape or sha256 differs between the two."""
+    committed, regenerated = recorded_seeded(expected), recorded_seeded(actual)
+    problems = []
+    for name in sorted(set(committed) | set(regenerated)):
+        if name not in regenerated or name not in committed:
+            side = "regenerated" if name not in committed else "committed"
+            problems.append(f"{name}: seeded only in the {side} fixture")
+        elif committed[name] != regenerated[name]:
+            problems.append(f"{name}: the seeded tensor regenerates as {_record(regenerated[name])}, the "
+                            f"committed fixture records {_record(committed[name])} (the draw from the seed "
+                            "changed: numpy's random stream or refgen's drawing code)")
+    return problems
+
+
+def _record(record: Any) -> str:
+    if not isinstance(record, dict):
+        return repr(record)
+    return f"{record.get('dtype')}{record.get('shape')} sha256 {str(record.get('sha256'))[:16]}..."
 
 
 def tensor_drift(expected: np.ndarray, actual: np.ndarray, tolerance: float | None) -> str | None:

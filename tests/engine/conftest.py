@@ -10,7 +10,6 @@
   or an mscale mistake changes its logits.
 - A test taking `device` runs on "cpu" and on "cuda" (skipped without a GPU).
 - Engine tests run torch with one intra-op thread (`one_torch_thread`).
-- `golden_path(preset)` -> tests/golden/<preset>.kdtr, or a skip naming the absent file.
 - `builtin_decode_only(stages=None)`: from then on, `engine.validate.validate(None, ...)`
   checks the built-in engine with these stages and runs its own decode loops but not the
   invariant (checked on its own, and the slowest part).
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -30,7 +28,6 @@ import torch
 from kdtr_format import PRESETS, ModelConfig, YarnScaling
 
 SEED = 1234
-GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
 
 MODELS: dict[str, ModelConfig] = {
     **PRESETS,
@@ -97,16 +94,6 @@ def device(request: pytest.FixtureRequest) -> str:
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("CUDA variant: no CUDA GPU is visible (torch.cuda.is_available() is False)")
     return request.param
-
-
-@pytest.fixture(scope="session")
-def golden_path() -> Callable[[str], Path]:
-    def find(preset: str) -> Path:
-        path = GOLDEN_DIR / f"{preset}.kdtr"
-        if not path.exists():
-            pytest.skip(f"golden fixture {path} is absent (generate it with `refgen generate`)")
-        return path
-    return find
 
 
 @pytest.fixture

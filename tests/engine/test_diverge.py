@@ -21,18 +21,16 @@ from engine.diverge import (batch_way, chunk_way, compare_ways, decode_way, tree
 from engine.diverge_run import from_fixture, run
 from engine.weights import load_fixture_weights
 
-from .test_cli import needs, run_main
+from .test_cli import run_main
 
 PROMPT = list(range(3, 15))
 NEW = [5, 77, 300, 12, 9, 640]
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(golden):
     """tiny's fixture weights (layer 0 dense, layers 1-3 MoE)."""
-    needs("tiny.kdtr")
-    from engine.validate import GOLDEN_DIR
-    cfg, weights = load_fixture_weights(GOLDEN_DIR / "tiny.kdtr")
+    cfg, weights = load_fixture_weights(golden / "tiny.kdtr")
     return cfg, {name: w.numpy() for name, w in weights.items()}
 
 
@@ -228,20 +226,14 @@ def test_an_adapter_with_a_subset_of_points(tiny):
     assert [p.key for p in d.points] == [f"layers.{i}.layer_output" for i in range(4)] + ["logits"]
 
 
-def test_run_from_a_fixture_tree(tiny):
-    subject = from_fixture(needs_path("tiny.kdtr"), "p0", engine_adapter(tiny))
+def test_run_from_a_fixture_tree(golden, tiny):
+    subject = from_fixture(golden / "tiny.kdtr", "p0", engine_adapter(tiny))
     a, b, d = run(subject, "tree", 0)
     assert b.label.startswith("tree verify") and len(a.tokens) == len(b.tokens) > a.prompt_length + 1
 
 
-def needs_path(name: str):
-    from engine.validate import GOLDEN_DIR
-    needs(name)
-    return GOLDEN_DIR / name
-
-
-def test_cli_reports_and_writes_json(tmp_path, capsys):
-    path = needs_path("tiny.kdtr")
+def test_cli_reports_and_writes_json(golden, tmp_path, capsys):
+    path = golden / "tiny.kdtr"
     report = tmp_path / "d.json"
     code, out, _ = run_main(["diverge", "--fixture", str(path), "--dtype", "bfloat16", "--tokens", "6",
                              "--json", str(report)], capsys)
@@ -261,9 +253,9 @@ def test_cli_reports_and_writes_json(tmp_path, capsys):
     (["diverge", "--fixture", "KERNEL"], "not a model fixture"),
     (["diverge", "--fixture", "TINY", "--prompt", "p9"], "has no prompt 'p9'"),
 ])
-def test_cli_bad_input_is_one_line(capsys, args, message):
-    args = [needs_path("kernels/tree_build.kdtr").as_posix() if a == "KERNEL" else
-            needs_path("tiny.kdtr").as_posix() if a == "TINY" else a for a in args]
+def test_cli_bad_input_is_one_line(golden, capsys, args, message):
+    args = [(golden / "kernels/tree_build.kdtr").as_posix() if a == "KERNEL" else
+            (golden / "tiny.kdtr").as_posix() if a == "TINY" else a for a in args]
     code, _, err = run_main(args, capsys)
     lines = err.strip().splitlines()
     assert code != 0 and len(lines) == 1 and lines[0].startswith("kdtree: error: ") and message in lines[0], err

@@ -18,7 +18,8 @@ import refgen.fixtures
 import refgen.kernel_cases
 import refgen.model
 from kdtr_format import PRESETS, DDTreeConfig
-from refgen.fixtures import FixtureError, FixturePlan, TraceSpec, model_fixture, stored_hash_problem, write_fixture
+from refgen.files import stored_hash_problem, write_fixture
+from refgen.fixtures import FixtureError, FixturePlan, TraceSpec, model_fixture
 from refgen.regen import LSE, compare, tensor_drift, tolerance_of
 from refgen.kernel_cases import kernel_fixture
 
@@ -128,14 +129,15 @@ def documented_hash(metadata: dict, reader: kdtr_format.Reader) -> str:
 # ---------------------------------------------------------------------------- every file
 
 @pytest.mark.parametrize("relative", ALL_FIXTURES)
-def test_content_hash_matches_the_documented_rule(open_golden, relative):
-    reader = open_golden(relative)
-    reader.verify()
-    meta = reader.metadata
-    assert meta["kdtree_fixture"] == 1
-    assert meta["content_hash"] == documented_hash(meta, reader)
-    assert stored_hash_problem(reader) is None
-    assert set(meta["generator"]) == {"name", "version", "numpy", "seed"}
+def test_content_hash_matches_the_documented_rule(committed_golden, golden, relative):
+    for directory in (committed_golden, golden):                      # slim as committed, and full
+        with kdtr_format.open(directory / relative) as reader:
+            reader.verify()
+            meta = reader.metadata
+            assert meta["kdtree_fixture"] == 1
+            assert meta["content_hash"] == documented_hash(meta, reader)
+            assert stored_hash_problem(reader) is None
+            assert set(meta["generator"]) == {"name", "version", "numpy", "seed"}
 
 
 # ---------------------------------------------------------------------------- model fixtures
@@ -538,13 +540,13 @@ def regenerate_and_compare(fixture, committed_path: Path, tmp_path: Path) -> lis
         return compare(committed, regenerated)
 
 
-def test_planted_routing_bug_drifts_from_the_golden_logits(golden, tmp_path, monkeypatch):
+def test_planted_routing_bug_drifts_from_the_golden_logits(committed_golden, tmp_path, monkeypatch):
     """Dropping routed_scaling_factor in route changes every MoE layer's output."""
     ar_only = FixturePlan(prompt_lengths=(5,), ar_new_tokens=2, traces=())   # p0 as committed, shorter
 
     def drift() -> list[str]:
         fixture = model_fixture(PRESETS["tiny"], "tiny", plan=ar_only, bf16_plan=None)
-        return regenerate_and_compare(fixture, golden("tiny.kdtr"), tmp_path)
+        return regenerate_and_compare(fixture, committed_golden / "tiny.kdtr", tmp_path)
 
     drift_line = "prompts/p0/prefill_logits:"
     assert not any(line.startswith(drift_line) for line in drift())
@@ -560,16 +562,17 @@ def test_planted_routing_bug_drifts_from_the_golden_logits(golden, tmp_path, mon
     assert any(line.startswith(drift_line) and "drift beyond" in line for line in planted), planted
 
 
-def test_planted_sibling_score_bug_drifts_from_the_golden_trees(golden, tmp_path, monkeypatch):
+def test_planted_sibling_score_bug_drifts_from_the_golden_trees(committed_golden, tmp_path, monkeypatch):
     """Scoring every sibling with the first sibling's log-prob changes scores and shapes."""
-    assert regenerate_and_compare(kernel_fixture("tree_build"), golden("kernels/tree_build.kdtr"), tmp_path) == []
+    committed = committed_golden / "kernels/tree_build.kdtr"
+    assert regenerate_and_compare(kernel_fixture("tree_build"), committed, tmp_path) == []
     real_build = refgen.kernel_cases.build_tree
 
     def first_sibling_scores(topk_lp, topk_id, budget):
         return real_build(np.repeat(topk_lp[:, :1], topk_lp.shape[1], axis=1), topk_id, budget)
 
     monkeypatch.setattr(refgen.kernel_cases, "build_tree", first_sibling_scores)
-    planted = regenerate_and_compare(kernel_fixture("tree_build"), golden("kernels/tree_build.kdtr"), tmp_path)
+    planted = regenerate_and_compare(kernel_fixture("tree_build"), committed, tmp_path)
     assert any(line.startswith("cases/random/scores:") for line in planted), planted
     assert any(line.startswith("cases/random/parents:") for line in planted), planted
 

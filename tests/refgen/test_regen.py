@@ -2,7 +2,7 @@
 quantity; a regeneration passes however its floats round, under every OpenBLAS kernel this
 CPU runs too; a real bug fails: a logit or a margin off by 1e-9 of the logit scale (a margin
 judged on the logit scale, never relative to itself), a float32 value off by two ulps, one
-integer changed, a float no rule names."""
+integer changed, a seeded tensor's checksum changed, a float no rule names."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import pytest
 
 import kdtr_format
 from kdtr_format import PRESETS
-from refgen.fixtures import content_hash, model_fixture, write_fixture
+from refgen.files import content_hash, write_fixture
+from refgen.fixtures import model_fixture
 from refgen.kernel_cases import kernel_fixture
 from refgen.regen import compare, metadata_drift, tensor_drift
 
@@ -59,11 +60,11 @@ class Loaded:
 
 
 @pytest.fixture(scope="module")
-def tiny2(golden, tmp_path_factory) -> tuple[Loaded, Loaded]:
-    """(tiny2 as committed, tiny2 regenerated on this machine)."""
+def tiny2(committed_golden: Path, tmp_path_factory) -> tuple[Loaded, Loaded]:
+    """(tiny2 as committed, tiny2 regenerated on this machine), both slim."""
     path = tmp_path_factory.mktemp("regen") / "tiny2.kdtr"
-    write_fixture(path, model_fixture(PRESETS["tiny2"], "tiny2"))
-    return Loaded.read(golden("tiny2.kdtr")), Loaded.read(path)
+    write_fixture(path, model_fixture(PRESETS["tiny2"], "tiny2"), slim=True)
+    return Loaded.read(committed_golden / "tiny2.kdtr"), Loaded.read(path)
 
 
 def add(where: tuple[int, ...], amount: float) -> Callable[[np.ndarray], None]:
@@ -82,8 +83,8 @@ def ulps(where: tuple[int, ...], count: int) -> Callable[[np.ndarray], None]:
 # ---------------------------------------------------------------------------- the committed files
 
 @pytest.mark.parametrize("relative", COMMITTED)
-def test_every_float_of_a_committed_fixture_has_a_rule(golden, relative):
-    committed = Loaded.read(golden(relative))
+def test_every_float_of_a_committed_fixture_has_a_rule(committed_golden, relative):
+    committed = Loaded.read(committed_golden / relative)
     assert compare(committed, committed) == []
 
 
@@ -151,6 +152,7 @@ def test_every_other_quantity_drifts_when_changed_beyond_its_rounding(tiny2, nam
     ("rounds", lambda m, s: m["traces"][0].__setitem__("rounds", m["traces"][0]["rounds"] + 1), True),
     ("seed", lambda m, s: m["generator"].__setitem__("seed", 1), True),
     ("numpy", lambda m, s: m["generator"].__setitem__("numpy", "0.0"), False),          # provenance
+    ("sha256", lambda m, s: m["seeded_tensors"]["weights/norm"].__setitem__("sha256", "0" * 64), True),
     ("no rule", lambda m, s: m.__setitem__("novel", 0.5), True),
 ])
 def test_metadata_floats_follow_their_rules(tiny2, key, change, drifts):
@@ -159,6 +161,8 @@ def test_metadata_floats_follow_their_rules(tiny2, key, change, drifts):
     problems = compare(committed.with_metadata(lambda m: change(m, scale)),
                        regenerated.with_metadata(lambda m: change(m, scale)) if key == "no rule" else regenerated)
     assert bool(problems) == drifts, problems
+    if key == "sha256":
+        assert len(problems) == 1 and problems[0].startswith("weights/norm: the seeded tensor regenerates as")
     if key == "no rule":
         assert problems == ["metadata.novel: a float with no regeneration rule (refgen/regen.py METADATA_RULES)"]
 
@@ -178,9 +182,11 @@ def test_a_float_tensor_no_rule_names_is_reported(tiny2):
     ("cases/k2_ragged/lse", add((2, 7), 1e-9), True),
     ("cases/k2_ragged/visibility_bits", add((0, 0), 1), True),
 ])
-def test_kernel_outputs_are_judged_on_their_own_scale(golden, name, change, drifts):
-    committed = Loaded.read(golden("kernels/verify_attention.kdtr"))
-    fresh = Loaded(committed.metadata, kernel_fixture("verify_attention").tensors)
+def test_kernel_outputs_are_judged_on_their_own_scale(committed_golden, name, change, drifts):
+    committed = Loaded.read(committed_golden / "kernels/verify_attention.kdtr")
+    regenerated = kernel_fixture("verify_attention")
+    seeded = committed.metadata["seeded_tensors"]
+    fresh = Loaded(committed.metadata, {n: t for n, t in regenerated.tensors.items() if n not in seeded})
     assert compare(committed, fresh) == []
     problems = compare(committed, fresh.changed(name, change))
     assert bool(problems) == drifts, problems
@@ -212,10 +218,10 @@ def test_metadata_drift_ignores_only_provenance():
         assert len(metadata_drift(base, changed, "metadata", logit_scale=1.0)) == 1
 
 
-def test_verify_fails_a_logit_off_by_1e9_of_the_logit_scale(golden, refgen_cli, tmp_path):
+def test_verify_fails_a_logit_off_by_1e9_of_the_logit_scale(committed_golden, refgen_cli, tmp_path):
     """The planted bug through the command: one prefill logit of the committed tiny2 moved."""
     path = tmp_path / "tiny2.kdtr"
-    planted = Loaded.read(golden("tiny2.kdtr"))
+    planted = Loaded.read(committed_golden / "tiny2.kdtr")
     planted = planted.changed(LOGIT, add((1, 2), 1e-9 * planted.metadata["logit_scale"]))
     metadata = {**planted.metadata, "content_hash": content_hash(planted.metadata, planted.tensors)}
     kdtr_format.write(path, planted.tensors, metadata)
@@ -247,11 +253,11 @@ def _openblas_cores() -> list[str]:
     return cores
 
 
-def test_the_regeneration_passes_under_every_openblas_kernel(golden):
+def test_the_regeneration_passes_under_every_openblas_kernel(committed_golden):
     """tiny2 (logits, margins, routing margins, log-probs, scores, drawn values, the bf16 cases)
     and the verify attention cases (attention outputs, log-sum-exp), regenerated under each
     core type at once; the default core type runs in test_cli.py. About 10 s of CPU."""
-    paths = [golden("tiny2.kdtr"), golden("kernels/verify_attention.kdtr")]
+    paths = [committed_golden / "tiny2.kdtr", committed_golden / "kernels/verify_attention.kdtr"]
     runs = {}
     for core in _openblas_cores():
         env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_CORETYPE": core, "OPENBLAS_VERBOSE": "2"}
