@@ -423,6 +423,7 @@ def diverge_command(fixture: Path | None, config: str | None, prompt: str | None
     from . import diverge_run
     from .adapter import TorchAdapter
     from .validate import load_impl, write_json
+    from .validate.fixtures import full_fixtures
 
     try:
         adapter = load_impl(impl) if impl else TorchAdapter(device, invariant=invariant)
@@ -434,7 +435,7 @@ def diverge_command(fixture: Path | None, config: str | None, prompt: str | None
         if callable(set_dtype):
             set_dtype(dtype)
         if fixture is not None:
-            subject = _reading_subject(fixture, prompt, adapter, diverge_run.from_fixture)
+            subject = _reading_subject(full_fixtures(fixture), prompt, adapter, diverge_run.from_fixture)
         elif not isinstance(adapter, TorchAdapter):
             raise CliError("--config builds the built-in engine; use --fixture with --impl")
         else:
@@ -593,6 +594,7 @@ def _demo(world: Any, model: _DemoModel, tokens: list[int], ddtree: DDTreeConfig
 def _demo_model(preset: str | None, fixture: Path | None) -> _DemoModel:
     """The model fixture named by --fixture, else by --preset (default tiny) in the fixture directory."""
     from .validate import find_fixtures, model_fixture_config
+    from .validate.fixtures import full_fixtures
 
     if fixture is None:
         name = preset or "tiny"
@@ -612,7 +614,7 @@ def _demo_model(preset: str | None, fixture: Path | None) -> _DemoModel:
         prompts = meta.get("prompts") or []
         longest = max(prompts, key=lambda p: p["length"])["name"] if prompts else None
         tokens = np.asarray(reader[f"prompts/{longest}/tokens"]).tolist() if longest else None
-    return _DemoModel(fixture, str(meta.get("preset", fixture.stem)), cfg, tokens)
+    return _DemoModel(full_fixtures(fixture), str(meta.get("preset", fixture.stem)), cfg, tokens)
 
 
 @contextmanager

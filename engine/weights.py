@@ -75,6 +75,7 @@ def load_fixture_weights(path_or_reader: str | os.PathLike | Any, dtype: torch.d
         target = weight_dtype(name, dtype)
         weights[name[len(prefix):]] = stored.clone() if stored.dtype == target else stored.to(target)
     if not weights:
-        raise ValueError("fixture holds no 'weights/...' tensors")
+        raise ValueError("fixture holds no 'weights/...' tensors (a slim fixture? `refgen materialize FILE "
+                         "--out DIR` writes its full form)")
     check_weights(cfg, weights)
     return cfg, weights

@@ -5,7 +5,9 @@
     refgen generate --preset kimi-k2         one preset (repeatable); --config-file PATH for a config.json
     refgen generate --checkpoint DIR --layers 2 --experts 8 --out DIR   a fixture from a real checkpoint, sliced
     refgen generate --kernels-large          the large kernel cases (never committed)
-    refgen verify [PATH]                     regenerate and compare; exit 1 on drift
+    refgen generate --all --full             the same, with the tensors drawn from the seed (full fixtures)
+    refgen materialize tests/golden --out DIR   full fixtures from slim ones (the committed files are slim)
+    refgen verify [PATH]...                  regenerate and compare; exit 1 on drift
     refgen show FILE                         what a fixture holds
 
 Bad input ends in one line `refgen: error: ...` and exit status 2; drift in
@@ -33,6 +35,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Iterator  # noqa: E402
 
 import click  # noqa: E402
+import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
@@ -45,13 +48,16 @@ from kdtr_format.clikit import Cli, CliError, OutputDirectory, console, records,
 from . import __version__  # noqa: E402
 from .checkpoint import (CheckpointError, checkpoint_fixture, fixture_name, load, open_checkpoint,  # noqa: E402
                          plan_import)
-from .fixtures import (DEFAULT_PLAN, GOLDEN_PRESETS, REGEN_RTOL, Fixture, FixtureError,  # noqa: E402
-                       check_plan, compare, model_fixture, stored_hash_problem, write_fixture)
+from .files import SEEDED_KEY, omitted, slim_hint, stored_hash_problem, write_fixture  # noqa: E402
+from .fixtures import DEFAULT_PLAN, GOLDEN_PRESETS, Fixture, FixtureError, check_plan, model_fixture  # noqa: E402
 from .kernel_cases import KERNEL_KINDS, kernel_cases, kernel_fixture, kernel_path  # noqa: E402
+from .materialize import materialize as materialize_file  # noqa: E402
+from .regen import REGEN_REL, compare  # noqa: E402
 
 DEFAULT_DIR = "tests/golden"
 COMMITTED_DIR = Path(__file__).resolve().parents[1] / DEFAULT_DIR   # this checkout's golden fixtures
-IDENTICALLY = f"integer tensors byte-identical, floats within {REGEN_RTOL:g} relative"   # as the README says
+IDENTICALLY = (f"integers and drawn floats identical, computed floats within {REGEN_REL:g} of their scale: "
+               "the logit scale for logits and margins")   # as the README says
 MAX_WEIGHT_BYTES = 2 << 30      # refgen holds every weight in float64: refuse configs beyond this
 MAX_REPORTED = 40               # drift lines printed per file
 
@@ -173,8 +179,9 @@ def _progress(on: Console, *columns: Any) -> Progress:
                     console=on, transient=True, disable=not on.is_terminal)
 
 
-def _run_jobs(jobs: list[_Job], out: Path, progress_console: Console) -> list[tuple[_Job, float]]:
-    """Build and write every job with progress bars -> (job, seconds) per job."""
+def _run_jobs(jobs: list[_Job], out: Path, progress_console: Console, slim: bool) -> list[tuple[_Job, float]]:
+    """Build and write every job (`slim`: without its seeded tensors) with progress bars -> (job, seconds)
+    per job."""
     done = []
     with _progress(progress_console, TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as progress:
         for job in jobs:
@@ -182,7 +189,7 @@ def _run_jobs(jobs: list[_Job], out: Path, progress_console: Console) -> list[tu
             began = time.perf_counter()
             try:
                 fixture = job.build(lambda steps: progress.advance(task, steps))
-                write_fixture(out / job.path, fixture)
+                write_fixture(out / job.path, fixture, slim=slim)
             except (FixtureError, KdtrError) as exc:
                 raise CliError(f"{job.path}: {exc}") from None
             except OSError as exc:
@@ -211,10 +218,13 @@ def _run_jobs(jobs: list[_Job], out: Path, progress_console: Console) -> list[tu
               help="Write the small kernel-case fixtures (default: with --all only).")
 @click.option("--kernels-large", is_flag=True, help="Write the large kernel cases (*_large.kdtr).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@click.option("--full", is_flag=True,
+              help="Also write the tensors drawn from the seed (weights, kernel-case inputs): full fixtures, "
+                   "as `refgen materialize` makes. Default: slim, as committed.")
 def generate(presets: tuple[str, ...], all_: bool, config_file: Path | None, checkpoint: Path | None,
              layers: int | None, experts: int | None, out: Path, kernels: bool | None, kernels_large: bool,
-             seed: int) -> int:
-    """Write golden fixtures."""
+             seed: int, full: bool) -> int:
+    """Write golden fixtures (slim: docs/fixtures.md "Slim and full")."""
     unknown = [name for name in presets if name not in PRESETS]
     if unknown:
         raise CliError(f"unknown preset {unknown[0]!r} (known: {', '.join(PRESETS)})")
@@ -238,7 +248,7 @@ def generate(presets: tuple[str, ...], all_: bool, config_file: Path | None, che
         raise CliError("nothing to generate: give --all, --preset NAME, --config-file PATH, --checkpoint DIR "
                        "or --kernels")
     _prepare_out(out, jobs)
-    done = _run_jobs(jobs, out, console(stderr=True))
+    done = _run_jobs(jobs, out, console(stderr=True), slim=not full)
 
     written = table("file", "tensors", "MB", "min margin", "time s", title=f"fixtures written to {out}",
                     right=("tensors", "MB", "min margin", "time s"))
@@ -274,7 +284,7 @@ def _regenerate(metadata: dict[str, Any]) -> _Job:
     raise FixtureError(f"metadata.kind: unknown fixture kind {kind!r}")
 
 
-def _fixture_files(path: Path) -> tuple[list[Path], list[str]]:
+def _fixture_files(path: Path) -> tuple[list[Path], list[Path]]:
     """The fixture files under `path` (a file or a directory) and, for this checkout's
     committed golden directory, the committed fixtures it lacks."""
     if path.is_file():
@@ -283,11 +293,28 @@ def _fixture_files(path: Path) -> tuple[list[Path], list[str]]:
     if path.resolve() != COMMITTED_DIR.resolve():
         return files, []
     expected = [f"{name}.kdtr" for name in GOLDEN_PRESETS] + [kernel_path(k, False) for k in KERNEL_KINDS]
-    return files, [name for name in expected if not (path / name).is_file()]
+    return files, [path / name for name in expected if not (path / name).is_file()]
+
+
+def _all_fixture_files(paths: tuple[Path, ...]) -> tuple[list[Path], list[Path]]:
+    """_fixture_files of every path (default: DEFAULT_DIR), each file once."""
+    if not paths:
+        if not Path(DEFAULT_DIR).is_dir():
+            raise CliError(f"no {DEFAULT_DIR} here: give PATH (run from a checkout, or name the fixtures)")
+        paths = (Path(DEFAULT_DIR),)
+    files, missing = {}, []
+    for path in paths:
+        found, lacking = _fixture_files(path)
+        if not found and not lacking:
+            raise CliError(f"{path}: no .kdtr fixtures found")
+        files.update((file.resolve(), file) for file in found)
+        missing += lacking
+    return list(files.values()), missing
 
 
 def _verify_file(path: Path, scratch: Path, progress_console: Console) -> list[str]:
-    """Problems of one fixture file: its own hash, then a regeneration."""
+    """Problems of one fixture file: its own hash, then a regeneration (written slim: its
+    seeded tensors are compared by their checksums)."""
     try:
         with kdtr_format.open(path) as committed:
             _require_fixture(committed.metadata)
@@ -297,7 +324,7 @@ def _verify_file(path: Path, scratch: Path, progress_console: Console) -> list[s
             fresh.parent.mkdir(parents=True, exist_ok=True)
             with _progress(progress_console) as progress:
                 task = progress.add_task(f"regenerating {path.name}", total=job.steps)
-                write_fixture(fresh, job.build(lambda steps: progress.advance(task, steps)))
+                write_fixture(fresh, job.build(lambda steps: progress.advance(task, steps)), slim=True)
             with kdtr_format.open(fresh) as regenerated:
                 problems += compare(committed, regenerated)
             fresh.unlink()
@@ -313,17 +340,16 @@ def _require_fixture(metadata: dict[str, Any]) -> None:
                            "kind); `kdtr inspect` shows any KDTR file")
 
 
-@main.command(help=f"Regenerate the fixtures under PATH (a directory or one file; default {DEFAULT_DIR}) and "
-                   f"compare: {IDENTICALLY}, metadata equal but for provenance. This checkout's "
-                   f"{DEFAULT_DIR} must also hold every committed fixture. Exit 1 on any drift.")
-@click.argument("path", type=click.Path(exists=True, path_type=Path), default=DEFAULT_DIR, required=False)
-def verify(path: Path) -> int:
-    files, missing = _fixture_files(path)
-    if not files and not missing:
-        raise CliError(f"{path}: no .kdtr fixtures found")
+@main.command(help=f"Regenerate the fixtures under each PATH (a directory or one file; default {DEFAULT_DIR}) "
+                   f"and compare: {IDENTICALLY}; the tensors a slim file omits by their sha256; metadata equal "
+                   f"but for provenance (docs/fixtures.md, \"Regeneration\"). This checkout's {DEFAULT_DIR} must "
+                   "also hold every committed fixture. Exit 1 on any drift.")
+@click.argument("paths", nargs=-1, type=click.Path(exists=True, path_type=Path), metavar="[PATH]...")
+def verify(paths: tuple[Path, ...]) -> int:
+    files, missing = _all_fixture_files(paths)
     out, failed = console(), 0
-    for name in missing:
-        out.print(f"[red]MISSING[/red] {escape(str(path / name))}: run `refgen generate --all`")
+    for path in missing:
+        out.print(f"[red]MISSING[/red] {escape(str(path))}: run `refgen generate --all`")
         failed += 1
     with tempfile.TemporaryDirectory(prefix="refgen-verify-") as scratch:
         for file in files:
@@ -343,6 +369,79 @@ def verify(path: Path) -> int:
     verdict = "[red]FAILED[/red]" if failed else "[green]passed[/green]"
     out.print(f"{verdict}: {total - failed} of {total} fixtures regenerate identically ({IDENTICALLY})")
     return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------- materialize
+
+def _destinations(sources: tuple[Path, ...], out: Path) -> list[tuple[Path, Path]]:
+    """(source file, destination) pairs: a file SRC to out/<its name>, a directory's fixtures
+    to the same relative paths under out."""
+    pairs: dict[Path, Path] = {}
+    for source in sources:
+        if source.is_file():
+            found = [(source, out / source.name)]
+        else:
+            found = [(file, out / file.relative_to(source))
+                     for file in sorted(source.rglob("*.kdtr")) if file.is_file()]
+            if not found:
+                raise CliError(f"{source}: no .kdtr fixtures found")
+        for file, destination in found:
+            if pairs.get(destination, file).resolve() != file.resolve():
+                raise CliError(f"{pairs[destination]} and {file} would both be written to {destination}")
+            pairs[destination] = file
+    return [(file, destination) for destination, file in pairs.items()]
+
+
+@main.command(no_args_is_help=True)
+@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path), metavar="SRC...")
+@click.option("--out", type=OutputDirectory(), required=True, help="Output directory (created when missing).")
+def materialize(sources: tuple[Path, ...], out: Path) -> int:
+    """Write full fixtures from slim ones: the tensors drawn from the seed (weights, kernel-case
+    inputs) drawn again, each checked against its recorded sha256. A directory SRC: every
+    fixture under it, at the same relative path under --out. Files are written atomically."""
+    pairs = _destinations(sources, out)
+    written = table("file", "drawn again", "MB", "time s", title=f"full fixtures written to {out}",
+                    right=("drawn again", "MB", "time s"))
+    with _progress(console(stderr=True), TextColumn("{task.completed}/{task.total}")) as progress:
+        task = progress.add_task("materializing", total=len(pairs))
+        for source, destination in pairs:
+            began = time.perf_counter()
+            try:
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                with kdtr_format.open(source) as reader:
+                    _require_fixture(reader.metadata)
+                    drawn = materialize_file(reader, destination)
+            except (FixtureError, KdtrError) as exc:
+                raise CliError(f"{source}: {exc}") from None
+            except OSError as exc:
+                raise CliError(f"cannot write {destination}: {exc.strerror or exc}") from None
+            written.add_row(str(destination.relative_to(out)), str(drawn), f"{destination.stat().st_size / 1e6:.2f}",
+                            f"{time.perf_counter() - began:.1f}")
+            progress.advance(task, 1)
+    console().print(written)
+    return 0
+
+
+def _omitted_lines(file: Path, reader: Any) -> list[str]:
+    """What `show` says of a slim file: the seeded tensors it omits, by group, and how to materialize it."""
+    missing = omitted(reader)
+    if not missing:
+        return []
+    records, groups = reader.metadata[SEEDED_KEY], {}
+    for name in missing:
+        entry = groups.setdefault(_seeded_group(name), [0, 0])
+        entry[0] += 1
+        entry[1] += int(np.prod(records[name]["shape"])) * np.dtype(records[name]["dtype"]).itemsize
+    sizes = ", ".join(f"{group} {count} ({nbytes / 1e6:.2f} MB)" for group, (count, nbytes) in groups.items())
+    return [f"slim: omits {len(missing)} tensors drawn from the seed (their sha256 in the metadata): {escape(sizes)}; "
+            f"{escape(slim_hint(file))}"]
+
+
+def _seeded_group(name: str) -> str:
+    """weights, bf16/weights, or a kernel-case input's name (q_lat, c_kv, ...)."""
+    if name.startswith("cases/"):
+        return name.rsplit("/", 1)[-1]
+    return "bf16/weights" if name.startswith("bf16/") else "weights"
 
 
 # ---------------------------------------------------------------------------- show
@@ -366,6 +465,7 @@ def show(file: Path) -> int:
         with kdtr_format.open(file) as reader:
             _require_fixture(reader.metadata)
             parts = _show(file, reader.metadata, stored_hash_problem(reader), list(_groups(reader)))
+            parts += _omitted_lines(file, reader)
     except (FixtureError, KdtrError) as exc:
         raise CliError(f"{file}: {exc}") from None
     out = console()

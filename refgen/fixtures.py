@@ -27,23 +27,18 @@ Near ties. Exact token comparison is fair only away from ties, so:
 
 The final seeds, the smallest margin and the smallest gap are in the metadata.
 
-Shared by every fixture kind (refgen/kernel_cases.py too): provenance
-(`generator_info`), `content_hash`, the atomic `write_fixture`, and `compare`,
-which checks a regenerated fixture against a committed one: integer tensors
-byte-identical, floats within REGEN_RTOL, metadata equal but for provenance.
+Shared by every fixture kind (refgen/kernel_cases.py too): `Fixture`, provenance
+(`generator_info`) and sub-seeds. Files are refgen.files' job; when a regeneration
+is the committed fixture, refgen.regen's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-import kdtr_format
 from kdtr_format import DDTreeConfig, ModelConfig
 
 from kdtr_format.precision import FLOAT32_LOGIT_ATOL, FLOAT32_LOGIT_RTOL, bf16_bounds
@@ -62,8 +57,6 @@ MARGIN_REL = 1e-3                    # margin_threshold = MARGIN_REL * logit_sca
 TOPK_GAP_MIN = 1e-5                  # ~10 float32 ulps of a log-prob in [-16, -8]
 MAX_DRAWS = 32                       # redraws of a prompt or drafter seed before giving up
 PROBE_LENGTH = 16                    # the probe prompt that measures logit_scale
-REGEN_RTOL = 1e-12                   # regenerated floats agree to this (BLAS order differs)
-PROVENANCE = ("version", "numpy")    # generator keys that may differ between regenerations
 
 # Sub-seed streams (see `sub_seed`).
 _PROBE, _PROMPT, _DRAFTER, _UNIFORMS = 0, 1, 2, 3
@@ -447,130 +440,3 @@ def _round_tensors(prefix: str, r: Round) -> dict[str, np.ndarray]:
     if r.uniforms is not None:
         tensors["uniforms"] = r.uniforms
     return {f"{prefix}/{name}": array for name, array in tensors.items()}
-
-
-# ---------------------------------------------------------------------------- files
-
-def _little_endian_bytes(array: np.ndarray) -> memoryview:
-    """The array's little-endian C-order bytes (a view when it is already so laid out)."""
-    array = np.ascontiguousarray(array)
-    return memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8))
-
-
-def _metadata_digest(metadata: Mapping[str, Any]) -> Any:
-    """sha256 fed with the canonical metadata JSON (content_hash removed)."""
-    digest = hashlib.sha256()
-    body = {k: v for k, v in metadata.items() if k != "content_hash"}
-    digest.update(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                             allow_nan=False).encode("ascii"))
-    return digest
-
-
-def _sorted_names(tensors: Mapping[str, np.ndarray]) -> list[str]:
-    return sorted(tensors, key=lambda n: n.encode("utf-8"))
-
-
-def content_hash(metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> str:
-    """sha256 hex of the canonical metadata JSON (content_hash removed, keys sorted,
-    no spaces, ASCII) followed by every tensor's little-endian C-order bytes in
-    name order (sorted by UTF-8 bytes)."""
-    digest = _metadata_digest(metadata)
-    for name in _sorted_names(tensors):
-        digest.update(_little_endian_bytes(np.asarray(tensors[name])))
-    return digest.hexdigest()
-
-
-def write_fixture(path: str | os.PathLike, fixture: Fixture) -> None:
-    """Write a fixture atomically (tensors in name order), content_hash added. Each tensor
-    is read from `fixture.tensors` once, hashed and written, so a mapping that makes its
-    tensors on demand keeps one in memory at a time."""
-    digest = _metadata_digest(fixture.metadata)
-    with kdtr_format.Writer(path, metadata=fixture.metadata) as writer:
-        for name in _sorted_names(fixture.tensors):
-            array = np.asarray(fixture.tensors[name])
-            digest.update(_little_endian_bytes(array))
-            writer.add(name, array)
-        writer.metadata = {**fixture.metadata, "content_hash": digest.hexdigest()}
-
-
-def stored_hash_problem(reader: Any) -> str | None:
-    """None when a fixture file's content_hash matches its content, else what is wrong."""
-    metadata = reader.metadata
-    if "content_hash" not in metadata:
-        return "metadata: content_hash is missing"
-    actual = content_hash(metadata, {name: reader[name] for name in reader.names()})
-    if actual != metadata["content_hash"]:
-        return f"content_hash: stored {metadata['content_hash'][:16]}..., content gives {actual[:16]}..."
-    return None
-
-
-def compare(expected: Any, actual: Any) -> list[str]:
-    """Problems of a regenerated fixture `actual` against the committed `expected`
-    (both KDTR readers): one line per drifting tensor or metadata key, [] when none."""
-    problems = metadata_drift(expected.metadata, actual.metadata, "metadata")
-    expected_names, actual_names = set(expected.names()), set(actual.names())
-    problems += [f"{name}: missing from the regenerated fixture"
-                 for name in sorted(expected_names - actual_names)]
-    problems += [f"{name}: regenerated but not in the committed fixture"
-                 for name in sorted(actual_names - expected_names)]
-    for name in sorted(expected_names & actual_names):
-        drift = tensor_drift(np.asarray(expected[name]), np.asarray(actual[name]))
-        if drift:
-            problems.append(f"{name}: {drift}")
-    return problems
-
-
-def tensor_drift(expected: np.ndarray, actual: np.ndarray) -> str | None:
-    """None when `actual` regenerates `expected`: same dtype and shape; integer and bool
-    bytes identical; floats |a - e| <= REGEN_RTOL * max(|a|, |e|, max |e| of the tensor),
-    non-finite values identical."""
-    if expected.dtype != actual.dtype or expected.shape != actual.shape:
-        return (f"{actual.dtype}{list(actual.shape)} regenerated, "
-                f"{expected.dtype}{list(expected.shape)} committed")
-    if expected.dtype.kind != "f":
-        if expected.tobytes() == actual.tobytes():
-            return None
-        where = np.argwhere(expected != actual)
-        first = tuple(int(i) for i in where[0]) if where.size else ()
-        return (f"{len(where)} of {expected.size} values differ, first at {list(first)}: "
-                f"committed {expected[first]}, regenerated {actual[first]}")
-    e, a = expected.astype(np.float64), actual.astype(np.float64)
-    finite = np.isfinite(e)
-    if not np.array_equal(finite, np.isfinite(a)) or \
-            not np.array_equal(e[~finite], a[~finite], equal_nan=True):
-        return "non-finite values differ"
-    floor = np.abs(e[finite]).max(initial=0.0)
-    diff = np.abs(np.subtract(e, a, where=finite, out=np.zeros_like(e)))
-    limit = REGEN_RTOL * np.maximum(np.maximum(np.abs(e), np.abs(a)), floor)
-    bad = finite & (diff > limit)
-    if not bad.any():
-        return None
-    worst = np.unravel_index(np.argmax(np.where(bad, diff, -1.0)), e.shape)
-    return (f"{int(bad.sum())} of {e.size} values drift beyond {REGEN_RTOL:g} relative; worst at "
-            f"{[int(i) for i in worst]}: committed {float(e[worst])!r}, regenerated {float(a[worst])!r}")
-
-
-def metadata_drift(expected: Any, actual: Any, path: str) -> list[str]:
-    """Differences between two metadata trees, floats within REGEN_RTOL; the
-    provenance keys (generator version, numpy) and content_hash are not compared."""
-    if isinstance(expected, dict) and isinstance(actual, dict):
-        problems = []
-        for key in sorted(set(expected) | set(actual)):
-            if key == "content_hash" or (path.endswith("generator") and key in PROVENANCE):
-                continue
-            if key not in actual or key not in expected:
-                side = "regenerated" if key not in expected else "committed"
-                problems.append(f"{path}.{key}: only in the {side} fixture")
-            else:
-                problems += metadata_drift(expected[key], actual[key], f"{path}.{key}")
-        return problems
-    if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
-        return [p for i, (e, a) in enumerate(zip(expected, actual))
-                for p in metadata_drift(e, a, f"{path}[{i}]")]
-    if (isinstance(expected, float) and isinstance(actual, (int, float))
-            and not isinstance(actual, bool)):
-        if abs(expected - actual) <= REGEN_RTOL * max(abs(expected), abs(actual)):
-            return []
-    elif expected == actual and type(expected) is type(actual):
-        return []
-    return [f"{path}: committed {expected!r}, regenerated {actual!r}"]

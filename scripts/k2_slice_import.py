@@ -38,7 +38,7 @@ PHASES = r'''
 import json, sys, threading, time
 from pathlib import Path
 from refgen.checkpoint import checkpoint_fixture, load, open_checkpoint, plan_import
-from refgen.fixtures import write_fixture
+from refgen.files import write_fixture
 
 def status():
     # VmRSS, RssAnon, RssFile of this process in GiB (/proc/self/status; kB there)

@@ -1,11 +1,53 @@
-"""Suite-wide settings: single-threaded BLAS and torch.
+"""Suite-wide settings and the golden fixtures.
 
-The suite runs on 2-core CI machines next to other processes; threaded BLAS
-there costs far more in contention than it gains, and one thread also keeps
-float reduction order fixed from run to run.
+Single-threaded BLAS and torch: the suite runs on 2-core CI machines next to other
+processes; threaded BLAS there costs far more in contention than it gains, and one
+thread also keeps float reduction order fixed from run to run.
+
+The golden fixtures are committed slim (docs/fixtures.md, "Slim and full"):
+- `golden`: the directory of the full fixtures, every tensor, tests/golden materialized
+  once (engine.validate.find_fixtures: a cache directory named by the committed files'
+  content, written all or nothing, so pytest-xdist workers may race for it);
+- `open_golden("tiny.kdtr")`: a reader of one full fixture, closed after the test;
+- `committed_golden`: tests/golden itself, for the tests of the committed files.
 """
 
+from __future__ import annotations
+
 import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+
+COMMITTED_GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+@pytest.fixture(scope="session")
+def committed_golden() -> Path:
+    return COMMITTED_GOLDEN
+
+
+@pytest.fixture(scope="session")
+def golden() -> Path:
+    from engine.validate import find_fixtures
+
+    return find_fixtures(COMMITTED_GOLDEN)
+
+
+@pytest.fixture
+def open_golden(golden: Path) -> Iterator[Callable]:
+    import kdtr_format
+
+    readers = []
+
+    def _open(relative: str) -> kdtr_format.Reader:
+        readers.append(kdtr_format.open(golden / relative))
+        return readers[-1]
+
+    yield _open
+    for reader in readers:
+        reader.close()

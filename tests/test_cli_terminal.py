@@ -12,7 +12,7 @@ Three tables drive it; a new command or a new bad invocation is one line in one 
 - COMMANDS: every command answers -h (and, where it needs arguments, no arguments)
   with its help, and every program answers --version.
 
-Words in braces are filled in: {golden} the committed fixtures, {files} the bad files
+Words in braces are filled in: {golden} the committed (slim) fixtures, {files} the bad files
 made below, {out} a fresh empty directory per run. The runs go two at a time (they are
 mostly interpreter and torch start-up).
 """
@@ -31,9 +31,7 @@ import pytest
 
 import kdtr_format
 from refgen.cli import IDENTICALLY
-from terminal import REPO, Result, assert_clean_error, in_terminal, piped
-
-GOLDEN = REPO / "tests" / "golden"
+from terminal import Result, assert_clean_error, in_terminal, piped
 
 RUNS = [
     # argv; text whole on a line at 80 columns; text whole on a line when piped
@@ -44,11 +42,13 @@ RUNS = [
      f"1 of 1 fixtures regenerate identically ({IDENTICALLY})"),
     ("refgen show {golden}/tiny.kdtr", "drafter oracle 0.6",
      "t1  prompt p1, drafter oracle 0.6, block 6, budget 20, tokens 12, rounds"),
+    ("refgen materialize {golden}/kernels/tree_build.kdtr --out {out}", "tree_build.kdtr",
+     "full fixtures written to {out}"),
     ("refgen show {golden}/kernels/verify_attention.kdtr", "tiny_ragged  preset tiny",
      "tiny_ragged  preset tiny, heads 4, kv_lora_rank 64, qk_rope_head_dim 16, scale 0.174"),
     ("kdtree validate --fixtures {golden}/tiny2.kdtr", "invariant DDTree == AR (layerskip)",
      "kdtree validate: torch engine (cpu, stages: torch, attention: torch)"),
-    ("kdtr inspect {golden}/kernels/tree_build.kdtr --no-metadata", "cases/beyond_possible/draft_logits",
+    ("kdtr inspect {golden}/kernels/tree_build.kdtr --no-metadata", "cases/beyond_possible/first_child",
      "KDTR 1.0, alignment 64, "),
     ("kdtr verify {golden}/kernels/accept_compact.kdtr", "accept_compact.kdtr", "accept_compact.kdtr"),
     ("kdtree demo --max-new-tokens 4 --budget 4 --block-size 3 --plot {out}/demo.png", "DDTree layerskip",
@@ -63,6 +63,9 @@ HOSTILE = [
     ("refgen show {files}/absent.kdtr",                           "does not exist", 2),
     ("refgen verify {files}/dir_named_kdtr",                      "no .kdtr fixtures found", 2),
     ("refgen verify {files}/absent",                              "does not exist", 2),
+    ("refgen materialize {files}/plain.kdtr --out {out}",         "not a refgen fixture", 2),
+    ("refgen materialize {files}/corrupt.kdtr --out {out}",       "{files}/corrupt.kdtr: data checksum mismatch", 2),
+    ("refgen materialize {golden}/tiny.kdtr",                     "Missing option '--out'", 2),
     ("refgen generate --preset huge --out {out}",                 "unknown preset 'huge'", 2),
     ("refgen generate --out {out}",                               "nothing to generate", 2),
     ("refgen generate --kernels --out {files}/plain.kdtr",        "exists and is not a directory", 2),
@@ -110,6 +113,7 @@ COMMANDS = [
     ("refgen generate",  True),
     ("refgen verify",    False),
     ("refgen show",      True),
+    ("refgen materialize", True),
     ("kdtree",           True),
     ("kdtree validate",  False),
     ("kdtree demo",      False),
@@ -123,9 +127,9 @@ COMMANDS = [
 PROGRAMS = sorted({command.split()[0] for command, _ in COMMANDS})
 
 
-def make_files(files: Path) -> None:
+def make_files(files: Path, golden: Path) -> None:
     """The bad inputs HOSTILE names under {files}."""
-    corrupt = bytearray((GOLDEN / "kernels" / "tree_build.kdtr").read_bytes())
+    corrupt = bytearray((golden / "kernels" / "tree_build.kdtr").read_bytes())
     corrupt[len(corrupt) // 2] ^= 0xFF                      # inside a tensor's data
     (files / "corrupt.kdtr").write_bytes(bytes(corrupt))
     kdtr_format.write(files / "plain.kdtr", {"x": np.zeros(3)}, {"made by": "someone else"})
@@ -173,17 +177,17 @@ class Runs:
     """Every run of this file, in the order the tests ask for them. `result(key)` starts that
     run and the next one not yet started, so that two run at a time, and waits for its own."""
 
-    def __init__(self, root: Path) -> None:
-        self.root, self.outs = root, {}
+    def __init__(self, root: Path, golden: Path) -> None:
+        self.root, self.golden, self.outs = root, golden, {}
         self.files = root / "files"
         self.files.mkdir()
-        make_files(self.files)
+        make_files(self.files, golden)
         self.pool = ThreadPoolExecutor(max_workers=2)
         self.jobs: dict[str, Callable[[], Result]] = {}
         self.futures: dict[str, Future] = {}
 
     def fill(self, text: str, key: str) -> str:
-        return text.format(golden=GOLDEN, files=self.files, out=self.out(key))
+        return text.format(golden=self.golden, files=self.files, out=self.out(key))
 
     def out(self, key: str) -> Path:
         if key not in self.outs:
@@ -207,8 +211,8 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    runs = Runs(tmp_path_factory.mktemp("cli"))
+def runs(committed_golden, tmp_path_factory) -> Runs:
+    runs = Runs(tmp_path_factory.mktemp("cli"), committed_golden)
     for argv, *_ in RUNS:
         runs.add(f"terminal {argv}", argv, terminal=True)
     for argv, *_ in RUNS:

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from refgen.cli import IDENTICALLY
-from refgen.fixtures import REGEN_RTOL
+from refgen.regen import REGEN_REL
 from terminal import piped
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def test_the_readme_keeps_two_commands_for_a_fresh_machine():
 
 def test_readme_and_refgen_verify_define_regenerates_identically():
     readme = one_line((REPO / "README.md").read_text())
-    assert f"floats within {REGEN_RTOL:g} relative" in IDENTICALLY
+    assert f"floats within {REGEN_REL:g} of their scale" in IDENTICALLY
     assert f"regenerates identically ({IDENTICALLY})" in readme
 
 

@@ -10,7 +10,6 @@
   or an mscale mistake changes its logits.
 - A test taking `device` runs on "cpu" and on "cuda" (skipped without a GPU).
 - Engine tests run torch with one intra-op thread (`one_torch_thread`).
-- `golden_path(preset)` -> tests/golden/<preset>.kdtr, or a skip naming the absent file.
 - `small_model_fixture` -> a tiny2 model fixture generated once a session by refgen, small
   enough to validate in a fraction of a second (SMALL_PLAN, SMALL_BF16_PLAN), in a directory
   of its own (tiny2.kdtr).
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -34,7 +32,6 @@ from kdtr_format import PRESETS, DDTreeConfig, ModelConfig, YarnScaling
 from refgen.fixtures import FixturePlan, TraceSpec, model_fixture, write_fixture
 
 SEED = 1234
-GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
 
 # Two prompts; greedy traces of block sizes 4 and 3, one of block size 1 (root-only trees: no
 # round rejects a node), two sampled ones; bf16 cases of one prompt.
@@ -112,16 +109,6 @@ def device(request: pytest.FixtureRequest) -> str:
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("CUDA variant: no CUDA GPU is visible (torch.cuda.is_available() is False)")
     return request.param
-
-
-@pytest.fixture(scope="session")
-def golden_path() -> Callable[[str], Path]:
-    def find(preset: str) -> Path:
-        path = GOLDEN_DIR / f"{preset}.kdtr"
-        if not path.exists():
-            pytest.skip(f"golden fixture {path} is absent (generate it with `refgen generate`)")
-        return path
-    return find
 
 
 @pytest.fixture(scope="session")

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 import kdtr_format
 import engine.validate.runner as runner
 from engine.metrics import STAGES
-from engine.validate import GOLDEN_DIR, validate, write_json
+from engine.validate import validate, write_json
 from engine.validate.acceptance import account
 
 #   0 ── 1 ── 3 ── 5        node 1 is the root's rank-0 child, node 2 its rank-1 sibling
@@ -57,11 +56,9 @@ def fixture_counts(reader) -> tuple[int, int, int]:
     return main, offered, sibling
 
 
-def test_the_rows_carry_it(tmp_path, monkeypatch):
+def test_the_rows_carry_it(golden, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "PRESETS", {})          # the fixture's presets only (no random-weight runs)
-    source = GOLDEN_DIR / "tiny.kdtr"
-    if not source.exists():
-        pytest.skip(f"golden fixture {source} is absent (generate it with `refgen generate --all`)")
+    source = golden / "tiny.kdtr"
     (tmp_path / "tiny.kdtr").symlink_to(source)
     report = validate(None, tmp_path)
     rows = {c.name: c for c in report.checks}

@@ -20,7 +20,7 @@ from engine.model import Transformer
 from engine.validate.regime import Regime
 from engine.weights import ROUTER_WEIGHTS, load_fixture_weights
 from refgen.checkpoint import checkpoint_fixture, load, open_checkpoint, plan_import
-from refgen.fixtures import write_fixture
+from refgen.files import write_fixture
 from refgen.weights import init_weights
 from synthetic_checkpoint import SMALL, Layout, int4_dequantize, write_checkpoint
 

@@ -19,18 +19,13 @@ import kdtr_format
 import torch
 
 from cli_run import run_main
-from engine.validate import GOLDEN_DIR, load_impl
+from engine.validate import load_impl
 from kdtr_format import PRESETS
-from refgen.fixtures import model_fixture, write_fixture
+from refgen.files import write_fixture
+from refgen.fixtures import model_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "docs" / "examples"
-
-
-def needs(*names: str) -> None:
-    for name in names:
-        if not (GOLDEN_DIR / name).exists():
-            pytest.skip(f"golden fixture {GOLDEN_DIR / name} is absent (generate it with `refgen generate`)")
 
 
 def kdtree(*args: str) -> subprocess.CompletedProcess:
@@ -48,7 +43,6 @@ def with_umask(mask: int, run):
 
 
 def test_validate_passes_on_the_committed_fixtures(tmp_path, capsys):
-    needs("tiny.kdtr", "tiny2.kdtr")
     report_path = tmp_path / "report.json"
     code, out, _ = run_main(["validate", "--json", str(report_path)], capsys)
     assert code == 0, out
@@ -65,10 +59,9 @@ def test_validate_passes_on_the_committed_fixtures(tmp_path, capsys):
     assert report["backends"] == {"stages": "torch", "attention": "torch"}
 
 
-def test_validate_example_adapter_passes_and_broken_one_fails(tmp_path):
-    needs("kernels/tree_build.kdtr")
+def test_validate_example_adapter_passes_and_broken_one_fails(golden, tmp_path):
     (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "tree_build.kdtr").symlink_to(GOLDEN_DIR / "kernels" / "tree_build.kdtr")
+    (tmp_path / "kernels" / "tree_build.kdtr").symlink_to(golden / "kernels" / "tree_build.kdtr")
     good = kdtree("validate", "--fixtures", str(tmp_path), "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter",
                   "--require", "topk,tree")          # this directory exercises nothing else it implements
     assert good.returncode == 0, good.stdout + good.stderr
@@ -81,9 +74,8 @@ def test_validate_example_adapter_passes_and_broken_one_fails(tmp_path):
     assert [c["name"] for c in failed] == ["tree build"] and "tied" in failed[0]["detail"]
 
 
-def test_the_json_report_says_what_ran_where_and_how_long(tmp_path, capsys):
-    needs("kernels/tree_build.kdtr")
-    fixture = GOLDEN_DIR / "kernels" / "tree_build.kdtr"
+def test_the_json_report_says_what_ran_where_and_how_long(golden, tmp_path, capsys):
+    fixture = golden / "kernels" / "tree_build.kdtr"
     report_path = tmp_path / "report.json"
     code, out, _ = run_main(["validate", "--fixtures", str(fixture), "--json", str(report_path),
                              "--require", "topk,tree,compile"], capsys)          # what this one file exercises
@@ -102,11 +94,10 @@ def test_the_json_report_says_what_ran_where_and_how_long(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o077])
-def test_json_report_and_plot_follow_the_umask(tmp_path, capsys, mask):
-    needs("tiny.kdtr", "kernels/tree_build.kdtr")
+def test_json_report_and_plot_follow_the_umask(golden, tmp_path, capsys, mask):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
     report, plot = tmp_path / "r.json", tmp_path / "a.png"
-    with_umask(mask, lambda: run_main(["validate", "--fixtures", str(GOLDEN_DIR / "kernels" / "tree_build.kdtr"),
+    with_umask(mask, lambda: run_main(["validate", "--fixtures", str(golden / "kernels" / "tree_build.kdtr"),
                                        "--json", str(report), "--impl",
                                        str(EXAMPLES / "numpy_adapter.py") + ":NumpyAdapter"], capsys))
     with_umask(mask, lambda: run_main(["demo", "--max-new-tokens", "3", "--budget", "2", "--block-size", "2",
@@ -116,7 +107,6 @@ def test_json_report_and_plot_follow_the_umask(tmp_path, capsys, mask):
 
 
 def test_demo_runs_and_plots(tmp_path, capsys):
-    needs("tiny.kdtr")
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
     plot = tmp_path / "acceptance.png"
     code, out, _ = run_main(["demo", "--max-new-tokens", "12", "--budget", "8", "--block-size", "4",
@@ -149,10 +139,9 @@ def test_impl_module_in_the_current_directory(tmp_path, monkeypatch):
         load_impl("kdtree_test_no_such_module:make")
 
 
-def test_a_corrupt_model_fixture_is_named(tmp_path, capsys):
-    needs("tiny2.kdtr")
-    data = bytearray((GOLDEN_DIR / "tiny2.kdtr").read_bytes())
-    with kdtr_format.open(GOLDEN_DIR / "tiny2.kdtr") as reader:
+def test_a_corrupt_model_fixture_is_named(golden, tmp_path, capsys):
+    data = bytearray((golden / "tiny2.kdtr").read_bytes())
+    with kdtr_format.open(golden / "tiny2.kdtr") as reader:
         embedding = reader.info("weights/embed_tokens")
     data[embedding.offset + embedding.nbytes // 2] ^= 0xFF      # inside the weights the demo loads
     (tmp_path / "broken.kdtr").write_bytes(bytes(data))
@@ -164,18 +153,17 @@ def test_a_corrupt_model_fixture_is_named(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["demo", "--prompt", "5000"], "--prompt: token id 5000 is outside the model's vocabulary of 1024"),
     (["demo", "--preset", "huge"], "--preset huge: no fixture"),
-    (["demo", "--fixture", str(GOLDEN_DIR / "kernels" / "tree_build.kdtr")], "not a model fixture (kind 'tree_build')"),
-    (["demo", "--preset", "tiny2", "--fixture", str(GOLDEN_DIR / "tiny.kdtr")], "holds 'tiny', not --preset 'tiny2'"),
+    (["demo", "--fixture", "{golden}/kernels/tree_build.kdtr"], "not a model fixture (kind 'tree_build')"),
+    (["demo", "--preset", "tiny2", "--fixture", "{golden}/tiny.kdtr"], "holds 'tiny', not --preset 'tiny2'"),
     (["demo", "--prompt", ",".join(["1"] * 600)], "max_position_embeddings 512"),
     (["validate", "--impl", "no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'"),
     (["validate", "--fixtures", str(REPO / "README.md")], "is not a .kdtr file"),
     (["validate", "--device", "cuda"], "--device cuda: no CUDA device is visible"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
-def test_bad_input_is_one_line(capsys, args, message):
-    needs("tiny.kdtr", "kernels/tree_build.kdtr")
+def test_bad_input_is_one_line(golden, capsys, args, message):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("a CUDA device is visible: --device cuda is good input here")
-    code, out, err = run_main(args, capsys)
+    code, out, err = run_main([arg.format(golden=golden) for arg in args], capsys)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kdtree: error: ") and message in lines[0], err

@@ -13,7 +13,7 @@ import pytest
 
 from engine.adapter import TorchAdapter
 from engine.validate.protocol_v2 import PerRequest
-from engine.validate import GOLDEN_DIR, Status, load_impl, validate
+from engine.validate import Status, load_impl, validate
 from engine.validate.corpus_checks import tree_problems
 
 BROKEN_MODULE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "corpus" / "broken_adapters.py"
@@ -35,10 +35,8 @@ SYMPTOM = {
 
 
 @pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    source = GOLDEN_DIR / "kernels" / "corpus.kdtr"
-    if not source.exists():
-        pytest.skip(f"golden fixture {source} is absent (generate it with `refgen generate --all`)")
+def corpus_dir(golden, tmp_path_factory) -> Path:
+    source = golden / "kernels" / "corpus.kdtr"
     directory = tmp_path_factory.mktemp("corpus")
     (directory / "kernels").mkdir()
     (directory / "kernels" / "corpus.kdtr").symlink_to(source)

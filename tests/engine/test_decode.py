@@ -115,9 +115,9 @@ def test_batch_independence(model_zoo, kind):
         assert single.requests[0].acceptance_lengths == together.requests[b].acceptance_lengths
 
 
-def test_replay_golden_trace_rounds(golden_path):
+def test_replay_golden_trace_rounds(golden):
     """The engine's decode with the trace's own drafts reproduces every round exactly."""
-    path = golden_path("tiny")
+    path = golden / "tiny.kdtr"
     with kdtr_format.open(path) as f:
         from engine.model import Transformer
         model = Transformer.from_fixture(path)

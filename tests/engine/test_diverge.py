@@ -34,18 +34,16 @@ from kdtr_format.precision import FLOAT32_LOGIT_ATOL, FLOAT32_LOGIT_RTOL, bf16_b
 from kdtr_format import CONFIGS, PRESETS
 from refgen.weights import weight_shapes as refgen_weight_shapes
 
-from .test_cli import needs, run_main
+from cli_run import run_main
 
 PROMPT = list(range(3, 15))
 NEW = [5, 77, 300, 12, 9, 640]
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(golden):
     """tiny's fixture weights (layer 0 dense, layers 1-3 MoE)."""
-    needs("tiny.kdtr")
-    from engine.validate import GOLDEN_DIR
-    cfg, weights = load_fixture_weights(GOLDEN_DIR / "tiny.kdtr")
+    cfg, weights = load_fixture_weights(golden / "tiny.kdtr")
     return cfg, {name: w.numpy() for name, w in weights.items()}
 
 
@@ -230,10 +228,10 @@ def test_a_planted_bug_is_headlined_beyond_the_rounding_before_it(tiny, monkeypa
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_correct_engine_headlines_nothing_beyond_noise(tiny, monkeypatch, dtype):
+def test_a_correct_engine_headlines_nothing_beyond_noise(golden, tiny, monkeypatch, dtype):
     """This machine's rounding, and on top of it the simulated cuBLAS's at q_lat."""
     plant_row_count_noise(monkeypatch, ROUNDING_ULPS[dtype])
-    subject = from_fixture(needs_path("tiny.kdtr"), None, engine_adapter(tiny, dtype))
+    subject = from_fixture((golden / "tiny.kdtr"), None, engine_adapter(tiny, dtype))
     for way in ("chunk", "tree", "batch"):
         _, _, d = run(subject, way, 6)
         assert d.headline is None, (way, d.explanation)
@@ -358,16 +356,10 @@ def test_an_adapter_with_a_subset_of_points(tiny):
     assert [p.key for p in d.points] == [f"layers.{i}.layer_output" for i in range(4)] + ["logits"]
 
 
-def test_run_from_a_fixture_tree(tiny):
-    subject = from_fixture(needs_path("tiny.kdtr"), "p0", engine_adapter(tiny))
+def test_run_from_a_fixture_tree(golden, tiny):
+    subject = from_fixture((golden / "tiny.kdtr"), "p0", engine_adapter(tiny))
     a, b, d = run(subject, "tree", 0)
     assert b.label.startswith("tree verify") and len(a.tokens) == len(b.tokens) > a.prompt_length + 1
-
-
-def needs_path(name: str):
-    from engine.validate import GOLDEN_DIR
-    needs(name)
-    return GOLDEN_DIR / name
 
 
 # ---- memory ----
@@ -396,9 +388,9 @@ def planted_module(tmp_path) -> str:
     return f"{path}:make"
 
 
-def test_cli_headlines_a_planted_bug_and_writes_json(tmp_path, capsys):
+def test_cli_headlines_a_planted_bug_and_writes_json(golden, tmp_path, capsys):
     report = tmp_path / "d.json"
-    code, out, _ = run_main(["diverge", "--fixture", str(needs_path("tiny.kdtr")), "--tokens", "6",
+    code, out, _ = run_main(["diverge", "--fixture", str((golden / "tiny.kdtr")), "--tokens", "6",
                              "--impl", planted_module(tmp_path), "--json", str(report)], capsys)
     finding = json.loads(report.read_text())
     assert code == 1 and "first divergence beyond float32 noise: layer 0 o_lat" in out, out
@@ -451,9 +443,9 @@ def test_cli_running_out_of_memory_is_one_line_not_an_internal_error(capsys, mon
     (["diverge", "--fixture", "TINY", "--way", "tree", "--prompt", "p0", "--trace", "t6/7"],
      "--trace t6/7: trace t6 has round 0 only"),
 ])
-def test_cli_bad_input_is_one_line(capsys, args, message):
-    args = [needs_path("kernels/tree_build.kdtr").as_posix() if a == "KERNEL" else
-            needs_path("tiny.kdtr").as_posix() if a == "TINY" else a for a in args]
+def test_cli_bad_input_is_one_line(golden, capsys, args, message):
+    args = [(golden / "kernels/tree_build.kdtr").as_posix() if a == "KERNEL" else
+            (golden / "tiny.kdtr").as_posix() if a == "TINY" else a for a in args]
     code, _, err = run_main(args, capsys)
     lines = err.strip().splitlines()
     assert code != 0 and len(lines) == 1 and lines[0].startswith("kdtree: error: ") and message in lines[0], err

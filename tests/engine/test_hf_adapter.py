@@ -22,7 +22,7 @@ import pytest
 
 import kdtr_format
 from kdtr_format import PRESETS, ModelConfig
-from engine.validate import GOLDEN_DIR, Check, Deviation, Report, Status, validate
+from engine.validate import Check, Deviation, Report, Status, validate
 from engine.validate.compare import unpack_bits
 from engine.validate.deviations import declared_deviations, with_deviations
 from refgen.model import KVCache, Model
@@ -42,20 +42,12 @@ def hf_adapter():
     return hf
 
 
-def golden(*names: str) -> list[Path]:
-    paths = [GOLDEN_DIR / name for name in names]
-    for path in paths:
-        if not path.exists():
-            pytest.skip(f"golden fixture {path} is absent (generate it with `refgen generate --all`)")
-    return paths
-
-
 @pytest.fixture(scope="module")
-def cli_run(hf_adapter, tmp_path_factory) -> tuple[object, dict]:
+def cli_run(hf_adapter, golden, tmp_path_factory) -> tuple[object, dict]:
     """`kdtree validate --impl engine.adapters.hf:HFAdapter` on tiny and tiny2 (one run for the module)."""
     directory = tmp_path_factory.mktemp("fixtures")
-    for path in golden("tiny.kdtr", "tiny2.kdtr"):
-        (directory / path.name).symlink_to(path)
+    for name in ("tiny.kdtr", "tiny2.kdtr"):
+        (directory / name).symlink_to(golden / name)
     report = directory.parent / "report.json"
     result = piped(["kdtree", "validate", "--impl", "engine.adapters.hf:HFAdapter", "--fixtures", str(directory),
                     "--json", str(report)], timeout=300)
@@ -119,8 +111,8 @@ def test_hf_adapter_passes_validate_with_its_deviations_reported(cli_run):
 # ---- the declarations are complete and each is real ----
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny2"])
-def test_lifting_the_declared_deviations_gives_the_reference(hf_adapter, preset):
-    (path,) = golden(f"{preset}.kdtr")
+def test_lifting_the_declared_deviations_gives_the_reference(golden, hf_adapter, preset):
+    path = golden / f"{preset}.kdtr"
     adapter, _ = loaded(path, hf_adapter.HFAdapter())
     names = [d.name for d in adapter.deviations()]
     as_shipped = relative_error(*prefill_and_verify(adapter, path))
@@ -133,12 +125,12 @@ def test_lifting_the_declared_deviations_gives_the_reference(hf_adapter, preset)
         assert alone > 1e-9, (deviation, alone)          # needed: without it HF is off by more than rounding
 
 
-def test_latent_norm_eps_is_declared_only_where_the_conventions_differ(hf_adapter):
+def test_latent_norm_eps_is_declared_only_where_the_conventions_differ(golden, hf_adapter):
     """The committed presets keep the reference's 1e-6 (HF's); a config whose latent-norm eps
     is 1e-5 (the vLLM / SGLang convention at tiny2's rms_norm_eps) is declared, and lifting
     it matches refgen."""
     for preset in ("tiny", "tiny2"):
-        declared = {d.name for d in loaded(golden(f"{preset}.kdtr")[0], hf_adapter.HFAdapter())[0].deviations()}
+        declared = {d.name for d in loaded(golden / f"{preset}.kdtr", hf_adapter.HFAdapter())[0].deviations()}
         assert "latent-norm eps" not in declared, preset
     cfg = dataclasses.replace(PRESETS["tiny2"], latent_norm_eps=1e-5)
     weights = init_weights(cfg, 3)
@@ -189,8 +181,8 @@ def test_forward_writes_at_start_and_honours_every_visibility_bit(hf_adapter):
         adapter.forward(tokens, np.arange(12), np.ones((12, 21), bool), 9)
 
 
-def test_float32_adapter_declares_no_float32_island(hf_adapter, tmp_path):
-    (path,) = golden("tiny2.kdtr")
+def test_float32_adapter_declares_no_float32_island(golden, hf_adapter, tmp_path):
+    path = golden / "tiny2.kdtr"
     (tmp_path / path.name).symlink_to(path)
     report = validate(hf_adapter.float32(), tmp_path)
     assert not report.failed, report.summary()

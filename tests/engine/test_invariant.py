@@ -232,13 +232,10 @@ def test_demo_invariant_runs_bitwise_invariant(capsys, monkeypatch):
     import engine.adapter
     from engine.adapter import TorchAdapter
     from engine.cli import main
-    from engine.validate import GOLDEN_DIR
 
     made = []
     monkeypatch.setattr(engine.adapter, "TorchAdapter", lambda *a, **k: made.append(TorchAdapter(*a, **k)) or made[-1])
 
-    if not (GOLDEN_DIR / "tiny.kdtr").exists():
-        pytest.skip(f"golden fixture {GOLDEN_DIR / 'tiny.kdtr'} is absent (generate it with `refgen generate`)")
     threads = torch.get_num_threads()
     try:
         for args, code in ((["demo", "--invariant", "--max-new-tokens", "10", "--budget", "6", "--block-size", "4"], 0),

@@ -130,17 +130,17 @@ def test_decoding_on_a_paged_cache_gives_the_contiguous_tokens(model_zoo, device
     assert ddtree[page_size].metrics.mean_acceptance > 1                     # trees were accepted, so compaction moved KV
 
 
-def golden_cases(golden_path, op: str):
-    with kdtr_format.open(golden_path("kernels/paged_kv")) as fixture:
+def golden_cases(golden, op: str):
+    with kdtr_format.open(golden / "kernels/paged_kv.kdtr") as fixture:
         for case in fixture.metadata["cases"]:
             if case["op"] == op:
                 yield case, {name.rsplit("/", 1)[1]: torch.as_tensor(np.array(fixture[name]))
                              for name in fixture.names() if name.startswith(f"cases/{case['name']}/")}
 
 
-def test_golden_paged_compaction_cases(golden_path, device):
+def test_golden_paged_compaction_cases(golden, device):
     _, stages = backends(device)
-    for case, t in golden_cases(golden_path, "compact"):
+    for case, t in golden_cases(golden, "compact"):
         offsets = t["accept_offsets"].tolist()
         paths = [t["accepted"][offsets[b]:offsets[b + 1]] for b in range(case["batch"])]
         accepted = torch.nn.utils.rnn.pad_sequence(paths, batch_first=True, padding_value=-1)
@@ -157,12 +157,12 @@ def test_golden_paged_compaction_cases(golden_path, device):
             assert torch.equal(got, want), f"{case['name']}: pages {changed} changed"
 
 
-def test_golden_paged_attention_cases_through_the_engine_backend(golden_path, device):
+def test_golden_paged_attention_cases_through_the_engine_backend(golden, device):
     """Each case as the engine's padded batch (starts = context, n_new = tree size) through
     bind_attention with the block table: o_lat within the fixture's float32 tolerance (bf16
     paging is held to the contiguous bits by the forward test)."""
     attention, _ = backends(device)
-    for case, t in golden_cases(golden_path, "attention"):
+    for case, t in golden_cases(golden, "attention"):
         sizes, q_offsets, words = t["tree_sizes"], t["q_offsets"].tolist(), t["visibility_bits"]
         batch, n = case["batch"], int(sizes.max())
         pad = lambda x: torch.stack([torch.nn.functional.pad(x[q_offsets[b]:q_offsets[b + 1]],   # noqa: E731
@@ -175,7 +175,7 @@ def test_golden_paged_attention_cases_through_the_engine_backend(golden_path, de
                                 table.shape[1] * case["page_size"], table)
         o_lat = attend(pad(t["q_lat"]).to(device), pad(t["q_pe"]).to(device), t["c_kv_pages"].to(device),
                        t["k_pe_pages"].to(device), case["scale"])
-        with kdtr_format.open(golden_path("kernels/paged_kv")) as fixture:
+        with kdtr_format.open(golden / "kernels/paged_kv.kdtr") as fixture:
             rule = fixture.metadata["tolerances"]["o_lat"]
         for b in range(batch):
             torch.testing.assert_close(o_lat[b, :int(sizes[b])].float().cpu(),

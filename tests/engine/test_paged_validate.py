@@ -16,20 +16,22 @@ import kdtr_format
 from engine.adapter import TorchAdapter
 from engine.attention import bind_attention, torch_attention
 from engine.stages import TorchStages
-from engine.validate import GOLDEN_DIR, Status, ValidateError, validate
+from engine.validate import Status, ValidateError, validate
 from engine.validate.checked import CheckedV2
 from engine.validate.paged_checks import ATTENTION, COMPACTION, NEEDS_V2, PAGED_ROWS, paged_checks
 from engine.validate.protocol_v2 import PerRequest, offsets_of, sizes
 
-PAGED = GOLDEN_DIR / "kernels" / "paged_kv.kdtr"
 CAPS = {cap for needs in PAGED_ROWS.values() for cap in needs}
 
 
 @pytest.fixture(scope="module")
-def reader():
-    if not PAGED.exists():
-        pytest.skip(f"golden fixture {PAGED} is absent (generate it with `refgen generate --all`)")
-    with kdtr_format.open(PAGED) as opened:
+def paged(golden) -> Path:
+    return golden / "kernels" / "paged_kv.kdtr"
+
+
+@pytest.fixture(scope="module")
+def reader(paged):
+    with kdtr_format.open(paged) as opened:
         yield opened
 
 
@@ -37,9 +39,9 @@ def rows(adapter, reader, caps=CAPS, dtype="float32") -> dict[str, object]:
     return {c.name: c for c in paged_checks(CheckedV2(adapter), caps, reader, "paged_kv.kdtr", dtype)}
 
 
-def one_dir(tmp_path: Path, *names: str) -> Path:
+def one_dir(golden: Path, tmp_path: Path, *names: str) -> Path:
     for name in names:
-        (tmp_path / Path(name).name).symlink_to(GOLDEN_DIR / name)
+        (tmp_path / Path(name).name).symlink_to(golden / name)
     return tmp_path
 
 
@@ -57,14 +59,14 @@ class RoundsItsOutput:
 
 @pytest.mark.parametrize("dtype, attention", [("float32", None), ("bfloat16", None), ("bfloat16", RoundsItsOutput())],
                          ids=["float32", "bfloat16", "bfloat16-output rounded"])
-def test_the_builtin_engine_passes_every_paged_row(reader, dtype, attention):
+def test_the_builtin_engine_passes_every_paged_row(paged, reader, dtype, attention):
     """Judged by the regime's rule, atol + rtol |x| at the worst element, whichever element that is:
     the tolerance reported lies between atol and the rule at the largest |expected| the cases hold."""
     adapter = None
     if attention is not None:
         adapter = TorchAdapter()
         adapter.attention_backend = attention
-    report = validate(adapter, PAGED, dtype=dtype)                # one file: no presets' invariant sections
+    report = validate(adapter, paged, dtype=dtype)                # one file: no presets' invariant sections
     found = {c.name: c for c in report.checks if c.section == "paged_kv.kdtr"}
     assert list(found) == list(PAGED_ROWS)
     assert found[ATTENTION].status in (Status.EXACT, Status.WITHIN), found[ATTENTION].text()
@@ -251,25 +253,25 @@ def test_a_write_into_a_shared_page_names_the_page_and_its_readers(reader):
 
 # ---- protocol 1 and requirements ----
 
-def test_a_v1_adapter_sees_the_paged_rows_skipped_saying_why(tmp_path):
-    report = validate(PerRequest(TorchAdapter()), one_dir(tmp_path, "kernels/paged_kv.kdtr"), require="none")
+def test_a_v1_adapter_sees_the_paged_rows_skipped_saying_why(golden, tmp_path):
+    report = validate(PerRequest(TorchAdapter()), one_dir(golden, tmp_path, "kernels/paged_kv.kdtr"), require="none")
     found = [c for c in report.checks if c.section == "paged_kv.kdtr"]
     assert [c.name for c in found] == list(PAGED_ROWS)
     assert all(c.status is Status.SKIPPED and c.detail == NEEDS_V2 for c in found), [c.text() for c in found]
     assert "paged KV needs protocol 2" in NEEDS_V2
 
 
-def test_a_v1_adapter_cannot_declare_a_paged_capability():
+def test_a_v1_adapter_cannot_declare_a_paged_capability(golden):
     class DeclaresPaged:
         capabilities = ("accept", "paged_attention")
         accept = staticmethod(lambda parents, tokens, choices: None)
 
     with pytest.raises(ValidateError, match="declares capability 'paged_attention', which needs protocol 2"):
-        validate(DeclaresPaged(), GOLDEN_DIR / "kernels" / "accept_compact.kdtr")
+        validate(DeclaresPaged(), golden / "kernels" / "accept_compact.kdtr")
 
 
-def test_a_required_paged_capability_no_fixture_checks_fails(tmp_path):
-    directory = one_dir(tmp_path, "kernels/accept_compact.kdtr")
+def test_a_required_paged_capability_no_fixture_checks_fails(golden, tmp_path):
+    directory = one_dir(golden, tmp_path, "kernels/accept_compact.kdtr")
     report = validate(TorchAdapter(), directory)                      # declared: shown, not failed
     (row,) = [c for c in report.checks if c.name == "capability paged_attention"]
     assert row.status is Status.SKIPPED and "no fixture in" in row.detail and not report.failed

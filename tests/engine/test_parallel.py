@@ -40,7 +40,8 @@ from engine.parallel import Gang, World, shard_weights, weight_split
 from engine.stages import TorchStages, top2_margins
 from engine.validate.engine_rows import ENGINE_TIES
 from kdtr_format import PRESETS, DDTreeConfig
-from refgen.fixtures import FixturePlan, TraceSpec, model_fixture, write_fixture
+from refgen.files import write_fixture
+from refgen.fixtures import FixturePlan, TraceSpec, model_fixture
 from refgen.weights import init_weights
 
 SEED = 1234

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -24,25 +25,21 @@ from engine.validate.model_checks import _model_fixture
 from engine.validate.runner import _stamped
 from engine.validate.regime import Regime, RoutingWatch, reached_rows
 from engine.validate.protocol_v2 import PerRequest, sizes
-from refgen.fixtures import FixturePlan, model_fixture, write_fixture
+from refgen.files import write_fixture
+from refgen.fixtures import FixturePlan, model_fixture
+from refgen.regen import LOGITS, tensor_drift, tolerance_of
 
 import bf16_error_model
 
-from .test_cli import needs, run_main
+from .test_cli import run_main
 from .test_validate import fixture_dir
 
 
-def golden(name: str):
-    from engine.validate import GOLDEN_DIR
-    needs(name)
-    return GOLDEN_DIR / name
-
-
-def bf16_checks(adapter, name: str = "tiny2.kdtr", builtin: bool = False) -> dict[str, Check]:
+def bf16_checks(golden: Path, adapter, name: str = "tiny2.kdtr", builtin: bool = False) -> dict[str, Check]:
     """The bf16 regime's rows of one golden model fixture through `adapter`, by check name, as the
     runner reports them."""
     adapter.set_dtype("bfloat16")
-    path = golden(name)
+    path = golden / name
     with kdtr_format.open(path) as reader:
         checks = _model_fixture(adapter, capabilities(adapter), reader, path.name, builtin, "bfloat16")
     return {c.name: c for c in _stamped(checks, "exact")}
@@ -76,9 +73,9 @@ def test_a_margin_above_the_threshold_survives_any_error_within_tolerance(scale,
 
 # ---------------------------------------------------------------------------- the bf16 cases
 
-def test_bf16_cases_hold_the_weights_the_engine_loads():
+def test_bf16_cases_hold_the_weights_the_engine_loads(golden):
     """bf16/weights are the float32 weights as torch rounds them to bfloat16 (an outside rounding)."""
-    with kdtr_format.open(golden("tiny2.kdtr")) as reader:
+    with kdtr_format.open(golden / "tiny2.kdtr") as reader:
         assert reader.metadata["bf16"]["weights_dtype"] == "bfloat16"
         for name in reader.names("weights/"):
             rounded = torch.from_numpy(np.array(reader[name])).to(torch.bfloat16).view(torch.int16).numpy()
@@ -86,16 +83,17 @@ def test_bf16_cases_hold_the_weights_the_engine_loads():
             assert stored.dtype == ml_dtypes.bfloat16 and np.array_equal(stored.view(np.int16), rounded), name
 
 
-def test_bf16_cases_are_the_reference_on_the_rounded_weights():
+def test_bf16_cases_are_the_reference_on_the_rounded_weights(golden):
     from refgen.model import KVCache, Model, route
-    with kdtr_format.open(golden("tiny2.kdtr")) as reader:
+    with kdtr_format.open(golden / "tiny2.kdtr") as reader:
         cfg = kdtr_format.ModelConfig.from_dict(reader.metadata["config"])
         weights = {n[len("bf16/weights/"):]: np.asarray(reader[n]) for n in reader.names("bf16/weights/")}
         inputs = {}
         model = Model(cfg, weights, capture=lambda name, layer, y: inputs.__setitem__(layer, y))
         tokens = np.asarray(reader["bf16/prompts/p0/tokens"])
         logits = model.prefill(tokens, KVCache.new(cfg, len(tokens)))
-        np.testing.assert_allclose(logits, reader["bf16/prompts/p0/prefill_logits"], rtol=1e-12, atol=1e-12)
+        committed = np.asarray(reader["bf16/prompts/p0/prefill_logits"])
+        assert tensor_drift(committed, logits, tolerance_of(LOGITS, committed, reader.metadata["logit_scale"])) is None
         # the AR decisions' rows: those of one causal prefill of the prompt and its AR tokens
         ar_tokens = np.asarray(reader["bf16/prompts/p0/ar/tokens"])
         sequence = np.concatenate([tokens, ar_tokens[:-1]])
@@ -111,8 +109,8 @@ def test_bf16_cases_are_the_reference_on_the_rounded_weights():
 
 # ---------------------------------------------------------------------------- rounding vs bugs
 
-def test_the_builtin_engine_passes_in_bf16_with_every_row_named():
-    checks = bf16_checks(PerRequest(TorchAdapter()), builtin=True)
+def test_the_builtin_engine_passes_in_bf16_with_every_row_named(golden):
+    checks = bf16_checks(golden, PerRequest(TorchAdapter()), builtin=True)
     assert not [c for c in checks.values() if c.status is Status.FAIL], checks
     for name in ("prefill logits", "verify logits"):            # rounding, or rows a routing flip reached
         row = checks[name]
@@ -140,20 +138,20 @@ class SlotPositions(TorchAdapter):
 
 
 @pytest.mark.parametrize("adapter", [LateRope, SlotPositions])
-def test_a_planted_position_bug_still_fails_in_bf16(adapter):
-    checks = bf16_checks(PerRequest(adapter()))
+def test_a_planted_position_bug_still_fails_in_bf16(golden, adapter):
+    checks = bf16_checks(golden, PerRequest(adapter()))
     assert checks["verify logits"].status is Status.FAIL and checks["verify logits"].regime.startswith("bf16:")
     assert checks["verify logits"].error > 2 * checks["verify logits"].tolerance
 
 
-def test_a_planted_routing_bug_fails_the_routing_row(monkeypatch):
+def test_a_planted_routing_bug_fails_the_routing_row(golden, monkeypatch):
     real = engine.model.route
 
     def no_bias(cfg, x, gate, bias):                       # the correction bias forgotten in selection
         return real(cfg, x, gate, torch.zeros_like(bias))
 
     monkeypatch.setattr(engine.model, "route", no_bias)
-    checks = bf16_checks(PerRequest(TorchAdapter()))
+    checks = bf16_checks(golden, PerRequest(TorchAdapter()))
     assert checks["routing"].status is Status.FAIL and "vs threshold" in checks["routing"].detail
 
 
@@ -163,8 +161,8 @@ class NoExperts(TorchAdapter):
     intermediates = None
 
 
-def test_without_reported_experts_the_rows_a_near_tie_reaches_are_judged_apart():
-    checks = bf16_checks(PerRequest(NoExperts()))
+def test_without_reported_experts_the_rows_a_near_tie_reaches_are_judged_apart(golden):
+    checks = bf16_checks(golden, PerRequest(NoExperts()))
     assert checks["routing"].status is Status.SKIPPED and "reports no experts" in checks["routing"].detail
     assert not [c for c in checks.values() if c.status is Status.FAIL]
     assert "reached by a routing flip" in checks["verify logits"].detail
@@ -183,13 +181,14 @@ def test_a_fixture_without_bf16_cases_is_skipped_not_failed(tmp_path):
 
 # ---------------------------------------------------------------------------- the regime's rules
 
-def bf16_regime() -> Regime:
-    with kdtr_format.open(golden("tiny2.kdtr")) as reader:
+@pytest.fixture(scope="module")
+def bf16_regime(golden) -> Regime:
+    with kdtr_format.open(golden / "tiny2.kdtr") as reader:
         return Regime.of(reader.metadata, "bfloat16")
 
 
-def test_rows_a_flip_reaches_are_near_ties_the_others_fail():
-    regime = bf16_regime()
+def test_rows_a_flip_reaches_are_near_ties_the_others_fail(bf16_regime):
+    regime = bf16_regime
     atol = regime.tolerances["logits"]["atol"]
     expected = np.zeros((3, 5))
     off_row_1 = expected.copy()
@@ -203,8 +202,8 @@ def test_rows_a_flip_reaches_are_near_ties_the_others_fail():
     assert within.regime == f"bf16: atol {atol:.2g} + rtol 0.0078|x|"
 
 
-def test_only_the_first_divergence_of_a_sequence_is_judged():
-    regime = bf16_regime()
+def test_only_the_first_divergence_of_a_sequence_is_judged(bf16_regime):
+    regime = bf16_regime
     wide = 10 * regime.margin_threshold
     margins = [wide, regime.margin_threshold / 2, wide, wide]
     # the first divergence at a near-tie, the later ones follow another prefix
@@ -228,9 +227,9 @@ def test_a_flip_reaches_the_tokens_that_see_it_and_the_cache():
     assert reached_rows(np.zeros((4, 2), dtype=bool), reach, causal, True)[0].all()
 
 
-def test_a_flip_that_follows_an_earlier_flip_is_not_blamed():
+def test_a_flip_that_follows_an_earlier_flip_is_not_blamed(bf16_regime):
     cfg = PRESETS["tiny2"]                                   # MoE layers 0, 1, 2
-    watch = RoutingWatch(bf16_regime(), cfg, exact=True)
+    watch = RoutingWatch(bf16_regime, cfg, exact=True)
     reference = np.tile(np.arange(3), (2, 3, 1))             # [rows, layers, k]
     margins = np.full((2, 3), 1.0)                           # every decision wide
     margins[0, 0] = 1e-4                                     # but row 0 at layer 0
@@ -256,14 +255,14 @@ class Scripted:
         return {"logits": np.zeros((len(tokens), 4)), **{f"layers.{i}.experts": chosen[:, i] for i in range(3)}}
 
 
-def test_a_verify_leaves_the_cache_as_the_restated_path_leaves_it():
+def test_a_verify_leaves_the_cache_as_the_restated_path_leaves_it(bf16_regime):
     """A flip inside a verify reaches its tree, not the next forward (the accepted path is restated);
     a flip in a committed forward reaches every later row through the cached keys."""
     reference = np.tile(np.arange(3), (2, 3, 1))
     flipped = reference.copy()
     flipped[0, 0] = [0, 1, 9]                                # row 0, MoE layer 0 (below the last)
     margins = np.full((2, 3), 1e-4)                          # near-ties: rounding, not bugs
-    watch = RoutingWatch(bf16_regime(), PRESETS["tiny2"], exact=True)
+    watch = RoutingWatch(bf16_regime, PRESETS["tiny2"], exact=True)
     adapter = Scripted([flipped, reference, flipped, reference])
     tree = np.ones((2, 2), dtype=bool)
 
@@ -294,15 +293,16 @@ class StagesInBf16:
         return self.engine.accept(parents, tokens, choices)
 
 
-def test_the_runner_tells_the_adapter_its_dtype_and_names_regimes(tmp_path):
+def test_the_runner_tells_the_adapter_its_dtype_and_names_regimes(golden, tmp_path):
     adapter = StagesInBf16()
-    report = validate(adapter, fixture_dir(tmp_path, "kernels/accept_compact.kdtr"), dtype="bfloat16")
+    report = validate(adapter, fixture_dir(golden, tmp_path, "kernels/accept_compact.kdtr"), dtype="bfloat16")
     assert adapter.dtype == "bfloat16" and not report.failed
     assert {c.regime for c in report.checks if c.status is not Status.SKIPPED} == {"exact"}
 
 
-def test_cli_bf16_with_an_adapter_that_cannot_be_told_is_one_line(tmp_path, capsys):
-    code, _, err = run_main(["validate", "--dtype", "bfloat16", "--fixtures", str(fixture_dir(tmp_path, "tiny2.kdtr")),
+def test_cli_bf16_with_an_adapter_that_cannot_be_told_is_one_line(golden, tmp_path, capsys):
+    directory = fixture_dir(golden, tmp_path, "tiny2.kdtr")
+    code, _, err = run_main(["validate", "--dtype", "bfloat16", "--fixtures", str(directory),
                              "--impl", "docs/examples/numpy_adapter.py:NumpyAdapter"], capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "no set_dtype method" in lines[0], err
@@ -313,8 +313,8 @@ def test_cli_bad_dtype_is_a_usage_error(capsys):
     assert code == 2 and "float16" in err
 
 
-def test_cli_report_json_carries_the_regime(tmp_path, capsys):
-    directory = fixture_dir(tmp_path / "fixtures", "kernels/accept_compact.kdtr")
+def test_cli_report_json_carries_the_regime(golden, tmp_path, capsys):
+    directory = fixture_dir(golden, tmp_path / "fixtures", "kernels/accept_compact.kdtr")
     adapter = tmp_path / "bf16_stages.py"
     adapter.write_text("from engine.adapter import TorchAdapter\nfrom engine.validate.protocol_v2 import PerRequest, sizes\n\n"
                        "class Stages:\n"
@@ -351,11 +351,11 @@ def attention_rows(report) -> dict[str, Check]:
     return {c.name: c for c in report.checks if "verify attention" in c.name}
 
 
-def test_a_bf16_attention_kernel_is_judged_on_its_arithmetic_not_its_inputs_rounding(tmp_path):
+def test_a_bf16_attention_kernel_is_judged_on_its_arithmetic_not_its_inputs_rounding(golden, tmp_path):
     """Under --dtype bfloat16 the attention rows (per request, batched, paged) hand the inputs
     rounded to bf16 and compare with the reference on those inputs: a kernel computing in bf16
     passes them, while the same kernel fails the float32 rule (so the adapter really is bf16)."""
-    directory = fixture_dir(tmp_path, "kernels/verify_attention.kdtr", "kernels/paged_kv.kdtr")
+    directory = fixture_dir(golden, tmp_path, "kernels/verify_attention.kdtr", "kernels/paged_kv.kdtr")
     adapter = TorchAdapter()
     adapter.attention_backend = Bf16Attention()
     rows = attention_rows(validate(adapter, directory, dtype="bfloat16"))

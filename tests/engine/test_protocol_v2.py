@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import kdtr_format
 from engine.adapter import TorchAdapter
 from engine.validate import batched_model
-from engine.validate import GOLDEN_DIR, REPO_ROOT, AdapterFault, Status, ValidateError, validate, write_json
+from engine.validate import REPO_ROOT, AdapterFault, Status, ValidateError, validate, write_json
 from engine.validate.batched import Request, build_rows
 from engine.validate.batched_model import STAGES
 from engine.validate.checked import CheckedV2
@@ -42,11 +42,11 @@ def _load_example():
 example = _load_example()
 
 
-def fixtures(tmp_path: Path, *names: str) -> Path:
-    """A directory of links to committed fixtures."""
+def fixtures(golden: Path, tmp_path: Path, *names: str) -> Path:
+    """A directory of links to golden fixtures."""
     for name in names:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).symlink_to(GOLDEN_DIR / name)
+        (tmp_path / name).symlink_to(golden / name)
     return tmp_path
 
 
@@ -61,8 +61,8 @@ def the(report, name: str):
 
 # ---- the worked example and the built-in engine ----
 
-def test_the_example_passes_every_fixture_with_its_batched_rows_timed(tmp_path):
-    report = validate(example.PagedAdapter(), GOLDEN_DIR)
+def test_the_example_passes_every_fixture_with_its_batched_rows_timed(golden, tmp_path):
+    report = validate(example.PagedAdapter(), golden)
     assert not report.failed, report.summary()
     ran = {c.name for c in report.checks if c.name.startswith("batched") and c.status is not Status.SKIPPED}
     assert ran == {"batched prefill logits", "batched top-k log-probs", "batched verify logits", "batched accept",
@@ -78,10 +78,10 @@ def test_the_example_passes_every_fixture_with_its_batched_rows_timed(tmp_path):
         assert row["tables"]["acceptance"]["rounds"] > 0 and "stage ms on cpu" in row["detail"]
 
 
-def test_the_builtin_engine_goes_through_v2_and_is_timed_per_stage(tmp_path, small_model_fixture,
+def test_the_builtin_engine_goes_through_v2_and_is_timed_per_stage(golden, tmp_path, small_model_fixture,
                                                                    builtin_decode_only):
     builtin_decode_only()
-    directory = fixtures(tmp_path, "kernels/tree_build.kdtr", "kernels/accept_compact.kdtr",
+    directory = fixtures(golden, tmp_path, "kernels/tree_build.kdtr", "kernels/accept_compact.kdtr",
                          "kernels/verify_attention.kdtr")
     (directory / "tiny2.kdtr").symlink_to(small_model_fixture)
     report = validate(None, directory)
@@ -99,10 +99,10 @@ def test_the_builtin_engine_goes_through_v2_and_is_timed_per_stage(tmp_path, sma
                                                           "(torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("make", [lambda: TorchAdapter("cuda"), lambda: example.PagedAdapter("cuda")],
                          ids=["engine", "example"])
-def test_on_cuda_the_batched_rows_pass_and_name_the_gpu(tmp_path, make):
+def test_on_cuda_the_batched_rows_pass_and_name_the_gpu(golden, tmp_path, make):
     adapter = make()
-    directory = fixtures(tmp_path, "tiny.kdtr", "tiny2.kdtr", "kernels/tree_build.kdtr", "kernels/accept_compact.kdtr",
-                         "kernels/verify_attention.kdtr")
+    directory = fixtures(golden, tmp_path, "tiny.kdtr", "tiny2.kdtr", "kernels/tree_build.kdtr",
+                         "kernels/accept_compact.kdtr", "kernels/verify_attention.kdtr")
     report = validate(adapter, directory, device="cuda", require="none")
     assert not report.failed, [(c.section, c.name, c.detail) for c in report.checks if c.status is Status.FAIL]
     if isinstance(adapter, TorchAdapter):
@@ -202,9 +202,24 @@ class DirtyWords(TorchAdapter):
         return positions, torch.where(junk, 1, bits).to(bits.dtype), first_child, next_sibling
 
 
-def test_junk_words_past_a_tree_fail_the_batched_compile_row(tmp_path):
-    report = validate(DirtyWords(), fixtures(tmp_path, "kernels/tree_build.kdtr"), require="none")
-    assert failing(report) == {"batched tree compile"}, [c.text() for c in report.checks if c.status is Status.FAIL]
+class SharedUniforms(TorchAdapter):
+    """Sampling that reads every request's uniforms from request 0's rows."""
+
+    def sample_accept(self, parents, tokens, logits, node_offsets, temperature, uniforms):
+        request = torch.repeat_interleave(torch.arange(len(node_offsets) - 1), sizes(node_offsets))
+        index = (torch.arange(len(parents)) - node_offsets[request]).clamp(max=int(node_offsets[1]) - 1)
+        return super().sample_accept(parents, tokens, logits, node_offsets, temperature, uniforms[index])
+
+
+@pytest.mark.parametrize("broken, fixture, caught", [
+    (DirtyWords, "kernels/tree_build.kdtr", {"batched tree compile"}),
+    (SharedUniforms, "model", {"batched sample accept", "batched DDTree tokens"}),
+], ids=["words past a tree", "shared uniforms"])
+def test_stage_bugs_a_batch_of_one_hides_fail_their_batched_row(golden, tmp_path, small_model_fixture, broken, fixture,
+                                                                caught):
+    source = small_model_fixture if fixture == "model" else fixtures(golden, tmp_path, fixture)
+    report = validate(broken(), source, require="none")
+    assert failing(report) == caught, [(c.name, c.detail) for c in report.checks if c.status is Status.FAIL]
 
 
 def test_a_tree_beyond_its_possible_nodes_gets_a_build_call_of_its_own():
@@ -225,8 +240,8 @@ def test_a_tree_beyond_its_possible_nodes_gets_a_build_call_of_its_own():
     assert len(reader["x/parents"]) == 7
 
 
-def test_compaction_kernel_offsets_fail_the_batched_kernel_row(tmp_path):
-    report = validate(PathIndexAsFlat(), fixtures(tmp_path, "kernels/accept_compact.kdtr"), require="none")
+def test_compaction_kernel_offsets_fail_the_batched_kernel_row(golden, tmp_path):
+    report = validate(PathIndexAsFlat(), fixtures(golden, tmp_path, "kernels/accept_compact.kdtr"), require="none")
     assert failing(report) == {"batched KV compaction"}
     assert the(report, "KV compaction").status is Status.EXACT
 
@@ -304,8 +319,8 @@ class AcceptOnly:
         return (accepted.numpy() if self.host else accepted), bounds, next_roots
 
 
-def test_a_v2_output_is_checked_on_the_per_request_rows_too(tmp_path):
-    directory = fixtures(tmp_path, "kernels/accept_compact.kdtr")
+def test_a_v2_output_is_checked_on_the_per_request_rows_too(golden, tmp_path):
+    directory = fixtures(golden, tmp_path, "kernels/accept_compact.kdtr")
     report = validate(AcceptOnly(), directory)
     assert not report.failed and the(report, "batched accept").status is Status.EXACT
     assert the(report, "KV compaction").status is Status.SKIPPED
@@ -334,9 +349,9 @@ class NoCompactCache:
     (NoCompactCache, r"implements load_weights\(\), reset\(\), forward\(\) of capability 'model' but not "
                      r"compact_cache\(\)"),
 ])
-def test_v2_adapters_that_cannot_be_checked_are_errors(make, message):
+def test_v2_adapters_that_cannot_be_checked_are_errors(golden, make, message):
     with pytest.raises(ValidateError, match=message):
-        validate(make(), GOLDEN_DIR / "kernels" / "accept_compact.kdtr")
+        validate(make(), golden / "kernels" / "accept_compact.kdtr")
 
 
 def test_per_request_presents_only_what_the_v2_adapter_implements():
@@ -347,8 +362,8 @@ def test_per_request_presents_only_what_the_v2_adapter_implements():
     assert accepted.tolist() == [0, 2] and int(next_root) == 2
 
 
-def test_v1_adapters_have_no_batched_rows(tmp_path):
-    report = validate(PerRequest(TorchAdapter()), fixtures(tmp_path, "kernels/accept_compact.kdtr"),
+def test_v1_adapters_have_no_batched_rows(golden, tmp_path):
+    report = validate(PerRequest(TorchAdapter()), fixtures(golden, tmp_path, "kernels/accept_compact.kdtr"),
                       require="accept,compact")
     assert not report.failed and not [c for c in report.checks if c.name.startswith("batched")]
 
@@ -368,12 +383,10 @@ def test_padded_and_ragged_are_inverse(counts, extra):
         assert torch.equal(padded[b, :n], values[offsets[b]:offsets[b + 1]]) and bool((padded[b, n:] == -7).all())
 
 
-def test_in_bf16_the_batched_model_rows_are_skipped_saying_why():
+def test_in_bf16_the_batched_model_rows_are_skipped_saying_why(golden):
     """The routing watch that tells a bf16 routing flip from a bug follows one request at a time:
     in bf16 every batched model row is a skipped row naming that, none is judged."""
-    path = GOLDEN_DIR / "tiny2.kdtr"
-    if not path.exists():
-        pytest.skip(f"golden fixture {path} is absent (generate it with `refgen generate --all`)")
+    path = golden / "tiny2.kdtr"
     adapter = CheckedV2(TorchAdapter())
     with kdtr_format.open(path) as reader:
         rows = batched_model.batched_model_checks(adapter, set(TorchAdapter.capabilities), reader, path.name,

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.pytest_plugin import assert_passes, pytest_generate_tests
-from engine.validate import GOLDEN_DIR, Check, Status, Validation, plan
+from engine.validate import Check, Status, Validation, plan
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "docs" / "examples"
@@ -28,14 +28,12 @@ KERNELS = ("accept_compact.kdtr", "corpus.kdtr", "tree_build.kdtr")
 
 
 @pytest.fixture
-def project(tmp_path: Path) -> Path:
+def project(golden: Path, tmp_path: Path) -> Path:
     """An empty project holding the example test, a fixture directory of kernel cases, and the
     entry point of pyproject.toml in a dist-info on its path."""
+    (tmp_path / "fx" / "kernels").mkdir(parents=True)
     for name in KERNELS:
-        if not (GOLDEN_DIR / "kernels" / name).exists():
-            pytest.skip(f"golden fixture kernels/{name} is absent")
-        (tmp_path / "fx" / "kernels").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "fx" / "kernels" / name).symlink_to(GOLDEN_DIR / "kernels" / name)
+        (tmp_path / "fx" / "kernels" / name).symlink_to(golden / "kernels" / name)
     (tmp_path / "test_against_kdtree.py").write_text((EXAMPLES / "test_against_kdtree.py").read_text())
     points = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["pytest11"]
     info = tmp_path / "site" / "kdtree_under_test-0.dist-info"
@@ -153,12 +151,10 @@ class Metafunc:
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnknownMarkWarning")   # xdist_group: the plugin may be unloaded
-def test_the_dtype_option_reaches_the_plan_and_a_bad_one_is_named():
-    if not (GOLDEN_DIR / "tiny.kdtr").exists():
-        pytest.skip("golden fixture tiny.kdtr is absent")
-    bf16 = Metafunc(kdtree_fixtures=str(GOLDEN_DIR / "tiny.kdtr"), kdtree_dtype="bfloat16")
+def test_the_dtype_option_reaches_the_plan_and_a_bad_one_is_named(golden):
+    bf16 = Metafunc(kdtree_fixtures=str(golden / "tiny.kdtr"), kdtree_dtype="bfloat16")
     pytest_generate_tests(bf16)
-    assert bf16.ids == [c.id for c in plan(GOLDEN_DIR / "tiny.kdtr", "bfloat16")] and "tiny.kdtr::routing" in bf16.ids
+    assert bf16.ids == [c.id for c in plan(golden / "tiny.kdtr", "bfloat16")] and "tiny.kdtr::routing" in bf16.ids
     bad = Metafunc(kdtree_fixtures=None, kdtree_dtype="float16")
     with pytest.raises(pytest.fail.Exception, match="^kdtree: --kdtree-dtype must be one of float32, bfloat16, "
                                                     "got 'float16'$"):

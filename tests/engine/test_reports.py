@@ -26,14 +26,13 @@ import headless
 import kdtr_format
 from engine.adapter import TorchAdapter
 from cli_run import run_main
-from engine.validate import GOLDEN_DIR, Check, Report, Status, ValidateError, Validation, plan
+from engine.validate import Check, Report, Status, ValidateError, Validation, plan
 from engine.cli import render
 from engine.validate.html import _stage_figure, _tree_figure, acceptance_lengths, to_html, write_html
 from engine.validate.protocol_v2 import PerRequest
 from engine.validate.junit import to_junit, write_junit
 
 SCHEMA = Path(__file__).parent / "data" / "junit.xsd"
-TINY = GOLDEN_DIR / "tiny.kdtr"
 BROKEN = Path(__file__).resolve().parents[2] / "docs" / "examples" / "broken_adapter.py"
 
 
@@ -55,14 +54,17 @@ class ShiftedTreePositions(PerRequest):
 
 
 @pytest.fixture(scope="module")
-def failing_run() -> Validation:
+def tiny(golden) -> Path:
+    return golden / "tiny.kdtr"
+
+
+@pytest.fixture(scope="module")
+def failing_run(tiny) -> Validation:
     """The planted bug's run over tiny.kdtr, its report made."""
-    if not TINY.exists():
-        pytest.skip(f"golden fixture {TINY} is absent (generate it with `refgen generate`)")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        validation = Validation(ShiftedTreePositions(), TINY)
+        validation = Validation(ShiftedTreePositions(), tiny)
         validation.report().timings = {"total_seconds": 1.5}
     finally:
         torch.set_num_threads(threads)
@@ -145,8 +147,8 @@ def test_a_copy_outside_any_repository_records_no_commit(tmp_path):
     assert commit_of_a_copy(tmp_path, ".") == "None"
 
 
-def test_the_report_names_the_adapter_class_and_the_impl_spec(tmp_path, capsys):
-    fixture = GOLDEN_DIR / "kernels" / "tree_build.kdtr"
+def test_the_report_names_the_adapter_class_and_the_impl_spec(golden, tmp_path, capsys):
+    fixture = golden / "kernels" / "tree_build.kdtr"
     spec = f"{BROKEN}:BrokenTieAdapter"
     json_path, xml_path, html_path = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "r.html"
     code, out, _ = run_main(["validate", "--fixtures", str(fixture), "--impl", spec, "--require", "topk,tree",
@@ -161,9 +163,9 @@ def test_the_report_names_the_adapter_class_and_the_impl_spec(tmp_path, capsys):
     assert f"{adapter} (--impl {spec})" in " ".join(Outline(html_path.read_text()).text)
 
 
-def test_the_built_in_engine_is_named_so(tmp_path, capsys):
+def test_the_built_in_engine_is_named_so(golden, tmp_path, capsys):
     json_path = tmp_path / "r.json"
-    code, out, _ = run_main(["validate", "--fixtures", str(GOLDEN_DIR / "kernels" / "tree_build.kdtr"),
+    code, out, _ = run_main(["validate", "--fixtures", str(golden / "kernels" / "tree_build.kdtr"),
                              "--require", "topk,tree,compile", "--json", str(json_path)], capsys)
     assert code == 0 and "adapter: engine.adapter.TorchAdapter (built-in)" in out
     report = json.loads(json_path.read_text())
@@ -172,8 +174,8 @@ def test_the_built_in_engine_is_named_so(tmp_path, capsys):
 
 # ---- the rows: case by case as in the report, and what they carry ----
 
-def test_the_plan_names_the_rows_and_each_case_is_its_report_row(failing_run, failing):
-    cases = plan(TINY)
+def test_the_plan_names_the_rows_and_each_case_is_its_report_row(tiny, failing_run, failing):
+    cases = plan(tiny)
     rows = [(c.section, c.name, c.needs) for c in failing.checks]
     assert rows == [(c.section, c.name, c.needs) for c in cases
                     if c.section == "tiny.kdtr" and not c.builtin_only and not c.v2_only]     # a v1 adapter
@@ -191,11 +193,9 @@ def test_the_plan_names_the_rows_and_each_case_is_its_report_row(failing_run, fa
             assert got == by_id[case.id]
 
 
-def test_a_v2_adapters_plan_holds_its_batched_rows():
-    if not TINY.exists():
-        pytest.skip(f"golden fixture {TINY} is absent (generate it with `refgen generate`)")
-    cases = [c for c in plan(TINY) if c.section == "tiny.kdtr" and not c.builtin_only]
-    validation = Validation(TorchAdapter(), TINY)
+def test_a_v2_adapters_plan_holds_its_batched_rows(tiny):
+    cases = [c for c in plan(tiny) if c.section == "tiny.kdtr" and not c.builtin_only]
+    validation = Validation(TorchAdapter(), tiny)
     report = validation.report()
     assert [(c.section, c.name, c.needs) for c in report.checks if c.section == "tiny.kdtr"] == \
         [(c.section, c.name, c.needs) for c in cases]
@@ -213,10 +213,8 @@ class AcceptOnly:
         return self.engine.accept(parents, tokens, choices)
 
 
-def test_the_validate_cases_apply_the_requirements(tmp_path):
-    fixture = GOLDEN_DIR / "kernels" / "accept_compact.kdtr"
-    if not fixture.exists():
-        pytest.skip(f"golden fixture {fixture} is absent")
+def test_the_validate_cases_apply_the_requirements(golden, tmp_path):
+    fixture = golden / "kernels" / "accept_compact.kdtr"
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "accept_compact.kdtr").symlink_to(fixture)
     cases = {c.name: c for c in plan(tmp_path) if c.section == "validate"}
@@ -234,7 +232,7 @@ def test_the_validate_cases_apply_the_requirements(tmp_path):
     nothing = Validation(AcceptOnly(), tmp_path / "kernels" / "accept_compact.kdtr", require="none")
     assert nothing.check(cases["any check ran"]).status is Status.EXACT
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "tree_build.kdtr").symlink_to(GOLDEN_DIR / "kernels" / "tree_build.kdtr")
+    (tmp_path / "other" / "tree_build.kdtr").symlink_to(golden / "kernels" / "tree_build.kdtr")
     skipped_all = Validation(AcceptOnly(), tmp_path / "other", require="none")
     ran = skipped_all.check(cases["any check ran"])
     assert ran.status is Status.FAIL and ran.detail == "no check ran: every row was skipped"
@@ -250,10 +248,8 @@ class DeclaresAcceptAndTree(AcceptOnly):
         self.dtype = dtype
 
 
-def test_a_declared_capability_no_fixture_checks_is_the_same_skipped_row_per_case(tmp_path):
-    fixture = GOLDEN_DIR / "kernels" / "accept_compact.kdtr"
-    if not fixture.exists():
-        pytest.skip(f"golden fixture {fixture} is absent")
+def test_a_declared_capability_no_fixture_checks_is_the_same_skipped_row_per_case(golden, tmp_path):
+    fixture = golden / "kernels" / "accept_compact.kdtr"
     fixture_dir = tmp_path / "fx"
     (fixture_dir / "kernels").mkdir(parents=True)
     (fixture_dir / "kernels" / "accept_compact.kdtr").symlink_to(fixture)
@@ -267,12 +263,10 @@ def test_a_declared_capability_no_fixture_checks_is_the_same_skipped_row_per_cas
     assert named.status is Status.FAIL and named.detail == f"required, but no check of {fixture_dir} exercised it"
 
 
-def test_the_bf16_plan_has_the_routing_row_skipped_where_no_model_ran():
-    if not TINY.exists():
-        pytest.skip(f"golden fixture {TINY} is absent (generate it with `refgen generate`)")
-    cases = [c for c in plan(TINY, "bfloat16") if c.section == "tiny.kdtr" and not c.builtin_only]
-    assert "routing" in [c.name for c in cases] and "routing" not in [c.name for c in plan(TINY)]
-    validation = Validation(DeclaresAcceptAndTree(), TINY, dtype="bfloat16")
+def test_the_bf16_plan_has_the_routing_row_skipped_where_no_model_ran(tiny):
+    cases = [c for c in plan(tiny, "bfloat16") if c.section == "tiny.kdtr" and not c.builtin_only]
+    assert "routing" in [c.name for c in cases] and "routing" not in [c.name for c in plan(tiny)]
+    validation = Validation(DeclaresAcceptAndTree(), tiny, dtype="bfloat16")
     report = validation.report()
     ran = [c for c in cases if c.name != "routing" and not c.v2_only]    # a v1 adapter: no batched rows
     assert [c.name for c in report.checks if c.section == "tiny.kdtr"] == [c.name for c in ran]
@@ -285,7 +279,7 @@ def test_the_bf16_plan_has_the_routing_row_skipped_where_no_model_ran():
             assert got == (by_name[case.name] if case.name != "routing" else
                            Check("tiny.kdtr", "routing", Status.SKIPPED, detail=case.absent))
     with pytest.raises(ValidateError, match="--dtype must be one of float32, bfloat16, got 'float16'"):
-        plan(TINY, "float16")
+        plan(tiny, "float16")
 
 
 def test_a_fixture_whose_checks_stop_fails_each_of_its_cases(tmp_path):
@@ -312,14 +306,14 @@ def test_a_fixture_whose_checks_stop_fails_each_of_its_cases(tmp_path):
     assert sorted(per_case, key=lambda c: c.name) == rows
 
 
-def test_a_failing_round_names_its_first_wrong_node_as_a_table(failing):
+def test_a_failing_round_names_its_first_wrong_node_as_a_table(tiny, failing):
     for name in ("verify logits", "target choices", "sampled choices"):
         check = row(failing, name)
         assert check.status is Status.FAIL
         node = check.tables["first_wrong_node"]
         words = f"node {node['node']} (depth {node['depth']}, position {node['position']})"
         assert words in check.detail and f"(trace {node['trace']} round {node['round']}" in check.detail
-        with kdtr_format.open(TINY) as reader:
+        with kdtr_format.open(tiny) as reader:
             prefix = f"traces/{node['trace']}/rounds/{node['round']}"
             assert node["parents"] == np.asarray(reader[f"{prefix}/parents"]).tolist()
             assert node["accepted"] == np.asarray(reader[f"{prefix}/accepted"]).tolist()
@@ -327,8 +321,8 @@ def test_a_failing_round_names_its_first_wrong_node_as_a_table(failing):
     assert "first_wrong_node" not in row(failing, "tree build").tables
 
 
-def test_token_rows_carry_each_traces_acceptance_lengths(failing):
-    with kdtr_format.open(TINY) as reader:
+def test_token_rows_carry_each_traces_acceptance_lengths(tiny, failing):
+    with kdtr_format.open(tiny) as reader:
         traces = reader.metadata["traces"]
         recorded = {t["name"]: np.asarray(reader[f"traces/{t['name']}/acceptance_lengths"]).tolist() for t in traces}
         greedy = {t["name"] for t in traces if t["ddtree"].get("temperature", 0.0) == 0.0}
@@ -387,10 +381,8 @@ def test_junit_xml_of_a_run_in_which_nothing_ran_fails(tmp_path):
 
 # ---- the CLI writes both ----
 
-def test_validate_writes_junit_xml_and_html(tmp_path, capsys):
-    fixture = GOLDEN_DIR / "kernels" / "tree_build.kdtr"
-    if not fixture.exists():
-        pytest.skip(f"golden fixture {fixture} is absent")
+def test_validate_writes_junit_xml_and_html(golden, tmp_path, capsys):
+    fixture = golden / "kernels" / "tree_build.kdtr"
     xml_path, html_path = tmp_path / "r.xml", tmp_path / "r.html"
     code, out, err = run_main(["validate", "--fixtures", str(fixture), "--impl", f"{BROKEN}:BrokenTieAdapter",
                                "--require", "topk,tree", "--junit-xml", str(xml_path), "--html", str(html_path)], capsys)

@@ -35,7 +35,7 @@ from engine.decode import ddtree_decode
 from engine.drafters import RandomDrafter
 from engine.model import Transformer
 from engine.stages import TorchStages
-from engine.validate import GOLDEN_DIR, Status, validate
+from engine.validate import Status, validate
 from engine.validate.distribution import chi_square_power, distribution_test, sequence_probabilities, tv_bound
 from refgen.model import KVCache, Model
 from refgen.weights import init_weights
@@ -212,15 +212,15 @@ class OneUniform(Sampler):
         return super().choose(cdf, np.full_like(uniforms, uniforms[0]))
 
 
-def sample_accept_row(adapter, tmp_path):
-    (tmp_path / "tiny2.kdtr").symlink_to(GOLDEN_DIR / "tiny2.kdtr")
+def sample_accept_row(adapter, golden, tmp_path):
+    (tmp_path / "tiny2.kdtr").symlink_to(golden / "tiny2.kdtr")
     report = validate(adapter, tmp_path)
     (row,) = [c for c in report.checks if c.name == "sample accept"]
     return row
 
 
-def test_a_correct_sampler_passes_every_sampled_round_and_case(tmp_path):
-    assert sample_accept_row(Sampler(), tmp_path).status is Status.EXACT
+def test_a_correct_sampler_passes_every_sampled_round_and_case(golden, tmp_path):
+    assert sample_accept_row(Sampler(), golden, tmp_path).status is Status.EXACT
     assert validate(TorchAdapter(), tmp_path, require="sample_accept").counts()["FAIL"] == 0
 
 
@@ -229,14 +229,14 @@ def test_a_correct_sampler_passes_every_sampled_round_and_case(tmp_path):
     (Uncapped, "(case u_max)"),
     (OneUniform, "(trace t7 round 0)"),
 ])
-def test_broken_samplers_fail_naming_where(tmp_path, adapter, where):
-    row = sample_accept_row(adapter(), tmp_path)
+def test_broken_samplers_fail_naming_where(golden, tmp_path, adapter, where):
+    row = sample_accept_row(adapter(), golden, tmp_path)
     assert row.status is Status.FAIL and row.detail.endswith(where), row.detail
 
 
-def test_the_engine_replay_fails_a_greedy_next_root(tmp_path, builtin_decode_only):
+def test_the_engine_replay_fails_a_greedy_next_root(golden, tmp_path, builtin_decode_only):
     """The built-in engine's own sampled decode, replayed with the fixture's uniforms."""
-    (tmp_path / "tiny2.kdtr").symlink_to(GOLDEN_DIR / "tiny2.kdtr")
+    (tmp_path / "tiny2.kdtr").symlink_to(golden / "tiny2.kdtr")
     builtin_decode_only(GreedyNextRoot())
     report = validate(None, tmp_path, require="none")
     (replay,) = [c for c in report.checks if c.name == "engine DDTree replay (batched)"]

@@ -308,10 +308,10 @@ def test_other_stages_reject_bad_input():
 
 # ---- golden kernel cases (tests/golden/kernels/, written by `refgen generate`) ----
 
-def test_golden_tree_build_cases(golden_path):
+def test_golden_tree_build_cases(golden):
     import kdtr_format
 
-    with kdtr_format.open(golden_path("kernels/tree_build")) as fixture:
+    with kdtr_format.open(golden / "kernels/tree_build.kdtr") as fixture:
         for case in fixture.metadata["cases"]:
             get = lambda name: torch.as_tensor(np.array(fixture[f"cases/{case['name']}/{name}"]))  # noqa: E731
             topk_lp, topk_id = get("topk_lp"), get("topk_id")
@@ -339,10 +339,10 @@ def tree_from_parents(parents: torch.Tensor, tokens: torch.Tensor) -> TreeBatch:
                      depth=max(depths))
 
 
-def test_golden_accept_compact_cases(golden_path):
+def test_golden_accept_compact_cases(golden):
     import kdtr_format
 
-    with kdtr_format.open(golden_path("kernels/accept_compact")) as fixture:
+    with kdtr_format.open(golden / "kernels/accept_compact.kdtr") as fixture:
         for case in fixture.metadata["cases"]:
             get = lambda name: torch.as_tensor(np.array(fixture[f"cases/{case['name']}/{name}"]))  # noqa: E731
             trees = tree_from_parents(get("parents"), get("tokens"))

@@ -21,7 +21,7 @@ from engine.adapter import TorchAdapter
 from engine.decode import ddtree_decode
 from engine.stages import TorchStages
 from engine.cli import main
-from engine.validate import (CAPABILITIES, GOLDEN_DIR, METHODS, SKIPPED_DETAIL, AdapterFault, Check,
+from engine.validate import (CAPABILITIES, METHODS, SKIPPED_DETAIL, AdapterFault, Check,
                              CheckedAdapter, Status, ValidateError, capabilities, compare_close, compare_exact,
                              compare_tokens, find_fixtures, load_impl, merge, replayed_round,
                              resolve_capabilities, unpack_bits, validate)
@@ -36,14 +36,11 @@ class Engine(PerRequest):
         super().__init__(TorchAdapter())
 
 
-def fixture_dir(tmp_path: Path, *names: str) -> Path:
-    """A fixture directory holding links to some committed fixtures (skip when absent)."""
+def fixture_dir(golden: Path, tmp_path: Path, *names: str) -> Path:
+    """A fixture directory holding links to some golden fixtures."""
     for name in names:
-        source = GOLDEN_DIR / name
-        if not source.exists():
-            pytest.skip(f"golden fixture {source} is absent (generate it with `refgen generate`)")
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).symlink_to(source)
+        (tmp_path / name).symlink_to(golden / name)
     return tmp_path
 
 
@@ -174,18 +171,18 @@ class DeclaresNonsense(StagesOnly):
     (DeclaresAttention, r"declares capability 'attention' but has no attention\(\)"),
     (DeclaresNonsense, "unknown capability warp_drive"),
 ])
-def test_adapters_that_would_pass_by_accident_are_errors(make, message):
+def test_adapters_that_would_pass_by_accident_are_errors(golden, make, message):
     with pytest.raises(ValidateError, match=message):
-        validate(make(), GOLDEN_DIR)
+        validate(make(), golden)
 
 
-def test_unknown_required_capability_is_an_error():
+def test_unknown_required_capability_is_an_error(golden):
     with pytest.raises(ValidateError, match="--require names unknown capability warp"):
-        validate(StagesOnly(), GOLDEN_DIR, require="accept,warp")
+        validate(StagesOnly(), golden, require="accept,warp")
 
 
-def test_missing_methods_are_skipped_not_failed_when_not_required(tmp_path):
-    directory = fixture_dir(tmp_path, "tiny.kdtr", "kernels/accept_compact.kdtr", "kernels/tree_build.kdtr")
+def test_missing_methods_are_skipped_not_failed_when_not_required(golden, tmp_path):
+    directory = fixture_dir(golden, tmp_path, "tiny.kdtr", "kernels/accept_compact.kdtr", "kernels/tree_build.kdtr")
     report = validate(StagesOnly(), directory)
     assert not report.failed, report.summary()
     for name in ("prefill logits", "AR tokens", "tree build", "tree compile", "verify logits", "top-k log-probs"):
@@ -194,8 +191,8 @@ def test_missing_methods_are_skipped_not_failed_when_not_required(tmp_path):
     assert all(c.status is Status.EXACT for c in rows(report, "KV compaction"))
 
 
-def test_a_required_capability_that_is_skipped_fails(tmp_path):
-    directory = fixture_dir(tmp_path, "kernels/accept_compact.kdtr", "kernels/tree_build.kdtr")
+def test_a_required_capability_that_is_skipped_fails(golden, tmp_path):
+    directory = fixture_dir(golden, tmp_path, "kernels/accept_compact.kdtr", "kernels/tree_build.kdtr")
     report = validate(StagesOnly(), directory, require="accept,compact,tree,attention")
     assert report.failed
     (tree,) = rows(report, "tree build")
@@ -205,11 +202,11 @@ def test_a_required_capability_that_is_skipped_fails(tmp_path):
     assert rows(report, "tree compile")[0].status is Status.SKIPPED        # not required
 
 
-def test_a_declared_capability_no_fixture_checks_is_shown_and_fails_when_required(tmp_path):
+def test_a_declared_capability_no_fixture_checks_is_shown_and_fails_when_required(golden, tmp_path):
     class DeclaresCompact(StagesOnly):
         capabilities = ("accept", "compact")
 
-    directory = fixture_dir(tmp_path, "tiny2.kdtr")          # no compaction case in a model fixture
+    directory = fixture_dir(golden, tmp_path, "tiny2.kdtr")          # no compaction case in a model fixture
     report = validate(DeclaresCompact(), directory)           # a user's own fixture set: shown, not failed
     (row,) = rows(report, "capability compact")
     assert row.status is Status.SKIPPED and "no fixture in" in row.detail and not report.failed
@@ -218,12 +215,12 @@ def test_a_declared_capability_no_fixture_checks_is_shown_and_fails_when_require
     assert row.status is Status.FAIL and "no check of" in row.detail and report.failed
 
 
-def test_a_run_in_which_no_check_ran_fails(tmp_path, capsys):
+def test_a_run_in_which_no_check_ran_fails(golden, tmp_path, capsys):
     class AttentionOnly:
         def attention(self, q_lat, q_pe, c_kv, k_pe, visibility, scale):
             return Engine().attention(q_lat, q_pe, c_kv, k_pe, visibility, scale)
 
-    directory = fixture_dir(tmp_path, "kernels/accept_compact.kdtr")
+    directory = fixture_dir(golden, tmp_path, "kernels/accept_compact.kdtr")
     report = validate(AttentionOnly(), directory, require="none")
     assert report.executed == 0 and report.failed and "no check ran" in report.summary()
     impl = tmp_path / "attention_only.py"
@@ -305,12 +302,12 @@ def test_the_proxy_normalizes_what_passes():
     assert out[0] is not None
 
 
-def test_a_method_that_raises_is_one_row_naming_it(tmp_path):
+def test_a_method_that_raises_is_one_row_naming_it(golden, tmp_path):
     class Crashes(StagesOnly):
         def accept(self, parents, tokens, choices):
             raise RuntimeError("engine\nexploded")
 
-    report = validate(Crashes(), fixture_dir(tmp_path, "kernels/accept_compact.kdtr"))
+    report = validate(Crashes(), fixture_dir(golden, tmp_path, "kernels/accept_compact.kdtr"))
     (row,) = rows(report, "accept")
     assert row.status is Status.FAIL and row.section == "kernels/accept_compact.kdtr"
     assert row.detail.startswith("accept() raised RuntimeError: engine exploded (case ") and "\n" not in row.detail
@@ -338,8 +335,8 @@ class FloatAccept(Engine):
     (OnlyPositions, "tree compile", "compile_tree() returned 1 output"),
     (FloatAccept, "accept", "accept() output accepted has dtype float64"),
 ])
-def test_short_tuples_and_float_ids_fail_their_check(tmp_path, adapter, failing, text):
-    directory = fixture_dir(tmp_path, "kernels/tree_build.kdtr", "kernels/accept_compact.kdtr")
+def test_short_tuples_and_float_ids_fail_their_check(golden, tmp_path, adapter, failing, text):
+    directory = fixture_dir(golden, tmp_path, "kernels/tree_build.kdtr", "kernels/accept_compact.kdtr")
     report = validate(adapter(), directory, require="none")
     failed = [c for c in report.checks if c.status is Status.FAIL]
     assert [c.name for c in failed] == [failing] and text in failed[0].detail
@@ -421,7 +418,7 @@ def test_load_impl_errors(tmp_path):
 
 
 def test_missing_fixtures_are_generated_into_the_cache(tmp_path, monkeypatch):
-    """No committed fixtures: `refgen generate --all` fills the cache once, all or nothing."""
+    """No committed fixtures: `refgen generate --all --full` fills the cache once, all or nothing."""
     import engine.validate.fixtures as runner
 
     monkeypatch.setattr(runner, "GOLDEN_DIR", tmp_path / "no-golden")
@@ -507,13 +504,13 @@ def test_the_engine_replay_compares_whole_sequences(small_model_fixture, monkeyp
     assert replay.status is Status.FAIL and re.search(r"tokens, expected \d+ \(trace t\d\)", replay.detail)
 
 
-def test_a_fixture_set_requires_only_what_it_can_check(tmp_path):
+def test_a_fixture_set_requires_only_what_it_can_check(golden, tmp_path):
     """A model fixture has no compaction checks: alone, as a file or in a directory, it does not
     fail the declared compact capability; the report shows it as a skipped row instead."""
     class Declares(StagesOnly):
         capabilities = ("accept", "compact")
 
-    for fixtures in (GOLDEN_DIR / "tiny2.kdtr", fixture_dir(tmp_path, "tiny2.kdtr")):
+    for fixtures in (golden / "tiny2.kdtr", fixture_dir(golden, tmp_path, "tiny2.kdtr")):
         report = validate(Declares(), fixtures)
         assert not report.failed, report.summary()
         assert [(c.name, c.status) for c in report.checks if c.name.startswith("capability")] == \

@@ -399,9 +399,9 @@ def test_rows_that_see_nothing_are_zero_not_nan():
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_golden_cases(golden_kernels, dtype):
+def test_golden_cases(open_golden, dtype):
     """refgen's float32 cases; bf16 runs them on rounded inputs (K2 cases: the tensor cores)."""
-    with golden_kernels("verify_attention") as f:
+    with open_golden("kernels/verify_attention.kdtr") as f:
         for spec in f.metadata["cases"]:
             name = spec["name"]
 

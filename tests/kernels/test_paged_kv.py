@@ -154,10 +154,10 @@ def mixed_requests(gen: torch.Generator) -> list[tuple[int, torch.Tensor]]:
 # ----------------------------------------------------------------------------- CPU
 
 
-def test_references_match_the_fixture(golden_kernels):
+def test_references_match_the_fixture(open_golden):
     """The torch references against refgen: attention through `gather` (float32 inputs, float64
     math) within 1e-6 of the fixture; `reference_compact` bit-exact on the whole pools."""
-    with golden_kernels("paged_kv") as f:
+    with open_golden("kernels/paged_kv.kdtr") as f:
         for spec in f.metadata["cases"]:
             name = spec["name"]
             if spec["op"] == "attention":
@@ -243,7 +243,7 @@ def test_entries_past_a_requests_pages_are_never_checked():
 @needs_gpu
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_golden_attention_cases(golden_kernels, dtype, path):
+def test_golden_attention_cases(open_golden, dtype, path):
     """Every attention case of the fixture (K2 dims at pages 64, 16, 1; tiny dims at page 16).
     float32: the fixture's o_lat / lse within its `tolerances`. bf16 (the tensor cores at K2
     dims): within `tolerances_bf16` of the float64 result on the rounded inputs (the fixture's
@@ -253,7 +253,7 @@ def test_golden_attention_cases(golden_kernels, dtype, path):
     if path == "mma" and dtype != torch.bfloat16:
         pytest.skip("the mma kernel takes bf16 inputs")
     skip_unless_runs(path)
-    with golden_kernels("paged_kv") as f:
+    with open_golden("kernels/paged_kv.kdtr") as f:
         meta = f.metadata
         for spec in (s for s in meta["cases"] if s["op"] == "attention"):
             if path == "mma" and fixture_tensor(f, spec["name"], "c_kv_pages").shape[2] != 512:
@@ -381,11 +381,11 @@ def assert_pages_unchanged(before: torch.Tensor, after: torch.Tensor, pages: dic
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_golden_compaction_cases(golden_kernels, dtype):
+def test_golden_compaction_cases(open_golden, dtype):
     """Every compaction case (pages 1, 16, 64; shared prefix pages; non-prefix paths) in one
     launch over two layers: layer 0 the fixture's pools, bit-exact with its pools after; layer 1
     other data, bit-exact with `reference_compact`; shared and unused pages unchanged, named."""
-    with golden_kernels("paged_kv") as f:
+    with open_golden("kernels/paged_kv.kdtr") as f:
         for spec in (s for s in f.metadata["cases"] if s["op"] == "compact"):
             name = spec["name"]
             table, starts, paths = compact_inputs(f, name)

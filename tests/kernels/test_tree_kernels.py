@@ -100,16 +100,16 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None
 # ----------------------------------------------------------------------------- tree build: golden
 
 
-def golden_tree_cases(golden_kernels):
-    f = golden_kernels("tree_build")
+def golden_tree_cases(open_golden):
+    f = open_golden("kernels/tree_build.kdtr")
     return f, f.metadata["cases"]
 
 
 @needs_gpu
 @pytest.mark.parametrize("padding", [0, 37])
-def test_build_golden_cases(padding: int, golden_kernels) -> None:
+def test_build_golden_cases(padding: int, open_golden) -> None:
     """Every committed case, from its own top-k, at the exact width and with 37 padding columns."""
-    f, cases = golden_tree_cases(golden_kernels)
+    f, cases = golden_tree_cases(open_golden)
     for case in cases:
         prefix = f"cases/{case['name']}/"
         topk_lp, topk_id = f[prefix + "topk_lp"], f[prefix + "topk_id"]
@@ -126,9 +126,9 @@ def test_build_golden_cases(padding: int, golden_kernels) -> None:
 
 @needs_gpu
 @pytest.mark.parametrize("version", VERSIONS)
-def test_topk_golden_cases(version: int, golden_kernels) -> None:
+def test_topk_golden_cases(version: int, open_golden) -> None:
     """draft_logits -> top-k: ids equal to the fixture's, log-probs within one float32 ulp."""
-    f, cases = golden_tree_cases(golden_kernels)
+    f, cases = golden_tree_cases(open_golden)
     for case in cases:
         prefix = f"cases/{case['name']}/"
         if prefix + "draft_logits" not in f:
@@ -383,9 +383,9 @@ def test_logits_to_tree_matches_refgen() -> None:
 # ----------------------------------------------------------------------------- accept and compaction
 
 
-def golden_accept_batch(golden_kernels):
+def golden_accept_batch(open_golden):
     """Every accept_compact case as one ragged batch -> (f, cases, parents, tokens, choices, n) padded to width."""
-    f = golden_kernels("accept_compact")
+    f = open_golden("kernels/accept_compact.kdtr")
     cases = f.metadata["cases"]
     width = max(c["nodes"] for c in cases)
     parents = np.full((len(cases), width), -1, dtype=np.int64)
@@ -398,8 +398,8 @@ def golden_accept_batch(golden_kernels):
 
 
 @needs_gpu
-def test_accept_golden_cases(golden_kernels) -> None:
-    f, cases, parents, tokens, choices, n = golden_accept_batch(golden_kernels)
+def test_accept_golden_cases(open_golden) -> None:
+    f, cases, parents, tokens, choices, n = golden_accept_batch(open_golden)
     cols = parents.shape[1]
     poison_cuda_allocator()
     accepted, accept_len, next_root = tree_ops.accept_greedy(cuda(parents), cuda(tokens), cuda(n), cuda(choices), cols)
@@ -441,9 +441,9 @@ def test_accept_random_walks(seed: int, batch: int) -> None:
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compact_golden_cases(dtype: torch.dtype, golden_kernels) -> None:
+def test_compact_golden_cases(dtype: torch.dtype, open_golden) -> None:
     """All layers and requests in one launch; each (layer, request) slice holds different data."""
-    f, cases, *_ = golden_accept_batch(golden_kernels)
+    f, cases, *_ = golden_accept_batch(open_golden)
     by_dims: dict[tuple[int, int], list[dict]] = {}
     for case in cases:
         by_dims.setdefault(f[f"cases/{case['name']}/c_kv"].shape[1:] + f[f"cases/{case['name']}/k_pe"].shape[1:],

@@ -1,5 +1,4 @@
-"""Fixtures for the golden-fixture and CLI tests: the committed golden
-directory, readers of its files, and two ways to run the `refgen` command."""
+"""Two ways to run the `refgen` command (the golden fixtures: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,36 +11,7 @@ from typing import Callable
 import pytest
 from click.testing import CliRunner, Result
 
-import kdtr_format
-
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def golden() -> Callable[[str], Path]:
-    """golden("tiny.kdtr") -> the committed fixture's path; the test fails (never
-    skips) when it is missing."""
-
-    def _path(relative: str) -> Path:
-        path = REPO / "tests" / "golden" / relative
-        assert path.is_file(), f"{path} is missing: run `refgen generate --all` and commit it"
-        return path
-
-    return _path
-
-
-@pytest.fixture
-def open_golden(golden):
-    """open_golden("tiny.kdtr") -> a KDTR reader of the committed file, closed after the test."""
-    readers = []
-
-    def _open(relative: str) -> kdtr_format.Reader:
-        readers.append(kdtr_format.open(golden(relative)))
-        return readers[-1]
-
-    yield _open
-    for reader in readers:
-        reader.close()
 
 
 @pytest.fixture

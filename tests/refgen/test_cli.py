@@ -15,7 +15,7 @@ import pytest
 import kdtr_format
 import kdtr_format.writer
 from kdtr_format import WriterError
-from refgen.fixtures import content_hash
+from refgen.files import content_hash
 
 TAMPERED = "cases/non_prefix/c_kv_after"
 
@@ -70,9 +70,9 @@ def test_verify_passes_on_the_committed_fixtures(refgen_process):
 
 
 @pytest.mark.parametrize("rehash", [True, False], ids=["hash-recomputed", "hash-stale"])
-def test_verify_fails_naming_the_one_changed_tensor(golden, refgen_cli, tmp_path, rehash):
+def test_verify_fails_naming_the_one_changed_tensor(committed_golden, refgen_cli, tmp_path, rehash):
     copy = tmp_path / "accept_compact.kdtr"
-    shutil.copy(golden("kernels/accept_compact.kdtr"), copy)
+    shutil.copy(committed_golden / "kernels/accept_compact.kdtr", copy)
     assert refgen_cli("verify", copy).exit_code == 0
     rewrite(copy, TAMPERED, rehash)
     result = refgen_cli("verify", copy)
@@ -82,11 +82,11 @@ def test_verify_fails_naming_the_one_changed_tensor(golden, refgen_cli, tmp_path
     assert ("content_hash: stored" in result.stdout) is not rehash
 
 
-def test_verify_checks_what_a_directory_holds(golden, refgen_cli, tmp_path, monkeypatch):
+def test_verify_checks_what_a_directory_holds(committed_golden, refgen_cli, tmp_path, monkeypatch):
     """A user's directory: the fixtures it holds. This checkout's tests/golden: every
     committed fixture must be there too."""
     (tmp_path / "kernels").mkdir()
-    shutil.copy(golden("kernels/tree_build.kdtr"), tmp_path / "kernels")
+    shutil.copy(committed_golden / "kernels/tree_build.kdtr", tmp_path / "kernels")
     (tmp_path / "kernels" / "x.kdtr").mkdir()                       # a directory, not a fixture
     result = refgen_cli("verify", tmp_path)
     assert result.exit_code == 0, result.output
@@ -120,9 +120,13 @@ def test_generate_from_an_hf_config_file_and_verify_it(refgen_cli, tmp_path):
         assert meta["source"] == "config-file" and meta["preset"] == "my-k2-mini"
         assert meta["config"]["rope_style"] == "neox" and meta["config"]["q_lora_rank"] is None
         assert meta["config"]["rope_scaling"]["mscale_all_dim"] == 1.0
-        assert f["weights/embed_tokens"].shape == (160, 64)
+        assert "weights/embed_tokens" not in f.names()                           # slim: drawn from the seed
+        assert meta["seeded_tensors"]["weights/embed_tokens"]["shape"] == [160, 64]
     assert sorted(p.name for p in out.iterdir()) == ["my-k2-mini.kdtr"]
     assert refgen_cli("verify", out / "my-k2-mini.kdtr").exit_code == 0
+    assert refgen_cli("materialize", out, "--out", tmp_path / "full").exit_code == 0
+    with kdtr_format.open(tmp_path / "full" / "my-k2-mini.kdtr") as f:
+        assert f["weights/embed_tokens"].shape == (160, 64)
 
 
 @pytest.mark.parametrize("config, fragment", [
@@ -165,10 +169,11 @@ def test_list_names_presets_and_kinds(refgen_cli):
         assert word in result.stdout
 
 
-def test_show_a_model_and_a_kernel_fixture(golden, refgen_cli):
-    model = refgen_cli("show", golden("tiny.kdtr"))
+def test_show_a_model_and_a_kernel_fixture(committed_golden, refgen_cli):
+    model = refgen_cli("show", committed_golden / "tiny.kdtr")
     assert model.exit_code == 0
-    for word in ("kind model", "matches", "weights", "p2", "t6", "oracle 0.9", "random", "min margin"):
+    for word in ("kind model", "matches", "p2", "t6", "oracle 0.9", "random", "min margin",
+                 "slim: omits", "weights", "refgen materialize"):
         assert word in model.stdout, word
-    kernels = refgen_cli("show", golden("kernels/verify_attention.kdtr"))
+    kernels = refgen_cli("show", committed_golden / "kernels/verify_attention.kdtr")
     assert kernels.exit_code == 0 and "k2_ragged" in kernels.stdout

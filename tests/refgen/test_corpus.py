@@ -27,8 +27,8 @@ ONLY_IN = {  # a property -> the one case that may have it
 
 @pytest.fixture(scope="module")
 def cases(golden) -> dict[str, tuple[dict, dict]]:
-    """name -> (tensors, metadata) of the committed kernels/corpus.kdtr."""
-    with kdtr_format.open(golden("kernels/corpus.kdtr")) as reader:
+    """name -> (tensors, metadata) of the golden kernels/corpus.kdtr."""
+    with kdtr_format.open(golden / "kernels/corpus.kdtr") as reader:
         return {m["name"]: ({k.split("/")[-1]: np.array(reader[k]) for k in reader.names(f"cases/{m['name']}/")}, m)
                 for m in reader.metadata["cases"]}
 
