@@ -19,9 +19,12 @@ import kdtr_format
 from engine.adapter import TorchAdapter
 from cli_run import run_main
 from engine.validate import GOLDEN_DIR, Check, Report, Status, ValidateError, Validation, plan
-from engine.validate.html import acceptance_lengths, to_html
 from engine.validate.protocol_v2 import PerRequest
 from engine.validate.junit import to_junit, write_junit
+
+pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install 'kdtree[test]'): the HTML "
+                    "report draws its plots with it")
+from engine.validate.html import acceptance_lengths, to_html  # noqa: E402
 
 SCHEMA = Path(__file__).parent / "data" / "junit.xsd"
 TINY = GOLDEN_DIR / "tiny.kdtr"
