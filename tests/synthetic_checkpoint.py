@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -106,8 +107,16 @@ def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> np.ndarray:
     return (q.double() * full).numpy()
 
 
+def needs_compressed_tensors() -> None:
+    """Skip, naming the package, where compressed-tensors (the test extra) is absent: the INT4
+    layouts are packed and unpacked by its own code."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install "
+                        "'kdtree[test]'): its own packer writes and reads the INT4 checkpoints")
+
+
 def int4_compress(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """w [r, c] -> compressed-tensors' weight_packed / weight_scale (bf16) / weight_shape."""
+    needs_compressed_tensors()
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
@@ -117,6 +126,7 @@ def int4_compress(w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def int4_dequantize(packed: dict[str, torch.Tensor]) -> np.ndarray:
+    needs_compressed_tensors()
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     q = unpack_from_int32(packed["weight_packed"], 4, torch.Size(packed["weight_shape"].tolist()))
@@ -306,6 +316,8 @@ def write_checkpoint(directory: str | Path, cfg: ModelConfig, weights: Mapping[s
                      keep_dequantized: bool = True) -> Written:
     """Write config.json, the safetensors shards (model-0000i-of-0000n) and their index into `directory`,
     one shard in memory at a time; `written.dequantized` only with `keep_dequantized`."""
+    if layout.quant == "int4":
+        needs_compressed_tensors()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = hf_config(cfg, layout)

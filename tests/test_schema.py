@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine.adapters.hf_mapping import deepseek_v3_kwargs
+from engine.adapters.hf_mapping import TRANSFORMERS_MIN, deepseek_v3_kwargs
 from kdtr_format import CONFIGS, PRESETS, ConfigError, DDTreeConfig, ModelConfig, YarnScaling
 
 ALL_CONFIGS = {**PRESETS, **CONFIGS}
@@ -187,8 +187,8 @@ def test_hostile_values_are_config_errors_never_crashes(base):
 def test_transformers_own_deepseek_v3_config_round_trips(name, how, tmp_path):
     """transformers' DeepseekV3Config built from a preset, written by transformers itself,
     reads back as the same ModelConfig (the latent eps is HF's hard-coded 1e-6)."""
-    transformers = pytest.importorskip("transformers", minversion="5.0",
-                                       reason="transformers >= 5 is an optional outside reference")
+    transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN,
+                                       reason=f"transformers >= {TRANSFORMERS_MIN} is an optional outside reference")
     cfg = ALL_CONFIGS[name]
     hf_cfg = transformers.DeepseekV3Config(**deepseek_v3_kwargs(cfg))
     if how == "save_pretrained":

@@ -17,6 +17,10 @@
   equals the reference to rounding (tests/engine/test_hf_adapter.py), so the list is
   complete for the committed fixtures.
 
+Every transformers from `TRANSFORMERS_MIN` on (docs/versions.md), by what the installed one has:
+forward's cache argument (`CACHE_ARGUMENT`), a router that routes or one whose MoE block routes
+(`_router_lift`), `q_a_layernorm` absent or None without q_lora.
+
 Why float64 is the default: in float32 HF's float32 internals are no deviation, and
 float32 rounding (about 8e-6 in the committed fixtures' logits) hides differences of
 2e-6; in float64 each difference stands at its own size (1.5e-6 to 2.7e-6 on the
@@ -26,6 +30,7 @@ committed fixtures, 3.6e-5 for a latent-norm eps of 1e-5) above a rounding floor
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from typing import Callable, Iterator, Mapping
 
@@ -33,20 +38,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .hf_mapping import TRANSFORMERS_MIN, deepseek_v3_kwargs, hf_state_dict
+
 try:
     import transformers
+    from packaging.version import Version
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_modeling
 except ImportError as exc:
-    raise ImportError(f"engine.adapters.hf needs HF transformers >= 5 (pip install 'transformers>=5'): {exc}") \
-        from None
-if int(transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(f"engine.adapters.hf needs HF transformers >= 5 (its MLA cache holds the latents); "
+    raise ImportError(f"engine.adapters.hf needs HF transformers >= {TRANSFORMERS_MIN} "
+                      f"(pip install 'transformers>={TRANSFORMERS_MIN}'): {exc}") from None
+if Version(transformers.__version__) < Version(TRANSFORMERS_MIN):
+    raise ImportError(f"engine.adapters.hf needs HF transformers >= {TRANSFORMERS_MIN} (before it, DeepseekV3 "
+                      f"routes a dropped group's experts where the kept scores are negative); "
                       f"found {transformers.__version__}")
 
 from kdtr_format import ModelConfig
 
 from ..model import rope_inv_freq, rope_mscale
-from .hf_mapping import deepseek_v3_kwargs, hf_state_dict
 from ..validate.deviations import Deviation
 from ..weights import check_weights
 
@@ -54,6 +62,9 @@ LOGIT_ROWS = ("prefill logits", "verify logits")
 PROBE_TOKENS = 24              # the causal prefill each deviation's effect is measured on
 PROBE_SEED = 0
 MEASURED_ON = f"max |logit change| lifting it alone, {PROBE_TOKENS}-token prefill of default_rng({PROBE_SEED}) tokens"
+# forward's cache argument: `cache` from transformers 5.24 on, `past_key_values` before (and an alias after)
+CACHE_ARGUMENT = ("cache" if "cache" in inspect.signature(transformers.DeepseekV3ForCausalLM.forward).parameters
+                  else "past_key_values")
 
 def hf_config(cfg: ModelConfig, attn_implementation: str = "eager") -> "transformers.DeepseekV3Config":
     """The `DeepseekV3Config` of a ModelConfig, with eager experts and this attention."""
@@ -70,22 +81,47 @@ def _rms_norm_wide(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
 
 
-def _router_wide(router: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """DeepseekV3TopkRouter.forward without its float32 casts.
-    hidden_states [..., D] -> (router_logits [T, E], topk_weights [T, k], topk_indices [T, k])."""
-    h = hidden_states.view(-1, router.hidden_dim)
-    logits = F.linear(h, router.weight.to(h.dtype))
+def _route_wide(config, logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's sigmoid noaux_tc routing in the logits' dtype, dropped groups at -inf (the reference's).
+    logits [T, E], bias [E] -> (topk_weights [T, k], topk_indices [T, k])."""
+    E, G = config.n_routed_experts, config.n_group
     scores = logits.sigmoid()
-    choice = scores + router.e_score_correction_bias.to(h.dtype)
-    groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
-    kept = groups.topk(2, dim=-1)[0].sum(dim=-1).topk(router.topk_group, dim=-1, sorted=False)[1]
+    choice = scores + bias.to(logits.dtype)
+    groups = choice.view(-1, G, E // G)
+    kept = groups.topk(2, dim=-1)[0].sum(dim=-1).topk(config.topk_group, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(groups[..., 0]).scatter_(1, kept, 1).bool()
-    choice = choice.masked_fill(~keep[..., None].expand_as(groups).reshape(-1, router.num_experts), float("-inf"))
-    indices = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+    choice = choice.masked_fill(~keep[..., None].expand_as(groups).reshape(-1, E), float("-inf"))
+    indices = torch.topk(choice, k=config.num_experts_per_tok, dim=-1, sorted=False)[1]
     weights = scores.gather(1, indices)
-    if router.norm_topk_prob:
+    if config.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return logits, weights * router.routed_scaling_factor, indices
+    return weights * config.routed_scaling_factor, indices
+
+
+def _router_lift(hf: torch.nn.Module) -> list[contextlib.AbstractContextManager]:
+    """HF's router (logits, sigmoid scores, expert weights) in the hidden states' dtype.
+
+    Two layouts: the router routes (it returns logits, weights and indices), or it returns
+    the logits and the MoE block routes them (`route_tokens_to_experts`, transformers < 5.13)."""
+    config = hf.config
+    routers = [m for m in hf.modules() if isinstance(m, hf_modeling.DeepseekV3TopkRouter)]
+
+    def router_logits(router: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        h = hidden_states.reshape(-1, config.hidden_size)          # [T, D] -> [T, E]
+        return F.linear(h, router.weight.to(h.dtype))
+
+    if hasattr(hf_modeling.DeepseekV3MoE, "route_tokens_to_experts"):
+        def route(moe: torch.nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            weights, indices = _route_wide(config, logits, moe.gate.e_score_correction_bias)
+            return indices, weights
+        blocks = [m for m in hf.modules() if isinstance(m, hf_modeling.DeepseekV3MoE)]
+        return [_instance_method(routers, "forward", router_logits),
+                _instance_method(blocks, "route_tokens_to_experts", route)]
+
+    def routed(router: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = router_logits(router, hidden_states)
+        return (logits, *_route_wide(config, logits, router.e_score_correction_bias))
+    return [_instance_method(routers, "forward", routed)]
 
 
 def _rope_wide(cfg: ModelConfig) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -101,15 +137,16 @@ def _rope_wide(cfg: ModelConfig) -> Callable[..., tuple[torch.Tensor, torch.Tens
 
 
 @contextlib.contextmanager
-def _instance_forward(modules: list[torch.nn.Module], forward: Callable) -> Iterator[None]:
-    """Every module in `modules` runs `forward` instead of its class's, until the block ends."""
+def _instance_method(modules: list[torch.nn.Module], name: str, method: Callable) -> Iterator[None]:
+    """Every module in `modules` runs `method` as its method `name` instead of its class's,
+    until the block ends."""
     for m in modules:
-        m.forward = types.MethodType(forward, m)
+        setattr(m, name, types.MethodType(method, m))
     try:
         yield
     finally:
         for m in modules:
-            del m.forward
+            delattr(m, name)
 
 
 @contextlib.contextmanager
@@ -207,9 +244,11 @@ class HFAdapter:
         lifts: dict[str, Callable[[], list[contextlib.AbstractContextManager]]] = {
             "latent-norm eps": lambda: [_attribute(m, "variance_epsilon", cfg.latent_norm_eps)
                                         for m in self._latent_norms()],
-            "float32 RMSNorm": lambda: [_instance_forward(of(hf_modeling.DeepseekV3RMSNorm), _rms_norm_wide)],
-            "float32 router": lambda: [_instance_forward(of(hf_modeling.DeepseekV3TopkRouter), _router_wide)],
-            "rope": lambda: [_instance_forward(of(hf_modeling.DeepseekV3RotaryEmbedding), _rope_wide(cfg))],
+            "float32 RMSNorm": lambda: [_instance_method(of(hf_modeling.DeepseekV3RMSNorm), "forward",
+                                                         _rms_norm_wide)],
+            "float32 router": lambda: _router_lift(hf),
+            "rope": lambda: [_instance_method(of(hf_modeling.DeepseekV3RotaryEmbedding), "forward",
+                                              _rope_wide(cfg))],
             "float32 softmax": lambda: [_attribute(hf.config, "_attn_implementation", "sdpa")],
         }
         unknown = [name for name in names if name not in lifts]
@@ -249,7 +288,8 @@ class HFAdapter:
 
     def _latent_norms(self) -> list[torch.nn.Module]:
         return [m for layer in self._model().model.layers
-                for m in (layer.self_attn.q_a_layernorm, layer.self_attn.kv_a_layernorm) if m is not None]
+                for m in (getattr(layer.self_attn, "q_a_layernorm", None), layer.self_attn.kv_a_layernorm)
+                if m is not None]
 
     def _logits(self, tokens: np.ndarray, positions: np.ndarray, visibility: np.ndarray, cache) -> torch.Tensor:
         """One HF forward over `cache`: tokens [n], positions [n], visibility [n, S] -> logits [n, V]."""
@@ -258,7 +298,7 @@ class HFAdapter:
         with torch.no_grad():
             out = self._model()(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.int64)[None],
                                 position_ids=torch.tensor(np.asarray(positions), dtype=torch.int64)[None],
-                                attention_mask=mask[None, None], cache=cache, use_cache=True)
+                                attention_mask=mask[None, None], use_cache=True, **{CACHE_ARGUMENT: cache})
         return out.logits[0]
 
     def _model(self) -> torch.nn.Module:

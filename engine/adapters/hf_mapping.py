@@ -1,4 +1,4 @@
-"""A kdtree config and fixture weights in the terms of HF transformers' DeepseekV3 (v5 API).
+"""A kdtree config and fixture weights in the terms of HF transformers' DeepseekV3 (5.6 and later).
 
     hf_cfg = transformers.DeepseekV3Config(**deepseek_v3_kwargs(cfg))
     state = hf_state_dict(cfg, weights)          # docs/fixtures.md weight names -> HF's
@@ -18,6 +18,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from kdtr_format import ModelConfig
+
+# The oldest transformers whose DeepseekV3 is DeepSeek-V3's model: before 5.6 its grouped routing
+# filled the dropped groups' scores with 0, not -inf, so an expert of a dropped group won wherever
+# the kept experts' biased scores were negative. pyproject.toml's test extra declares the same floor.
+TRANSFORMERS_MIN = "5.6"
 
 NOT_HF = {"rope_theta", "rope_scaling", "rope_style", "scoring_func", "topk_method", "latent_norm_eps"}
 

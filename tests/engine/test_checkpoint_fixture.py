@@ -29,27 +29,30 @@ LAYOUTS = {"k2-fp8": Layout(quant="fp8", mtp=True), "k25-int4": Layout(quant="in
 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
-    """A directory holding one model fixture per layout; -> (directory, {layout: path})."""
+    """layout name -> the path of its model fixture, written once per module on demand, all in one
+    directory (a layout whose packer is absent skips the tests that ask for it)."""
     out = tmp_path_factory.mktemp("checkpoint-fixtures")
     paths = {}
-    for name, layout in LAYOUTS.items():
-        directory = tmp_path_factory.mktemp(name)
-        write_checkpoint(directory, SMALL, init_weights(SMALL, 2), layout)
-        imported = load(plan_import(open_checkpoint(directory), layers=2, experts=4))
-        paths[name] = out / f"{imported.name}.kdtr"
-        write_fixture(paths[name], checkpoint_fixture(imported, seed=0))
-    return out, paths
+
+    def get(name: str) -> Path:
+        if name not in paths:
+            directory = tmp_path_factory.mktemp(name)
+            write_checkpoint(directory, SMALL, init_weights(SMALL, 2), LAYOUTS[name])
+            imported = load(plan_import(open_checkpoint(directory), layers=2, experts=4))
+            paths[name] = out / f"{imported.name}.kdtr"
+            write_fixture(paths[name], checkpoint_fixture(imported, seed=0))
+        return paths[name]
+    return get
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_engine_matches_the_references_in_its_dtype(fixtures, layout, dtype):
-    _, paths = fixtures
-    cfg, weights = load_fixture_weights(paths[layout], dtype)
+    cfg, weights = load_fixture_weights(fixtures(layout), dtype)
     for name, w in weights.items():
         assert w.dtype == (torch.float32 if name.endswith(ROUTER_WEIGHTS) else dtype), name
     engine = Transformer(cfg, weights, dtype=dtype)
-    with kdtr_format.open(paths[layout]) as fixture:
+    with kdtr_format.open(fixtures(layout)) as fixture:
         regime = Regime.of(fixture.metadata, str(dtype).removeprefix("torch."))
         tolerances = regime.tolerances["logits"]
         for prompt in regime.metadata["prompts"]:
@@ -78,33 +81,30 @@ def test_validate_passes_on_checkpoint_fixtures(fixtures, capsys):
     """The torch engine as an adapter: every model check of both fixtures (the built-in engine's run adds
     its batched decode loops and the invariant on random preset weights, which the engine tests cover).
     A directory of model fixtures exercises no kernel case, so it requires the model-level capabilities."""
-    directory, paths = fixtures
-    code, out = _kdtree(capsys, "validate", "--fixtures", directory, "--impl", "engine.adapter:TorchAdapter",
+    paths = [fixtures(layout) for layout in LAYOUTS]
+    code, out = _kdtree(capsys, "validate", "--fixtures", paths[0].parent, "--impl", "engine.adapter:TorchAdapter",
                         "--require", "model,topk,tree,compile,accept,sample_accept")
     assert code == 0, out
     assert "PASSED" in out and "FAIL" not in out
     assert "prefill logits" in out and "verify logits" in out and "DDTree tokens" in out
-    assert all(path.name in out for path in paths.values())
+    assert all(path.name in out for path in paths)
 
 
 def test_validate_takes_one_fixture_file(fixtures, capsys):
     """What docs/checkpoints.md tells a user to run on the fixture refgen wrote."""
-    _, paths = fixtures
-    code, out = _kdtree(capsys, "validate", "--fixtures", paths["k2-fp8"], "--impl", "engine.adapter:TorchAdapter")
+    code, out = _kdtree(capsys, "validate", "--fixtures", fixtures("k2-fp8"), "--impl", "engine.adapter:TorchAdapter")
     assert code == 0 and "PASSED" in out, out
 
 
 def test_demo_runs_on_a_checkpoint_fixture(fixtures, capsys):
-    _, paths = fixtures
-    code, out = _kdtree(capsys, "demo", "--fixture", paths["k25-int4"], "--max-new-tokens", 6, "--budget", 8)
+    code, out = _kdtree(capsys, "demo", "--fixture", fixtures("k25-int4"), "--max-new-tokens", 6, "--budget", 8)
     assert code == 0, out
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_checkpoint_bits_dequantize_to_the_fixture_weights(fixtures, layout):
     """metadata.checkpoint.weights names each weight's source; its bits under checkpoint/ give weights/."""
-    _, paths = fixtures
-    with kdtr_format.open(paths[layout]) as fixture:
+    with kdtr_format.open(fixtures(layout)) as fixture:
         sources = fixture.metadata["checkpoint"]["weights"]
         experts = fixture.metadata["checkpoint"]["kept_experts"]
         formats = set()

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from kdtr_format import PRESETS, ModelConfig
 from engine.validate import Check, Deviation, Report, Status, validate
 from engine.validate.compare import unpack_bits
 from engine.validate.deviations import declared_deviations, with_deviations
+from engine.adapters.hf_mapping import TRANSFORMERS_MIN
 from refgen.model import KVCache, Model
 from refgen.weights import init_weights
 from terminal import environment, piped
@@ -35,9 +37,9 @@ ISLANDS = {"float32 RMSNorm", "float32 router", "rope", "float32 softmax"}
 
 @pytest.fixture(scope="module")
 def hf_adapter():
-    """engine.adapters.hf, or a skip where transformers >= 5 is absent."""
-    pytest.importorskip("transformers", minversion="5.0",
-                        reason="HF transformers >= 5 is an optional outside engine (the test extra)")
+    """engine.adapters.hf, or a skip where transformers >= TRANSFORMERS_MIN is absent."""
+    pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN,
+                        reason=f"HF transformers >= {TRANSFORMERS_MIN} is an optional outside engine (the test extra)")
     from engine.adapters import hf
     return hf
 
@@ -195,7 +197,7 @@ def test_float32_adapter_declares_no_float32_island(golden, hf_adapter, tmp_path
 def test_without_transformers_the_adapter_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.delitem(sys.modules, "engine.adapters.hf", raising=False)
-    with pytest.raises(ImportError, match=r"needs HF transformers >= 5"):
+    with pytest.raises(ImportError, match=rf"needs HF transformers >= {TRANSFORMERS_MIN}"):
         import engine.adapters.hf  # noqa: F401
     code = ("import sys; sys.modules['transformers'] = None; from engine.cli import main; "
             "main(['validate', '--impl', 'engine.adapters.hf:HFAdapter'])")
@@ -204,8 +206,24 @@ def test_without_transformers_the_adapter_is_a_clear_error(monkeypatch):
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr     # bad input
     assert run.stderr.strip().splitlines() == [
         "kdtree: error: --impl 'engine.adapters.hf:HFAdapter': cannot import 'engine.adapters.hf' "
-        "(engine.adapters.hf needs HF transformers >= 5 (pip install 'transformers>=5'): "
-        "import of transformers halted; None in sys.modules)"], run.stderr
+        f"(engine.adapters.hf needs HF transformers >= {TRANSFORMERS_MIN} (pip install "
+        f"'transformers>={TRANSFORMERS_MIN}'): import of transformers halted; None in sys.modules)"], run.stderr
+
+
+def test_a_transformers_older_than_the_floor_is_refused_naming_the_floor(hf_adapter, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.5.4")
+    monkeypatch.delitem(sys.modules, "engine.adapters.hf")
+    with pytest.raises(ImportError, match=rf"needs HF transformers >= {TRANSFORMERS_MIN} .*; found 5\.5\.4$"):
+        import engine.adapters.hf  # noqa: F401
+
+
+def test_the_test_extra_declares_the_adapters_floor():
+    """pyproject's `transformers>=` floor is the adapter's (and so what ci/lowest_versions.py tests)."""
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    declared = [r for r in project["optional-dependencies"]["test"] if r.startswith("transformers")]
+    assert declared == [f"transformers>={TRANSFORMERS_MIN}"], declared
 
 
 # ---- the mechanism: notes on the named rows, never a changed verdict ----

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from rich.console import Console
 
 import headless
@@ -28,9 +27,14 @@ from engine.adapter import TorchAdapter
 from cli_run import run_main
 from engine.validate import Check, Report, Status, ValidateError, Validation, plan
 from engine.cli import render
-from engine.validate.html import _stage_figure, _tree_figure, acceptance_lengths, to_html, write_html
 from engine.validate.protocol_v2 import PerRequest
 from engine.validate.junit import to_junit, write_junit
+
+pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install -e '.[test]' from a checkout): the HTML "
+                    "report draws its plots with it")
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+
+from engine.validate.html import _stage_figure, _tree_figure, acceptance_lengths, to_html, write_html  # noqa: E402
 
 SCHEMA = Path(__file__).parent / "data" / "junit.xsd"
 BROKEN = Path(__file__).resolve().parents[2] / "docs" / "examples" / "broken_adapter.py"

@@ -23,11 +23,12 @@ from kdtr_format import YarnScaling
 from refgen.checkpoint import load, open_checkpoint, plan_import
 from refgen.model import KVCache, Model, rope_inv_freq
 from refgen.weights import init_weights
-from engine.adapters.hf_mapping import deepseek_v3_kwargs, hf_state_dict
+from engine.adapters.hf_mapping import TRANSFORMERS_MIN, deepseek_v3_kwargs, hf_state_dict
 from synthetic_checkpoint import SMALL, Layout, edit_tensors, hf_inv_freq, write_checkpoint
 
-transformers = pytest.importorskip("transformers", reason="HF transformers is not installed (pip install "
-                                   "'kdtree[test]'): the save_pretrained round trip needs it")
+transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN, reason=(
+    f"HF transformers >= {TRANSFORMERS_MIN} is not installed (pip install -e '.[test]' from a checkout): the save_pretrained "
+    "round trip needs it"))
 torch = pytest.importorskip("torch")
 
 PROMPT = [5, 17, 200, 3, 99, 511, 42, 8, 8, 250, 1, 64]

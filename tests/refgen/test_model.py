@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kdtr_format import PRESETS, ModelConfig, YarnScaling
-from engine.adapters.hf_mapping import deepseek_v3_kwargs, hf_state_dict
+from engine.adapters.hf_mapping import TRANSFORMERS_MIN, deepseek_v3_kwargs, hf_state_dict
 from refgen.model import (KVCache, Model, absorbed_attention, apply_rope, causal_visibility, rms_norm,
                           rope_inv_freq, route, softmax_scale, yarn_get_m)
 from refgen.weights import GROUPED_BIAS_MEAN, init_weights
@@ -248,8 +248,8 @@ def test_yarn_correction_range_clamps_like_the_reference_code(case: str) -> None
 def test_yarn_rope_matches_hf_rotary_code(case: str) -> None:
     """HF transformers' DeepseekV3RotaryEmbedding (float32): the same inverse frequencies
     and the same cos/sin gain, clamped cases included."""
-    transformers = pytest.importorskip("transformers", minversion="5.0",
-                                       reason="transformers >= 5 is an optional outside reference")
+    transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN,
+                                       reason=f"transformers >= {TRANSFORMERS_MIN} is an optional outside reference")
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
     cfg = yarn_clamp_cfg(case)
@@ -623,8 +623,8 @@ def test_model_matches_hf_transformers(name: str) -> None:
     """The outside reference MODEL.md names: HF transformers' DeepseekV3ForCausalLM (v5 API),
     run in float64. HF keeps float32 islands (router, rope angles, softmax, RMSNorm), hence
     the HF_RTOL tolerance (float64 HF with those lifted agrees to 1e-15; docs/model.md)."""
-    transformers = pytest.importorskip("transformers", minversion="5.0",
-                                       reason="transformers >= 5 is an optional outside reference")
+    transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN,
+                                       reason=f"transformers >= {TRANSFORMERS_MIN} is an optional outside reference")
     torch = pytest.importorskip("torch")
     cfg, w = PRESETS[name], preset_weights(name)
     hf_cfg = transformers.DeepseekV3Config(**deepseek_v3_kwargs(cfg))
