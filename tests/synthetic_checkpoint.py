@@ -111,7 +111,7 @@ def needs_compressed_tensors() -> None:
     """Skip, naming the package, where compressed-tensors (the test extra) is absent: the INT4
     layouts are packed and unpacked by its own code."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install "
-                        "'kdtree[test]'): its own packer writes and reads the INT4 checkpoints")
+                        "-e '.[test]' from a checkout): its own packer writes and reads the INT4 checkpoints")
 
 
 def int4_compress(w: torch.Tensor) -> dict[str, torch.Tensor]:
