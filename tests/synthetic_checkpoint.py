@@ -109,9 +109,9 @@ def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> np.ndarray:
 
 def needs_compressed_tensors() -> None:
     """Skip, naming the package, where compressed-tensors (the test extra) is absent: the INT4
-    layouts are packed and unpacked by its own code."""
+    and float-quantized FP8 layouts are written and read back by its own code."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install "
-                        "-e '.[test]' from a checkout): its own packer writes and reads the INT4 checkpoints")
+                        "-e '.[test]' from a checkout): its own code writes and reads these checkpoints")
 
 
 def int4_compress(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -316,7 +316,7 @@ def write_checkpoint(directory: str | Path, cfg: ModelConfig, weights: Mapping[s
                      keep_dequantized: bool = True) -> Written:
     """Write config.json, the safetensors shards (model-0000i-of-0000n) and their index into `directory`,
     one shard in memory at a time; `written.dequantized` only with `keep_dequantized`."""
-    if layout.quant == "int4":
+    if layout.quant == "int4" or layout.quant.startswith("ct-fp8"):
         needs_compressed_tensors()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -138,7 +138,7 @@ def make_files(files: Path, golden: Path) -> None:
     (files / "broken.json").write_text("{")
     (files / "raises_at_import.py").write_text("raise RuntimeError('planted at import')\n")
     (files / "factory_raises.py").write_text("def make():\n    return 1 / 0\n")
-    make_hostile_names(files)
+    make_hostile_names(files, golden)
 
 
 # What a terminal would act on (an OSC title, a CSI screen erase, the C1 CSI, BEL, a bidi
@@ -153,17 +153,17 @@ HOSTILE_FIXTURE = os.fsdecode(b"\x1b[2J\xff$\\foo$.kdtr")
 RAW = [OSC, "\x1b]", ERASE, "\x9b", "\x07", RTL, "\ufffd"]      # none may reach the terminal (\ufffd: an undecodable byte)
 
 
-def make_hostile_names(files: Path) -> None:
+def make_hostile_names(files: Path, golden: Path) -> None:
     """{files}/names.kdtr: tiny2's metadata with a prompt and a trace renamed (refgen show);
     {files}/names/: the tree_build fixture under a hostile file name, and an adapter whose
     name and exception hold control characters (kdtree validate)."""
-    with kdtr_format.open(GOLDEN / "tiny2.kdtr") as reader:
+    with kdtr_format.open(golden / "tiny2.kdtr") as reader:
         meta = reader.metadata
     meta["prompts"][0]["name"] = HOSTILE_PROMPT
     meta["traces"][0]["name"] = HOSTILE_TRACE
     kdtr_format.write(files / "names.kdtr", {"x": np.zeros(1)}, meta)
     (files / "names").mkdir()
-    (files / "names" / HOSTILE_FIXTURE).write_bytes((GOLDEN / "kernels" / "tree_build.kdtr").read_bytes())
+    (files / "names" / HOSTILE_FIXTURE).write_bytes((golden / "kernels" / "tree_build.kdtr").read_bytes())
     (files / "hostile_adapter.py").write_text(
         "class Hostile:\n"
         f"    name = {HOSTILE_ADAPTER!r}\n"

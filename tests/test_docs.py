@@ -16,7 +16,8 @@ and as in CI (the variable CI set);
 the others are lines of what it prints (stdout and stderr), in order, adjacent where they are
 adjacent in the block; a line `...` stands for any lines left out. What legitimately differs
 from run to run or machine to machine is not compared (VARIES): times, the checkout's path,
-and a measured float error (its rounding is the CPU's and BLAS's). Each distinct command runs
+a measured float error (its rounding is the CPU's and BLAS's), and whether a float64 value
+came out exact or within tolerance (the same reason). Each distinct command runs
 once for all the blocks that show it.
 """
 
@@ -84,6 +85,11 @@ VARIES = [
     (re.compile(r"\b(prefill|topk|build|compile|verify|accept|compact) \d+\.\d+"), r"\1 <ms>"),   # stage ms
     (re.compile(r"\b\d\.\d\de[-+]\d\d( <= | > )"), r"<error>\1"),                    # a measured error
     (re.compile(re.escape(str(REPO) + os.sep)), ""),                                      # the checkout's path
+    # a float64 value that the CPU's BLAS reproduces bit for bit or within 1e-14: exact or within
+    # tolerance (their sum is compared, and every other status)
+    (re.compile(r"\b(\d+) exact, (\d+) within tolerance\b"),
+     lambda m: f"{int(m[1]) + int(m[2])} exact or within tolerance"),
+    (re.compile(r"^( *)(exact           |within tolerance)"), r"\1<passed>        "),
 ]
 
 
@@ -172,6 +178,12 @@ def test_an_example_output_is_what_its_command_prints(example):
     (("in 1.5s", "7.50e-06 <= 3.89e-04 x"), ["in 20.25s", "7.53e-06 <= 3.89e-04 x"], None),
     (("7.50e-06 <= 3.89e-04",), ["7.50e-06 <= 3.90e-04"], "7.50e-06 <= 3.89e-04"),   # a tolerance is compared
     (("got 5, expected 1",), ["got 4, expected 1"], "got 5, expected 1"),
+    (("41 checks (25 exact, 4 within tolerance, 12 skipped)",), ["41 checks (27 exact, 2 within tolerance, 12 skipped)"],
+     None),
+    (("41 checks (25 exact, 4 within tolerance, 12 skipped)",), ["41 checks (25 exact, 3 within tolerance, 12 skipped)"],
+     "41 checks (25 exact, 4 within tolerance, 12 skipped)"),
+    (("  exact             prefill logits",), ["  within tolerance  prefill logits"], None),
+    (("  exact             prefill logits",), ["  FAIL              prefill logits"], "  exact             prefill logits"),
 ])
 def test_the_comparison_varies_only_what_varies(shown, output, missing):
     assert unmatched(shown, output) == missing

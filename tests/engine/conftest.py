@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from kdtr_format import PRESETS, DDTreeConfig, ModelConfig, YarnScaling
-from refgen.fixtures import FixturePlan, TraceSpec, model_fixture, write_fixture
+from refgen.files import write_fixture
+from refgen.fixtures import FixturePlan, TraceSpec, model_fixture
 
 SEED = 1234
 

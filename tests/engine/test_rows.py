@@ -49,7 +49,8 @@ from planted_adapters import (Engine, IndexPositions, LaterAttention, LaterNextR
                               PrefillShifted, ScoresOffByOneUlp, SecondKeyTile, StaleDecodeStep, TopTwoSwapped,
                               VerifyShifted, WrongExperts, WrongNextRoot, engine_seams, power_of_two_offsets,
                               split_by_rows)
-from refgen.fixtures import FixturePlan, TraceSpec, model_fixture, write_fixture
+from refgen.files import write_fixture
+from refgen.fixtures import FixturePlan, TraceSpec, model_fixture
 
 # ---- the table ----
 

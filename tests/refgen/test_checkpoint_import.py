@@ -29,7 +29,8 @@ from refgen.model import KVCache, Model
 from refgen.quant import WeightScheme, fp8_scaled, int4_packed
 from refgen.regen import REGEN_REL, tensor_drift
 from refgen.weights import init_weights, weight_shapes
-from synthetic_checkpoint import SMALL, Layout, ct_fp8_compress, ct_fp8_dequantize, write_checkpoint
+from synthetic_checkpoint import (SMALL, Layout, ct_fp8_compress, ct_fp8_dequantize, needs_compressed_tensors,
+                                  write_checkpoint)
 
 LAYOUTS = {
     "fp8": Layout(quant="fp8", mtp=True),                           # DeepSeek-V3 / Kimi K2, MTP layer
@@ -163,6 +164,7 @@ STRATEGIES = {  # strategy -> (compressed-tensors' QuantizationArgs extras, refg
 def test_fp8_scales_of_every_strategy_match_the_decompressor(strategy):
     """refgen.quant.fp8_scaled in float64 == compressed-tensors' decompressor in float64, for each FP8
     strategy: the scale shape it stores and the products (200 x 320: partial blocks under 64 x 128)."""
+    needs_compressed_tensors()
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     extras, ours = STRATEGIES[strategy]
