@@ -98,7 +98,7 @@ def _content_key(path: Path, files: list[Path]) -> str:
     root = path if path.is_dir() else path.parent
     digest = hashlib.sha256()
     for file in files:
-        digest.update(str(file.relative_to(root)).encode("utf-8") + b"\0")
+        digest.update(os.fsencode(file.relative_to(root)) + b"\0")
         with open(file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
