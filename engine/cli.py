@@ -157,16 +157,10 @@ def _rank_console(world: Any) -> Console:
 
 
 def _check_device(device: str) -> None:
-    import torch
+    """The device is there; on the CPU, the runner's thread policy (engine.validate.runner.prepare_device)."""
+    from .validate.runner import prepare_device
 
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise CliError(f"--device {device}: no CUDA device is visible")
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise CliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    else:
-        torch.set_num_threads(1)    # tiny models gain nothing from intra-op threads on shared cores
+    prepare_device(device)
 
 
 # ---------------------------------------------------------------------------- validate
