@@ -141,9 +141,11 @@ def _progress(config: pytest.Config) -> Callable[[str], None]:
     def show(line: str) -> None:
         if reporter is None:           # an xdist worker: no terminal of its own
             return
+        writer = config.get_terminal_writer()
         with capture.global_and_fixture_disabled() if capture is not None else nullcontext():
-            reporter.ensure_newline()
-            reporter.write_line(f"kdtree: {line}")
+            if writer.width_of_current_line:           # after a run of progress dots
+                writer.line()
+            writer.line(f"kdtree: {line}")
     return show
 
 

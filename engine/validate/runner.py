@@ -220,6 +220,11 @@ class Validation:
         the built-in engine's invariant only)."""
         return [s.name for s in self.sections.values() if self.builtin or s.preset is None]
 
+    def header(self) -> Report:
+        """The report as it stands, without its rows: implementation, device, fixtures, backends,
+        and the deviations and seconds of the sections run so far."""
+        return dataclasses.replace(self._report, checks=[])
+
     def rows(self, section: str) -> list[Check]:
         """A section's rows as its checks returned them, run on the first call."""
         if section not in self._rows:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -90,6 +92,20 @@ class DiesInForward:
         pass
 
     def forward(self, tokens, positions, visibility, start):
+        os._exit(0)
+
+
+class DiesLeavingAProcess(DiesInForward):
+    """forward leaves a process of its own behind, holding everything it inherited open, then
+    ends. The process writes its pid to $HOSTILE_LEFT/pid, sleeps a minute, writes woke."""
+
+    def forward(self, tokens, positions, visibility, start):
+        left = Path(os.environ["HOSTILE_LEFT"])
+        if os.fork() == 0:
+            (left / "pid").write_text(str(os.getpid()))
+            time.sleep(60)
+            (left / "woke").write_text("")
+            os._exit(0)
         os._exit(0)
 
 

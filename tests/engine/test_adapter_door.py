@@ -6,7 +6,9 @@ runs; the CLI runs the adapter in a child process it watches (engine/validate/su
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -79,3 +81,60 @@ def test_a_correct_engine_that_reuses_its_output_buffers_passes(name):
         pytest.skip("golden fixture tiny.kdtr is absent")
     report = validate(load_impl(spec(name)), GOLDEN_DIR / "tiny.kdtr", require="model")
     assert not report.failed, [c.text() for c in report.checks if c.status is Status.FAIL]
+
+
+# ---- the CLI: the adapter in a watched child process ----
+
+def test_the_cli_fails_an_adapter_that_exits_and_the_json_goes_to_stdout(tmp_path, capsys):
+    junit = tmp_path / "r.xml"
+    code, out, err = run_main(["validate", "--fixtures", str(fixtures(tmp_path, "tree_build.kdtr", "accept_compact.kdtr")),
+                               "--impl", spec("ExitsFourWays"), "--require", "none", "--json", "-",
+                               "--junit-xml", str(junit)], capsys)
+    assert code == 1, err
+    report = json.loads(out)                                  # stdout holds the JSON alone
+    assert report["passed"] is False and failures(report).keys() == FOUR_WAYS.keys()
+    assert "FAILED" in err.splitlines()[-1] and "Traceback" not in err       # the terminal report: stderr
+    assert ET.parse(junit).getroot().get("failures") == "4"
+
+
+def test_an_adapter_that_ends_the_process_fails_the_row_in_flight(tmp_path, capsys):
+    if not (GOLDEN_DIR / "tiny.kdtr").exists():
+        pytest.skip("golden fixture tiny.kdtr is absent")
+    report_path = tmp_path / "r.json"
+    code, out, err = run_main(["validate", "--fixtures", str(GOLDEN_DIR / "tiny.kdtr"), "--impl", spec("DiesInForward"),
+                               "--json", str(report_path), "--junit-xml", "-"], capsys)
+    assert code == 1, err
+    report = json.loads(report_path.read_text())
+    assert failures(report) == {"prefill logits": "forward() ended the process with exit status 0 (prompt p0); "
+                                                  "nothing after it ran"}
+    not_run = [c for c in report["checks"] if c["detail"].startswith("not run: ")]
+    assert not_run and all(c["status"] == "skipped" for c in not_run)
+    assert ET.fromstring(out).get("failures") == "1"          # the JUnit XML on stdout
+    assert "FAILED" in err.splitlines()[-1]
+
+
+def test_a_process_the_adapter_leaves_behind_does_not_hold_the_run(tmp_path, capsys, monkeypatch):
+    if not (GOLDEN_DIR / "tiny.kdtr").exists():
+        pytest.skip("golden fixture tiny.kdtr is absent")
+    monkeypatch.setenv("HOSTILE_LEFT", str(tmp_path))
+    try:
+        code, out, err = run_main(["validate", "--fixtures", str(GOLDEN_DIR / "tiny.kdtr"), "--impl",
+                                   spec("DiesLeavingAProcess")], capsys)
+        assert not (tmp_path / "woke").exists(), "the run waited for the process the adapter left"
+    finally:
+        os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
+    assert code == 1 and "forward() ended the process with exit status 0 (prompt p0)" in out, out + err
+
+
+def test_a_call_that_never_returns_fails_after_the_timeout_in_a_terminal(tmp_path):
+    report_path = tmp_path / "r.json"
+    result = in_terminal(["kdtree", "validate", "--fixtures", str(fixtures(tmp_path, "tree_build.kdtr")), "--impl",
+                          spec("HangsInTopk"), "--require", "none", "--timeout", "1", "--json", str(report_path)],
+                         columns=80)
+    assert result.returncode == 1, result.output
+    assert "Traceback" not in result.output and result.widest <= 80, result.output
+    assert re.search(r"FAILED: \d+ checks", result.output), result.output
+    found = failures(json.loads(report_path.read_text()))
+    assert found == {"top-k log-probs": found["top-k log-probs"]}
+    assert re.fullmatch(r"topk_logprobs\(\) did not return within 1 s \(case \w+\); nothing after it ran",
+                        found["top-k log-probs"]), found
