@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import engine.supervise
 from cli_run import run_main
 from engine.validate import GOLDEN_DIR, Status, ValidateError, Validation, load_impl, validate
 from terminal import in_terminal
@@ -85,7 +86,9 @@ def test_a_correct_engine_that_reuses_its_output_buffers_passes(name):
 
 # ---- the CLI: the adapter in a watched child process ----
 
-def test_the_cli_fails_an_adapter_that_exits_and_the_json_goes_to_stdout(tmp_path, capsys):
+@pytest.mark.parametrize("start", ["fork", "spawn"])           # spawn: where CUDA is initialized already
+def test_the_cli_fails_an_adapter_that_exits_and_the_json_goes_to_stdout(tmp_path, capsys, monkeypatch, start):
+    monkeypatch.setattr(engine.supervise, "_start_method", lambda: start)
     junit = tmp_path / "r.xml"
     code, out, err = run_main(["validate", "--fixtures", str(fixtures(tmp_path, "tree_build.kdtr", "accept_compact.kdtr")),
                                "--impl", spec("ExitsFourWays"), "--require", "none", "--json", "-",
