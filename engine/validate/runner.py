@@ -34,7 +34,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
@@ -47,7 +47,7 @@ from .acceptance import with_trace_acceptance
 from .batched import BATCHED_KERNEL_ROWS, batched_checks
 from .batched_model import ROWS as BATCHED_MODEL_ROWS
 from .checked import checked_views
-from .guard import AdapterFault, attribute, call, describe
+from .guard import AdapterFault, adapter_name, attribute, call, describe
 from .corpus_checks import corpus_rows
 from .deviations import with_deviations
 from .fixtures import _kdtr_files, find_fixtures
@@ -184,8 +184,7 @@ class Validation:
         self.log = log
         self.fixtures = str(directory)
         self._report = Report(implementation=attribute(self.adapter, "name", type(self.adapter).__name__),
-                              device=device, fixtures=self.fixtures,
-                              backends=dict(attribute(self.adapter, "backends", {})))
+                              device=device, fixtures=self.fixtures, backends=_backends(self.adapter))
         self._rows: dict[str, list[Check]] = {}
 
     def check(self, case: Case) -> Check:
@@ -356,6 +355,15 @@ def prepare_device(device: str) -> None:
 def _check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise ValidateError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def _backends(adapter: Any) -> dict[str, str]:
+    """The adapter's `backends` (what ran where, e.g. {"attention": "cuda"}; optional)."""
+    backends = attribute(adapter, "backends", {})
+    if not isinstance(backends, Mapping):
+        raise ValidateError(f"adapter {adapter_name(adapter)}: `backends` must be a mapping of names to what ran "
+                            f"them, got {type(backends).__name__}")
+    return {str(k): str(v) for k, v in backends.items()}
 
 
 def _set_dtype(adapter: Any, dtype: str) -> None:

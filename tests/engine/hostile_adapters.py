@@ -75,6 +75,10 @@ class RaisingGetattr(Stages):
         raise RuntimeError(f"no {name} here")
 
 
+class NumberForBackends(Stages):
+    backends = 5
+
+
 class HangsInTopk(Stages):
     def topk_logprobs(self, draft_logits, k):
         threading.Event().wait()

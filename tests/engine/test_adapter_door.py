@@ -70,6 +70,8 @@ def test_exits_and_base_exceptions_fail_the_method_that_raised_them(tmp_path):
     ("RaisingName", r"^adapter RaisingName: reading its `name` raised RuntimeError: no name today$"),
     ("RaisingGetattr", r"^adapter 'built-in engine stages': reading its `(\w+)` raised RuntimeError: "
                        r"no \1 here$"),
+    ("NumberForBackends", r"^adapter 'built-in engine stages': `backends` must be a mapping of names to what ran "
+                          r"them, got int$"),
 ])
 def test_an_attribute_that_raises_is_the_adapters_error(name, message):
     with pytest.raises(ValidateError, match=message):
