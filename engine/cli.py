@@ -1,8 +1,8 @@
 """The `kdtree` command line: `validate` (the main job), `diverge` and `demo`.
 
-    kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH]
-                    [--junit-xml PATH] [--html PATH] [--impl module:factory] [--require CAPS] [--invariant]
-                    [--tp N] [--page-size N]
+    kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH|-]
+                    [--junit-xml PATH|-] [--html PATH|-] [--impl module:factory] [--require CAPS]
+                    [--timeout SECONDS] [--invariant] [--tp N] [--page-size N]
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
                 [--invariant] [--tp N] [--page-size N]
@@ -10,7 +10,13 @@
 Exit status: 0 passed, 1 a check failed (validate), the two ways differ (diverge) or
 DDTree differed from AR (demo), 2 bad input, 3 internal error, 130 interrupted (kdtr_format/clikit.py). Every bad
 argument is refused before any work, in one line on stderr; --json, --junit-xml, --html
-and --plot are written all or nothing, with the user's umask.
+and --plot are written all or nothing, with the user's umask. A validate report named `-`
+goes to stdout (one of them at most), and the terminal report to stderr.
+
+validate runs its checking, the adapter's code included, in a child process
+(engine/supervise.py): an adapter that exits, dies or outlives --timeout in one call FAILs
+the row in flight, the report is still written, and the exit status is 1. With --tp the
+built-in engine's ranks run unwatched, as below.
 
 Help, --version and refused arguments answer without importing torch (seconds):
 each command imports the engine when it runs.
@@ -27,16 +33,19 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import io
 import os
 import platform
 import re
 import subprocess
+import sys
+import tempfile
 import textwrap
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator
 
 import click
 import numpy as np
@@ -48,6 +57,8 @@ import kdtr_format
 from kdtr_format import PRESETS, DDTreeConfig, KdtrError, ModelConfig
 from kdtr_format.clikit import Cli, CliError, FiniteFloat, OutputFile, atomic_output, console, shown, table
 
+from .supervise import CALL_TIMEOUT_S, ValidateJob, supervise
+
 if TYPE_CHECKING:
     from .decode import DecodeResult
     from .diverge import Divergence
@@ -58,6 +69,7 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "bfloat16")
 MAX_CPU_RANKS = 8              # --tp on the CPU: local processes, each holding the replicated weights
+STDOUT = "-"                   # a validate report file named so goes to stdout
 STATUS_STYLE = {"exact": "green", "within tolerance": "green", "near-tie": "yellow", "skipped": "dim",
                 "FAIL": "bold red"}
 
@@ -116,6 +128,19 @@ class TokenIds(click.ParamType):
         return [int(item) for item in items]
 
 
+class ReportFile(OutputFile):
+    """A report file to write (OutputFile), or - for stdout."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        return STDOUT if value == STDOUT else super().convert(value, param, ctx)
+
+
+def _under_torchrun() -> bool:
+    """Whether torchrun started this process: its variables are set (engine.parallel.torchrun_size
+    reads them; this asks without importing torch)."""
+    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+
+
 def _check_tp(tp: int | None, device: str) -> None:
     """Refuse a --tp this machine or the torchrun environment cannot run (before any work)."""
     from .parallel import torchrun_size
@@ -153,22 +178,16 @@ def _on_ranks(tp: int | None, device: str, job: Callable[..., int], *args: Any) 
     return run(tp, "cuda" if device.startswith("cuda") else "cpu", job, *args)
 
 
-def _rank_console(world: Any) -> Console:
+def _rank_console(world: Any, stderr: bool = False) -> Console:
     """The console of this rank: rank 0 (or an unsharded run) prints, the other ranks are quiet."""
-    return console() if world is None or world.rank == 0 else Console(quiet=True)
+    return console(stderr) if world is None or world.rank == 0 else Console(quiet=True)
 
 
 def _check_device(device: str) -> None:
-    import torch
+    """The device is there; on the CPU, the runner's thread policy (engine.validate.runner.prepare_device)."""
+    from .validate.runner import prepare_device
 
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise CliError(f"--device {device}: no CUDA device is visible")
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise CliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    else:
-        torch.set_num_threads(1)    # tiny models gain nothing from intra-op threads on shared cores
+    prepare_device(device)
 
 
 # ---------------------------------------------------------------------------- validate
@@ -193,13 +212,15 @@ def _engine_layout_options(command: Callable) -> Callable:
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
               help="The implementation's compute dtype, and the tolerance regime it is judged in "
                    "(docs/precision.md).")
-@click.option("--json", "json_path", type=OutputFile(), default=None,
-              help="Also write the report as JSON here (with versions, commit, device and timings).")
-@click.option("--junit-xml", "junit_path", type=OutputFile(), default=None,
-              help="Also write the report as JUnit XML here (one testcase per row), for CI test views.")
-@click.option("--html", "html_path", type=OutputFile(), default=None,
+@click.option("--json", "json_path", type=ReportFile(), default=None,
+              help="Also write the report as JSON here (with versions, commit, device and timings); - for "
+                   "stdout (the terminal report then goes to stderr).")
+@click.option("--junit-xml", "junit_path", type=ReportFile(), default=None,
+              help="Also write the report as JUnit XML here (one testcase per row), for CI test views; - for "
+                   "stdout.")
+@click.option("--html", "html_path", type=ReportFile(), default=None,
               help="Also write the report as one self-contained HTML page here, with plots (needs "
-                   "matplotlib: the `plot` extra).")
+                   "matplotlib: the `plot` extra); - for stdout.")
 @click.option("--impl", type=str, default=None,
               help="Adapter factory to validate: module:factory (a module on PYTHONPATH or in the "
                    "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
@@ -208,61 +229,123 @@ def _engine_layout_options(command: Callable) -> Callable:
                    "sample_accept, compact, attention, paged_attention, paged_compact); `declared`: the "
                    "adapter's `capabilities`, else what it implements; `none`: nothing required. A required "
                    "capability that is skipped or that no fixture exercises is a FAIL.")
+@click.option("--timeout", type=FiniteFloat(0.0, min_open=True), default=None, metavar="SECONDS",
+              help=f"Seconds one call of the adapter may take: a call that takes longer FAILs its row and stops "
+                   f"the run (default {CALL_TIMEOUT_S:g}).")
 @click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
 @_engine_layout_options
-def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
-                     junit_path: Path | None, html_path: Path | None, impl: str | None, require: str,
-                     invariant: bool, tp: int | None, page_size: int | None) -> int:
+def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | str | None,
+                     junit_path: Path | str | None, html_path: Path | str | None, impl: str | None, require: str,
+                     timeout: float | None, invariant: bool, tp: int | None, page_size: int | None) -> int:
     """Check an implementation against the golden fixtures; exit 1 on any failure."""
     for flag, given in (("--invariant", invariant), ("--tp", tp), ("--page-size", page_size)):
         if given and impl:
             raise CliError(f"{flag} is a mode of the built-in engine; it does not apply to --impl")
+    named = [flag for flag, path in (("--json", json_path), ("--junit-xml", junit_path), ("--html", html_path))
+             if path == STDOUT]
+    if len(named) > 1:
+        raise CliError(f"{' and '.join(named)} name stdout (-): one report can go there")
     if html_path is not None:
         _require_matplotlib("--html")
-    _check_tp(tp, device)
-    _check_device(device)
-    return _on_ranks(tp, device, _validate, fixtures, device, dtype, json_path, junit_path, html_path, impl, require,
-                     invariant, page_size)
+    reports = (json_path, junit_path, html_path)
+    if tp is not None or _under_torchrun():
+        if timeout is not None:
+            raise CliError("--timeout watches an adapter in a child process; --tp runs the built-in engine's "
+                           "ranks unwatched")
+        _check_tp(tp, device)
+        _check_device(device)
+        return _on_ranks(tp, device, _validate, fixtures, device, dtype, reports, require, invariant, page_size)
+    out = console(stderr=STDOUT in reports)
+    steps = _log_steps(out)
+    job = ValidateJob(impl, fixtures, device, dtype, require, invariant, page_size, reports,
+                      console={"width": out.width, "color_system": out.color_system, "soft_wrap": out.soft_wrap,
+                               "force_terminal": out.is_terminal, "highlight": False})
+    run = supervise(job, timeout or CALL_TIMEOUT_S, _validate_child, steps)
+    if run.stopped is not None:
+        _check_device(device)                       # the child's thread policy: the report names its threads
+        return _finish(run.stopped, impl, out, console(stderr=True), steps, device, reports)
+    status, drawn, notes, stdout = run.returned
+    out.file.write(drawn)
+    out.file.flush()
+    sys.stdout.buffer.write(stdout)
+    sys.stdout.buffer.flush()
+    err = console(stderr=True)
+    err.file.write(notes)
+    err.file.flush()
+    return status
 
 
-def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, json_path: Path | None,
-              junit_path: Path | None, html_path: Path | None, impl: str | None, require: str, invariant: bool,
-              page_size: int | None) -> int:
-    """validate's work on one rank (world None: unsharded) -> its exit status."""
-    from .validate import load_impl, validate, write_json
+def _validate_child(send: Callable[[tuple], None], job: ValidateJob) -> tuple[int, str, str, bytes]:
+    """A supervised validate's child (engine/supervise.py): the checking, the report written to
+    its files -> (the exit status, the report drawn for the parent's console, the notes for its
+    stderr (the files written), the report named -). The parent prints the log as it comes,
+    then what this returns."""
+    from .validate.isolated import serve
 
-    try:
-        adapter = load_impl(impl) if impl else None
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
-    device = device if world is None else str(world.device)
-    out = _rank_console(world)
-    steps = _Steps(lambda line: out.print(_wrapped(shown(line), out.width if out.is_terminal else None,
-                                                    style="dim")))
-    report = validate(adapter, fixtures, device, log=steps, require=require, invariant=invariant, dtype=dtype,
+    drawn, notes, stdout = io.StringIO(), io.StringIO(), io.BytesIO()
+    steps = _Steps(lambda line: None)
+    status = _finish(serve(send, job, steps), job.impl, Console(file=drawn, **job.console),
+                     Console(file=notes, **{**job.console, "width": 10 ** 6}), steps, job.device, job.reports, stdout)
+    return status, drawn.getvalue(), notes.getvalue(), stdout.getvalue()
+
+
+def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, reports: tuple, require: str,
+              invariant: bool, page_size: int | None) -> int:
+    """validate of the built-in engine on one rank of --tp -> its exit status."""
+    from .validate import validate
+
+    device = str(world.device) if world is not None else device
+    out = _rank_console(world, stderr=STDOUT in reports)
+    steps = _log_steps(out)
+    report = validate(None, fixtures, device, log=steps, require=require, invariant=invariant, dtype=dtype,
                       world=world, page_size=page_size)
+    first = world is None or world.rank == 0           # one file of each, from the first rank
+    return _finish(report, None, out, console(stderr=True), steps, device, reports if first else (None, None, None))
+
+
+def _log_steps(out: Console) -> _Steps:
+    """The runner's log on `out`, each line escaped (names come from files) and, on a terminal,
+    wrapped under itself."""
+    return _Steps(lambda line: out.print(_wrapped(shown(line), out.width if out.is_terminal else None, style="dim")))
+
+
+def _finish(report: Report, impl: str | None, out: Console, err: Console, steps: _Steps, device: str,
+            reports: tuple, stdout: BinaryIO | None = None) -> int:
+    """The report's run described (impl: the --impl spec), shown on `out`, written to the (json,
+    junit, html) paths (one named - onto stdout, default sys.stdout's), each file written named
+    on `err` -> the exit status."""
     report.impl, report.versions, report.commit = impl, _versions(), _commit()
     report.device_name = _device_name(device)
     report.timings = steps.timings()
     render(report, out)
-    if world is None or world.rank == 0:           # one file of each, from the first rank
-        if json_path is not None:
-            write_json(report, json_path)
-            _wrote(json_path)
-        if junit_path is not None:
-            from .validate.junit import write_junit
-            write_junit(report, junit_path)
-            _wrote(junit_path)
-        if html_path is not None:
-            from .validate.html import write_html
-            write_html(report, html_path)
-            _wrote(html_path)
+    for path, form in zip(reports, ("json", "junit", "html")):
+        if path is not None:
+            _write_report(report, form, path, stdout or sys.stdout.buffer)
+            if path != STDOUT:
+                _wrote(path, err)
     return 1 if report.failed else 0
 
 
-def _wrote(path: Path) -> None:
-    """Say on stderr which file a command wrote."""
-    console(stderr=True).print(Text(f"wrote {shown(path)}"))
+def _write_report(report: Report, form: str, path: Path | str, stdout: BinaryIO) -> None:
+    """The report as JSON, JUnit XML or HTML at `path`, all or nothing; - : onto stdout, whole."""
+    if form == "json":
+        from .validate import write_json as write
+    elif form == "junit":
+        from .validate.junit import write_junit as write
+    else:
+        from .validate.html import write_html as write
+    if path != STDOUT:
+        write(report, path)
+        return
+    with tempfile.TemporaryDirectory(prefix="kdtree-report-") as directory:
+        write(report, Path(directory) / "report")
+        stdout.write((Path(directory) / "report").read_bytes())
+        stdout.flush()
+
+
+def _wrote(path: Path, err: Console | None = None) -> None:
+    """Say on stderr (or `err`) which file a command wrote."""
+    (err or console(stderr=True)).print(Text(f"wrote {shown(path)}"))
 
 
 class _Steps:

@@ -12,10 +12,19 @@ that takes `kdtree_case` runs once per case of engine.validate.runner.plan, with
         assert_passes(kdtree_case)
 
 - `kdtree_case`: the case's report row (engine.validate.Check), computed through one
-  session-wide `Validation`: a fixture's checks run once, when the first of its cases runs.
+  session-wide `Validation`: a fixture's checks run once, when the first of its cases runs
+  (pytest's terminal shows `kdtree: checking <fixture>` as they start). From the first case
+  to the end of the session torch runs on the CPU with the thread policy of `kdtree
+  validate` (engine.validate.runner.prepare_device: one intra-op thread).
 - `kdtree_adapter` (session scope): the adapter under test. The plugin's own reads
-  `--kdtree-impl module:factory` (or path/to/file.py:factory), else None, the built-in
-  engine; a conftest that overrides it (session scope) decides for itself.
+  `--kdtree-impl module:factory` (or path/to/file.py:factory), else `BUILT_IN`, kdtree's
+  built-in engine; a conftest that overrides it (session scope) decides for itself. None
+  (a fixture without its `return`) is an error, never the built-in engine.
+- An adapter's calls pass the door of engine/validate/guard.py: an exception, sys.exit, a
+  GeneratorExit or any BaseException but Ctrl-C fails the case naming the method. What
+  pytest cannot survive, the adapter cannot either: os._exit, a crash or a call that never
+  returns ends or stalls the session (`kdtree validate` runs the adapter in a child process
+  and fails the row instead; pytest-timeout bounds a hang).
 - `assert_passes(row)`: FAIL fails the test with the row as `kdtree validate` prints it
   (status, check, error against tolerance or margin against threshold, where); skipped and
   near-tie rows skip the test with the row as the reason.
@@ -34,7 +43,8 @@ imported until a test asks for a case, so a suite without one pays nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 
@@ -42,6 +52,14 @@ if TYPE_CHECKING:
     from .validate import Case, Check, Validation
 
 _PLAN = pytest.StashKey["list[Case]"]()
+
+
+class _BuiltIn:
+    def __repr__(self) -> str:
+        return "kdtree's built-in engine"
+
+
+BUILT_IN = _BuiltIn()      # what kdtree_adapter returns for kdtree's built-in engine (its own rows included)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -78,10 +96,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="session")
 def kdtree_adapter(pytestconfig: pytest.Config) -> Any:
-    """The adapter under test: --kdtree-impl's factory's, else None (the built-in engine)."""
+    """The adapter under test: --kdtree-impl's factory's, else BUILT_IN (the built-in engine)."""
     spec = pytestconfig.getoption("kdtree_impl")
     if spec is None:
-        return None
+        return BUILT_IN
     from .validate import load_impl
 
     try:
@@ -91,15 +109,44 @@ def kdtree_adapter(pytestconfig: pytest.Config) -> Any:
 
 
 @pytest.fixture(scope="session")
-def kdtree_validation(pytestconfig: pytest.Config, kdtree_adapter: Any) -> Validation:
-    """The session's validation run of kdtree_adapter over --kdtree-fixtures."""
-    from .validate import ValidateError, Validation
+def kdtree_validation(pytestconfig: pytest.Config, kdtree_adapter: Any) -> Iterator[Validation]:
+    """The session's validation run of kdtree_adapter over --kdtree-fixtures, on the CLI's threads
+    (torch's own count restored at the end of the session)."""
+    import torch
 
+    from .validate import ValidateError, Validation
+    from .validate.runner import prepare_device
+
+    if kdtree_adapter is None:
+        raise _failure("the kdtree_adapter fixture returned None, expected the adapter under test (is its "
+                       "`return` missing?); without a kdtree_adapter of its own, a suite checks kdtree's "
+                       "built-in engine")
+    threads = torch.get_num_threads()
+    prepare_device("cpu")
     try:
-        return Validation(kdtree_adapter, pytestconfig.getoption("kdtree_fixtures"),
-                          require=pytestconfig.getoption("kdtree_require"), dtype=pytestconfig.getoption("kdtree_dtype"))
+        yield Validation(None if kdtree_adapter is BUILT_IN else kdtree_adapter, pytestconfig.getoption("kdtree_fixtures"),
+                         require=pytestconfig.getoption("kdtree_require"), dtype=pytestconfig.getoption("kdtree_dtype"),
+                         log=_progress(pytestconfig))
     except ValidateError as exc:
         raise _failure(exc) from None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _progress(config: pytest.Config) -> Callable[[str], None]:
+    """The runner's log on pytest's terminal, a line of its own each (`kdtree: checking tiny.kdtr`)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def show(line: str) -> None:
+        if reporter is None:           # an xdist worker: no terminal of its own
+            return
+        writer = config.get_terminal_writer()
+        with capture.global_and_fixture_disabled() if capture is not None else nullcontext():
+            if writer.width_of_current_line:           # after a run of progress dots
+                writer.line()
+            writer.line(f"kdtree: {line}")
+    return show
 
 
 @pytest.fixture

@@ -97,6 +97,15 @@ HOSTILE = [
                                                                   "importing {files}/raises_at_import.py raised RuntimeError", 2),
     ("kdtree validate --fixtures {golden}/kernels/tree_build.kdtr --impl {files}/factory_raises.py:make --json {out}/r.json",
                                                                   "make() raised ZeroDivisionError", 2),
+    ("kdtree validate --fixtures {golden}/kernels/tree_build.kdtr --impl {files}/forgets_return.py:make --json {out}/r.json",
+                                                                  "make() returned None, expected an adapter", 2),
+    ("kdtree validate --fixtures {golden}/kernels/tree_build.kdtr --impl {files}/factory_exits.py:make --json {out}/r.json",
+                                                                  "make() raised SystemExit: 0", 2),
+    ("kdtree validate --fixtures {golden}/kernels/tree_build.kdtr --impl {files}/factory_dies.py:make --json {out}/r.json",
+                                                                  "make() ended the process with exit status 3", 2),
+    ("kdtree validate --json - --junit-xml -",                    "--json and --junit-xml name stdout (-)", 2),
+    ("kdtree validate --timeout 0",                               "'--timeout'", 2),
+    ("kdtree validate --timeout nan",                             "'nan' is not a finite number", 2),
     ("kdtree nonsense",                                           "No such command 'nonsense'", 2),
     ("kdtr verify {files}/corrupt.kdtr",                          "checksum mismatch", 1),
     ("kdtr inspect {files}/absent.kdtr",                          "absent.kdtr: No such file or directory", 2),
@@ -139,6 +148,9 @@ def make_files(files: Path, golden: Path) -> None:
     (files / "raises_at_import.py").write_text("raise RuntimeError('planted at import')\n")
     (files / "factory_raises.py").write_text("def make():\n    return 1 / 0\n")
     make_hostile_names(files, golden)
+    (files / "forgets_return.py").write_text("def make():\n    dict()\n")
+    (files / "factory_exits.py").write_text("import sys\n\n\ndef make():\n    sys.exit(0)\n")
+    (files / "factory_dies.py").write_text("import os\n\n\ndef make():\n    os._exit(3)\n")
 
 
 # What a terminal would act on (an OSC title, a CSI screen erase, the C1 CSI, BEL, a bidi

@@ -36,9 +36,9 @@ Sections of the report, each a list of `Check` rows:
    request's share compared as above, the time per stage of the batched run
    reported (batched.py, batched_model.py).
 
-Every adapter call goes through `checked.CheckedAdapter`: an exception or an
-output of the wrong arity, dtype, shape or finiteness is a FAIL row naming the
-method and the output. A v2 adapter's calls are also held to protocol v2's
+Every adapter call goes through `checked.CheckedAdapter`: an exception (sys.exit
+and any BaseException but Ctrl-C included) or an output of the wrong arity,
+dtype, shape or finiteness is a FAIL row naming the method and the output. A v2 adapter's calls are also held to protocol v2's
 declarations (`checked.CheckedV2`: torch tensors on its device, ragged offsets)
 and reach the per-request checks through `protocol_v2.PerRequest`. A capability the adapter does not implement turns its
 checks into "skipped (not implemented by adapter)"; a required capability
@@ -53,15 +53,17 @@ routing bugs (regime.py, docs/precision.md). Every row names its regime.
 
 Modules, one job each: `protocol` (what an adapter implements, each method's
 outputs, capability declarations), `protocol_v2` (the batched protocol, its
-declarations, the per-request view of a v2 adapter), `checked` (the checking
+declarations, the per-request view of a v2 adapter), `guard` (the door: every
+entry into the adapter's code, whatever ends it named), `checked` (the checking
 proxies), `report` (rows, the report, JSON), `compare` (one comparison -> one
 row), `regime` (how a dtype judges rows, the routing watch), `fixtures`
 (finding them), `model_checks`, `engine_rows`, `kernel_checks` and `invariant`
 (the sections above), `deviations` (what an adapter declares about where it differs from the
 reference, noted on the rows it affects), `batched` and `batched_model` (the
 batched rows), `paged_checks` (the paged-KV rows), `runner` (all of them in order, then the requirements; or one case,
-one row, at a time: `plan`, `Validation`), and the report's other forms, `junit`
-(JUnit XML) and `html` (a self-contained page).
+one row, at a time: `plan`, `Validation`), `isolated` (a run in the child process
+that `kdtree validate` watches, engine/supervise.py), and the report's other
+forms, `junit` (JUnit XML) and `html` (a self-contained page).
 `distribution` (the statistical test of a sampler's law, for implementations
 that draw their own uniforms; it needs scipy) is imported on its own.
 """

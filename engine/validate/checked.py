@@ -2,16 +2,21 @@
 before any comparison sees the result.
 
 `CheckedAdapter(adapter)` forwards every attribute; a protocol method comes back
-wrapped. The wrapper turns an exception raised by the adapter, and an output of
-the wrong arity, dtype class, shape or finiteness, into an `AdapterFault` naming
-the method and the output; what it returns is normalized (numpy arrays, Python
-ints for scalars), so comparisons never zip away a missing item or compare a
-float array as if it held token ids. The checks catch the fault with
-`fault_into`, which turns it into one FAIL row of the check it interrupted.
+wrapped. The wrapper calls the adapter through the door (guard.py: whatever ends
+the call but a return, an exit or a GeneratorExit included, is an `AdapterFault`
+naming the method) and turns an output of the wrong arity, dtype class, shape or
+finiteness into an `AdapterFault` naming the method and the output; what it
+returns is normalized (numpy arrays, Python ints for scalars) and the runner's own
+copy, so comparisons never zip away a missing item, compare a float array as if it
+held token ids, or read a buffer the adapter has since overwritten. `intermediates`
+and `deviations` pass the door unchecked. The checks catch the fault with
+`fault_into`, which turns it into one FAIL row of the check it interrupted (and
+tells the door which row is calling).
 
 `CheckedV2` does the same for a protocol 2 adapter (protocol_v2.METHODS_V2): torch
-tensors on the adapter's device, ragged offsets that index the outputs they come
-with, and, while `timing` is on, each call's own time, CUDA-synchronized.
+tensors on the adapter's device (each cloned: the runner's own), ragged offsets that
+index the outputs they come with, and, while `timing` is on, each call's own time,
+CUDA-synchronized.
 `checked_views` gives the runner both views of one adapter.
 """
 
@@ -20,42 +25,37 @@ from __future__ import annotations
 import functools
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import ml_dtypes
 import numpy as np
 import torch
 
+from . import guard
+from .guard import AdapterFault, describe
 from .protocol import METHODS, Method, Output, protocol_version
 from .protocol_v2 import METHODS_V2, Offsets, PerRequest, adapter_device
-from .report import Check, Status
+from .report import Check
 
-
-class AdapterFault(Exception):
-    """An adapter method raised (`raised` True), or returned what the protocol forbids."""
-
-    def __init__(self, method: str, problem: str, raised: bool = False) -> None:
-        self.method, self.problem, self.raised = method, problem, raised
-        super().__init__(f"{method}() {problem}")
-
-    def check(self, section: str, name: str, needs: Sequence[str] = (), where: str = "") -> Check:
-        """The FAIL row of the check this fault interrupted."""
-        at = f" ({where})" if where else ""
-        return Check(section, name, Status.FAIL, detail=f"{self}{at}", needs=tuple(needs))
+UNCHECKED = ("intermediates", "deviations")     # optional methods: through the door, outputs unchecked
+_ABSENT = object()
 
 
 class fault_into:
-    """Run a block of adapter calls; a fault ends the block and becomes a FAIL row in `rows`
-    (`.fault` holds it afterwards; None when the block ran to its end)."""
+    """Run a block of adapter calls for one row; a fault ends the block and becomes a FAIL row in
+    `rows` (`.fault` holds it afterwards; None when the block ran to its end)."""
 
     def __init__(self, rows: list[Check], section: str, name: str, where: str = "") -> None:
         self.rows, self.section, self.name, self.where = rows, section, name, where
         self.fault: AdapterFault | None = None
+        self._row = guard.in_row(section, name, where)
 
     def __enter__(self) -> "fault_into":
+        self._row.__enter__()
         return self
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+        self._row.__exit__(None, None, None)
         if isinstance(exc, AdapterFault):
             self.fault = exc
             self.rows.append(exc.check(self.section, self.name, where=self.where))
@@ -63,35 +63,32 @@ class fault_into:
         return False
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 class CheckedAdapter:
-    """The adapter with every protocol method checked (module docstring)."""
+    """The adapter with every protocol method checked (module docstring). door: the adapter is
+    the user's, called through the door; False for kdtree's own PerRequest over a checked v2
+    adapter, whose calls pass the door there."""
 
     methods = METHODS
 
-    def __init__(self, adapter: Any) -> None:
+    def __init__(self, adapter: Any, door: bool = True) -> None:
         self.adapter = adapter
+        self.door = door
         self.vocab_size: int | None = None          # from load_weights' config: forward's V
 
     def __getattr__(self, name: str) -> Any:
-        if name == "adapter":
+        if name in ("adapter", "door"):
             raise AttributeError(name)
-        value = getattr(self.adapter, name)
+        value = guard.attribute(self.adapter, name, _ABSENT)
+        if value is _ABSENT:
+            raise AttributeError(name)
         if name in self.methods and callable(value):
             return functools.partial(self._call, name, value)
+        if name in UNCHECKED and callable(value) and self.door:
+            return functools.partial(guard.call, name, value)
         return value
 
     def _call(self, name: str, method: Any, *args: Any) -> Any:
-        try:
-            result = self._invoke(method, args)
-        except AdapterFault:            # a v2 adapter's fault under PerRequest: already named
-            raise
-        except Exception as exc:
-            raise AdapterFault(name, f"raised {_one_line(exc)}", raised=True) from exc
+        result = guard.call(name, self._invoke, method, args) if self.door else self._invoke(method, args)
         spec = self.methods[name]
         if name == "load_weights":
             self.vocab_size = int(args[0].vocab_size)
@@ -150,9 +147,9 @@ def _output(method: str, out: Output, value: Any, dims: dict[str, int]) -> Any:
     """One v1 output checked against its declaration (binding free dims into `dims`), normalized."""
     what = f"output {out.name}"
     try:
-        array = np.asarray(value)
+        array = np.array(value)                     # a copy: the adapter may reuse its buffer
     except Exception as exc:
-        raise AdapterFault(method, f"{what} cannot be read as a numpy array ({_one_line(exc)})") from None
+        raise AdapterFault(method, f"{what} cannot be read as a numpy array ({describe(exc)})") from None
     if not _dtype_ok(out.kind, array.dtype):
         raise AdapterFault(method, f"{what} has dtype {array.dtype}, expected {_KINDS[out.kind]}")
     _check_shape(method, out, tuple(array.shape), dims)
@@ -239,7 +236,7 @@ class CheckedV2(CheckedAdapter):
             _check_offsets(method, out, value.tolist(), dims)
         if value.is_floating_point():
             _check_finite(method, out, int(value.isnan().sum()), int(value.isinf().sum()))
-        return value
+        return value.clone()                        # the runner's own: the adapter may reuse its buffer
 
 
 def _torch_dtype_ok(kind: str, dtype: torch.dtype) -> bool:
@@ -273,4 +270,4 @@ def checked_views(adapter: Any) -> tuple[CheckedAdapter, CheckedV2 | None]:
     if protocol_version(adapter) == 1:
         return CheckedAdapter(adapter), None
     batched = CheckedV2(adapter)
-    return CheckedAdapter(PerRequest(batched)), batched
+    return CheckedAdapter(PerRequest(batched), door=False), batched

@@ -100,6 +100,7 @@ import numpy as np
 
 from kdtr_format import ModelConfig
 
+from .guard import AdapterFault, adapter_name, attribute, call, describe, watched
 from .report import ValidateError
 
 CAPABILITIES: dict[str, tuple[str, ...]] = {
@@ -216,7 +217,7 @@ class EngineAdapter(Protocol):
 
 def protocol_version(adapter: Any) -> int:
     """The adapter's `protocol` attribute: 1 (this module, the default) or 2 (protocol_v2.py)."""
-    version = getattr(adapter, "protocol", 1)
+    version = attribute(adapter, "protocol", 1)
     if isinstance(version, bool) or version not in (1, 2):
         raise ValidateError(f"adapter {adapter_name(adapter)}: `protocol` must be 1 or 2, got {version!r}")
     return version
@@ -237,12 +238,12 @@ def capabilities(adapter: Any, table: Mapping[str, tuple[str, ...]] | None = Non
 
 
 def _missing(adapter: Any, capability: str, table: Mapping[str, tuple[str, ...]]) -> list[str]:
-    return [m for m in table[capability] if not callable(getattr(adapter, m, None))]
+    return [m for m in table[capability] if not callable(attribute(adapter, m))]
 
 
 def declared_capabilities(adapter: Any) -> set[str] | None:
     """The adapter's `capabilities` attribute as a set of names, None when it has none."""
-    declared = getattr(adapter, "capabilities", None)
+    declared = attribute(adapter, "capabilities")
     if declared is None:
         return None
     if isinstance(declared, str) or not isinstance(declared, Collection) or \
@@ -300,37 +301,39 @@ def resolve_capabilities(adapter: Any, require: str | Collection[str] | None = N
     return run, set(required)
 
 
-def adapter_name(adapter: Any) -> str:
-    name = getattr(adapter, "name", None)
-    return repr(name) if isinstance(name, str) else type(adapter).__name__
-
-
 def load_impl(spec: str) -> Any:
     """An adapter from ``module:factory`` or ``path/to/file.py:factory`` (factory() -> adapter).
-    ValueError naming the spec when the module cannot be imported, raises while importing,
-    lacks the factory, or the factory raises."""
+    ValueError naming the spec when the module cannot be imported, raises (or exits) while
+    importing, lacks the factory, or the factory raises, exits or returns None. The import and
+    the factory run through the door (guard.py)."""
     target, sep, factory_name = spec.rpartition(":")
     if not sep or not target or not factory_name:
         raise ValueError(f"--impl {spec!r}: expected 'module:factory' or 'path/to/file.py:factory'")
     if target.endswith(".py") and not Path(target).is_file():
         raise ValueError(f"--impl {spec!r}: no file {target}")
     try:
-        module = _import(target)
+        with watched(f"importing {target}"):
+            module = _import(target)
     except ImportError as exc:
         missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and \
             (target == exc.name or target.startswith(exc.name + "."))
         how = ("; name a module on PYTHONPATH or in the current directory, or a file: path/to/file.py:factory"
                if missing else "")           # the module itself is not there, not one it imports
         raise ValueError(f"--impl {spec!r}: cannot import {target!r} ({exc}){how}") from None
-    except Exception as exc:
-        raise ValueError(f"--impl {spec!r}: importing {target} raised {type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        raise ValueError(f"--impl {spec!r}: importing {target} raised {describe(exc)}") from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ValueError(f"--impl {spec!r}: {target} has no callable {factory_name!r}")
     try:
-        return factory()
-    except Exception as exc:
-        raise ValueError(f"--impl {spec!r}: {factory_name}() raised {type(exc).__name__}: {exc}") from None
+        adapter = call(factory_name, factory)
+    except AdapterFault as fault:
+        raise ValueError(f"--impl {spec!r}: {fault}") from None
+    if adapter is None:
+        raise ValueError(f"--impl {spec!r}: {factory_name}() returned None, expected an adapter")
+    return adapter
 
 
 def _import(target: str) -> ModuleType:

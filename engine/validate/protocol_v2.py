@@ -110,6 +110,7 @@ from kdtr_format import ModelConfig
 
 from ..ragged import (forward_of_one, offsets_of, pack_visibility, sizes, to_padded, to_ragged, tree_bits,
                       unpack_visibility, widest)
+from .guard import attribute
 from .protocol import CAPABILITIES, Method, Output, capabilities, protocol_version
 from .report import ValidateError
 
@@ -195,7 +196,7 @@ METHODS_V2: dict[str, Method] = {
 def adapter_device(adapter: Any) -> torch.device:
     """The v2 adapter's `device` as a torch.device (a CUDA device with its index).
     ValidateError when it has none, or names no device this machine has."""
-    device = getattr(adapter, "device", None)
+    device = attribute(adapter, "device")
     try:
         device = torch.device(device)
     except (TypeError, RuntimeError):
@@ -234,7 +235,7 @@ class PerRequest:
     @property
     def capabilities(self) -> Any:
         """The v2 adapter's declaration, less the capabilities v1 has no methods for (paged KV)."""
-        declared = getattr(self.adapter, "capabilities", None)
+        declared = attribute(self.adapter, "capabilities")
         if isinstance(declared, str) or not isinstance(declared, Collection):
             return declared
         return [cap for cap in declared if CAPABILITIES.get(cap, True)]     # unknown names stay, to be refused

@@ -34,7 +34,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Mapping
+
+import torch
 
 import kdtr_format
 from kdtr_format import PRESETS, KdtrError
@@ -45,6 +47,7 @@ from .acceptance import with_trace_acceptance
 from .batched import BATCHED_KERNEL_ROWS, batched_checks
 from .batched_model import ROWS as BATCHED_MODEL_ROWS
 from .checked import checked_views
+from .guard import AdapterFault, adapter_name, attribute, call, describe
 from .corpus_checks import corpus_rows
 from .deviations import with_deviations
 from .fixtures import _kdtr_files, find_fixtures
@@ -63,6 +66,7 @@ ANY_CHECK_RAN = "any check ran"
 BUILTIN_ONLY = "skipped (the built-in engine's own check: not run for an adapter)"
 V2_ONLY = "skipped (a batched check: protocol v2 adapters only)"
 NO_ROUTING = "skipped (the model did not run: no routing to watch)"
+CPU_THREADS = 1          # torch's intra-op threads on the CPU: tiny models gain nothing from more on shared cores
 
 
 @dataclass(frozen=True)
@@ -181,20 +185,18 @@ class Validation:
         self.unchecked: set[str] = set()        # declared, but no row checks it (known once the report is made)
         self.log = log
         self.fixtures = str(directory)
-        self._report = Report(implementation=getattr(self.adapter, "name", type(self.adapter).__name__),
+        self._report = Report(implementation=attribute(self.adapter, "name", type(self.adapter).__name__),
                               adapter=f"{type(self.adapter).__module__}.{type(self.adapter).__qualname__}",
-                              device=device, fixtures=self.fixtures,
-                              backends=dict(getattr(self.adapter, "backends", {})))
+                              device=device, fixtures=self.fixtures, backends=_backends(self.adapter))
         self._rows: dict[str, list[Check]] = {}
 
     def check(self, case: Case) -> Check:
         """The case's row, the requirements applied (a "validate" case runs every section)."""
         if case.section == REQUIREMENTS:
             return self._requirement(case)
-        if case.builtin_only and not self.builtin:
-            return Check(case.section, case.name, Status.SKIPPED, detail=BUILTIN_ONLY)
-        if case.v2_only and self._batched is None:
-            return Check(case.section, case.name, Status.SKIPPED, detail=V2_ONLY, needs=case.needs)
+        skipped = self.skip_reason(case)
+        if skipped:
+            return Check(case.section, case.name, Status.SKIPPED, detail=skipped, needs=case.needs)
         rows = self.rows(case.section)
         found = next((c for c in rows if c.name == case.name), None)
         stopped = next((c for c in rows if c.name == "fixture"), None)
@@ -205,6 +207,25 @@ class Validation:
         elif found is None:
             raise LookupError(f"{case.id}: the fixture's checks returned no such row (plan and checks disagree)")
         return requirements([found], self.caps, self.required, self.fixtures, exercised=False)[0]
+
+    def skip_reason(self, case: Case) -> str | None:
+        """Why the case is skipped for this adapter whatever its section's checks return (a row
+        of the built-in engine's own, a batched row for a protocol v1 adapter); None if not."""
+        if case.builtin_only and not self.builtin:
+            return BUILTIN_ONLY
+        if case.v2_only and self._batched is None:
+            return V2_ONLY
+        return None
+
+    def report_sections(self) -> list[str]:
+        """The sections whose rows the report holds, in plan order (a preset without a fixture:
+        the built-in engine's invariant only)."""
+        return [s.name for s in self.sections.values() if self.builtin or s.preset is None]
+
+    def header(self) -> Report:
+        """The report as it stands, without its rows: implementation, device, fixtures, backends,
+        and the deviations and seconds of the sections run so far."""
+        return dataclasses.replace(self._report, checks=[])
 
     def rows(self, section: str) -> list[Check]:
         """A section's rows as its checks returned them, run on the first call."""
@@ -217,7 +238,7 @@ class Validation:
     def report(self) -> Report:
         """Every section's rows in plan order, then the requirements, then a skipped row for
         each declared capability that no fixture has checks for."""
-        checks = [c for s in self.sections.values() if self.builtin or s.preset is None for c in self.rows(s.name)]
+        checks = [c for name in self.report_sections() for c in self.rows(name)]
         if self.declared:
             self.unchecked = self.required - {cap for c in checks for cap in c.needs}
         self._report.checks = requirements(checks, self.caps, self.required - self.unchecked, self.fixtures) + \
@@ -237,9 +258,10 @@ class Validation:
             raise ValidateError(f"{section.path}: {exc}") from None
         except ValidateError:
             raise
+        except AdapterFault as fault:   # an optional method outside any row's checks (deviations)
+            return [fault.check(section.name, "fixture")]
         except Exception as exc:        # a malformed fixture (adapter faults are rows of their own checks)
-            return [Check(section.name, "fixture", Status.FAIL,
-                          detail=f"checking stopped: {type(exc).__name__}: {exc}")]
+            return [Check(section.name, "fixture", Status.FAIL, detail=f"checking stopped: {describe(exc)}")]
 
     def _per_request(self, reader, section: str) -> list[Check]:
         kind = reader.metadata.get("kind")
@@ -248,7 +270,7 @@ class Validation:
             regime = Regime.of(reader.metadata, self.dtype)
             if regime is not None:
                 checks = with_trace_acceptance(checks, CasesView(reader, regime))
-            return _stamped(with_deviations(self._report, self.adapter, checks, section), "exact")
+            return _stamped(with_deviations(self._report, self._checked, checks, section), "exact")
         if kind == PAGED_KIND:            # protocol 2 only: the v2 view (None for a v1 adapter)
             return _stamped(paged_checks(self._batched, self.caps, reader, section, self.dtype), "")
         if kind in KERNEL_KINDS:
@@ -319,22 +341,47 @@ def unmet(cap: str, checks: list[Check], caps: set[str], fixtures: str) -> str |
     return f"required, but no check of {fixtures} exercised it"
 
 
+def prepare_device(device: str) -> None:
+    """Refuse a CUDA device this machine does not have (ValidateError naming it); on the CPU, give
+    torch CPU_THREADS intra-op threads. The thread policy of every run `kdtree` and the pytest
+    plugin make."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValidateError(f"--device {device}: no CUDA device is visible")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValidateError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    else:
+        torch.set_num_threads(CPU_THREADS)
+
+
 def _check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise ValidateError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
+def _backends(adapter: Any) -> dict[str, str]:
+    """The adapter's `backends` (what ran where, e.g. {"attention": "cuda"}; optional)."""
+    backends = attribute(adapter, "backends", {})
+    if not isinstance(backends, Mapping):
+        raise ValidateError(f"adapter {adapter_name(adapter)}: `backends` must be a mapping of names to what ran "
+                            f"them, got {type(backends).__name__}")
+    return {str(k): str(v) for k, v in backends.items()}
+
+
 def _set_dtype(adapter: Any, dtype: str) -> None:
     """Tell the adapter its compute dtype (protocol: `set_dtype`); bfloat16 needs it."""
-    set_dtype = getattr(adapter, "set_dtype", None)
+    set_dtype = attribute(adapter, "set_dtype")
     if not callable(set_dtype):
         if dtype != "float32":
             raise ValidateError(f"--dtype {dtype}: the adapter has no set_dtype method to be told its dtype")
         return
     try:
-        set_dtype(dtype)
-    except (ValueError, TypeError) as exc:
-        raise ValidateError(f"--dtype {dtype}: the adapter refuses it ({exc})") from None
+        call("set_dtype", set_dtype, dtype)
+    except AdapterFault as fault:
+        refused = isinstance(fault.__cause__, (ValueError, TypeError))
+        raise ValidateError(f"--dtype {dtype}: the adapter refuses it ({describe(fault.__cause__)})" if refused
+                            else f"--dtype {dtype}: {fault}") from None
 
 
 def _stamped(checks: list[Check], default: str) -> list[Check]:

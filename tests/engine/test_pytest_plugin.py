@@ -137,6 +137,25 @@ def test_bad_options_are_one_line_without_a_traceback(project):
         assert not re.search(r"Traceback|During handling|\.py:\d+", out.split("short test summary")[0]), out
 
 
+def test_a_kdtree_adapter_fixture_that_returns_none_is_an_error(project):
+    """A conftest fixture that forgets its `return` does not check the built-in engine instead."""
+    (project / "conftest.py").write_text("import pytest\n\n\n@pytest.fixture(scope='session')\n"
+                                         "def kdtree_adapter():\n    adapter = object()\n")
+    run = pytest_run(project, "-k", "accept_compact")
+    assert run.returncode == 1 and " passed" not in summary(run), run.stdout
+    assert "\nkdtree: the kdtree_adapter fixture returned None, expected the adapter under test" in run.stdout, \
+        run.stdout
+
+
+def test_the_plugin_runs_on_one_thread_as_the_cli_does_and_shows_progress(project):
+    (project / "conftest.py").write_text("import torch\n\ntorch.set_num_threads(2)\n")
+    (project / "test_threads.py").write_text("import torch\n\n\ndef test_threads(kdtree_case):\n"
+                                             "    assert torch.get_num_threads() == 1\n")
+    run = pytest_run(project, "test_threads.py", "-k", "accept_compact")
+    assert run.returncode == 0, run.stdout
+    assert "kdtree: checking kernels/accept_compact.kdtr" in run.stdout.splitlines(), run.stdout
+
+
 class Metafunc:
     """What the plugin's pytest_generate_tests reads of pytest's, and the parametrization it asks for."""
 
