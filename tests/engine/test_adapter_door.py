@@ -22,6 +22,11 @@ from terminal import in_terminal
 HOSTILE = Path(__file__).with_name("hostile_adapters.py")
 
 
+def verdict(err: str) -> str:
+    """The terminal report's verdict line: its last line but the notes of the files written."""
+    return [line for line in err.splitlines() if not line.startswith("wrote ")][-1]
+
+
 def spec(name: str) -> str:
     return f"{HOSTILE}:{name}"
 
@@ -98,7 +103,7 @@ def test_the_cli_fails_an_adapter_that_exits_and_the_json_goes_to_stdout(tmp_pat
     assert code == 1, err
     report = json.loads(out)                                  # stdout holds the JSON alone
     assert report["passed"] is False and failures(report).keys() == FOUR_WAYS.keys()
-    assert "FAILED" in err.splitlines()[-1] and "Traceback" not in err       # the terminal report: stderr
+    assert "FAILED" in verdict(err) and "Traceback" not in err               # the terminal report: stderr
     assert ET.parse(junit).getroot().get("failures") == "4"
 
 
@@ -115,7 +120,7 @@ def test_an_adapter_that_ends_the_process_fails_the_row_in_flight(tmp_path, caps
     not_run = [c for c in report["checks"] if c["detail"].startswith("not run: ")]
     assert not_run and all(c["status"] == "skipped" for c in not_run)
     assert ET.fromstring(out).get("failures") == "1"          # the JUnit XML on stdout
-    assert "FAILED" in err.splitlines()[-1]
+    assert "FAILED" in verdict(err)
 
 
 def test_a_process_the_adapter_leaves_behind_does_not_hold_the_run(tmp_path, capsys, monkeypatch):
