@@ -3,6 +3,8 @@
     kdtree validate [--fixtures DIR|FILE] [--device cpu|cuda[:N]] [--dtype float32|bfloat16] [--json PATH|-]
                     [--junit-xml PATH|-] [--html PATH|-] [--impl module:factory] [--require CAPS]
                     [--timeout SECONDS] [--invariant] [--tp N] [--page-size N]
+    kdtree validate --server URL --fixtures EXPORT [--api openai|sglang] [--concurrency N]
+                    [--temperature T --samples N --seed S] [--logprobs K] [--timeout S]   (docs/serving.md)
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
                 [--invariant] [--tp N] [--page-size N]
@@ -42,6 +44,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.parse
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,6 +207,54 @@ def _engine_layout_options(command: Callable) -> Callable:
              "N processes, else N local processes spawned here (CPU: gloo; cuda: NCCL, rank r on cuda:r).")(command)
 
 
+class ServerUrl(click.ParamType):
+    """http(s)://host[:port][/path prefix] -> the URL without a trailing slash."""
+
+    name = "url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value).strip()
+        parts = urllib.parse.urlsplit(text)
+        try:
+            parts.port
+        except ValueError:
+            self.fail(f"{value!r}: the port is not a number from 0 to 65535", param, ctx)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+            self.fail(f"{value!r}: expected http://host:port, e.g. http://127.0.0.1:30000", param, ctx)
+        return text.rstrip("/")
+
+
+SERVER_ONLY = ("api", "concurrency", "temperature", "samples", "seed", "logprobs")
+SERVER_TIMEOUT_S = 60.0            # --server: seconds to wait for each reply, by default
+NOT_FOR_SERVER = ("device", "impl", "require", "invariant", "tp", "page_size")
+
+
+def _server_options(command: Callable) -> Callable:
+    """--server and the options of a served model's validation (engine/validate/server.py)."""
+    options = [
+        click.option("--server", type=ServerUrl(), default=None,
+                     help="Validate a running serving engine (SGLang, vLLM) at this URL instead of an adapter: "
+                          "the fixture's prompts as token ids, its AR tokens as the answer (docs/serving.md). "
+                          "--fixtures: a `refgen export` directory or a model fixture file."),
+        click.option("--api", type=click.Choice(("openai", "sglang")), default="openai", show_default=True,
+                     help="With --server: the OpenAI-compatible /v1/completions (vLLM, SGLang) or SGLang's /generate."),
+        click.option("--concurrency", type=click.IntRange(1, 256), default=1, show_default=True,
+                     help="With --server: requests in flight at once (copies of the prompts fill them), so that "
+                          "the server batches them."),
+        click.option("--temperature", type=FiniteFloat(0.0, 100.0), default=0.0, show_default=True,
+                     help="With --server: above 0, seeded runs tested against the fixture's softmax(logits / T)."),
+        click.option("--samples", type=click.IntRange(min=1), default=None,
+                     help="With --server --temperature T: runs per prompt (default 400)."),
+        click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
+                     help="With --server --temperature T: the first run's seed (run i has seed + i)."),
+        click.option("--logprobs", type=click.IntRange(0, 20), default=None, metavar="K",
+                     help="With --server: ask for log-probs (the served token's, and the top K) and check them."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @cli.command("validate")
 @click.option("--fixtures", type=click.Path(exists=True, path_type=Path), default=None,
               help="A fixture directory, or one fixture file (then only that file is checked). "
@@ -231,13 +282,20 @@ def _engine_layout_options(command: Callable) -> Callable:
                    "capability that is skipped or that no fixture exercises is a FAIL.")
 @click.option("--timeout", type=FiniteFloat(0.0, min_open=True), default=None, metavar="SECONDS",
               help=f"Seconds one call of the adapter may take: a call that takes longer FAILs its row and stops "
-                   f"the run (default {CALL_TIMEOUT_S:g}).")
+                   f"the run (default {CALL_TIMEOUT_S:g}); with --server, seconds to wait for each reply "
+                   f"(default {SERVER_TIMEOUT_S:g}).")
 @click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
 @_engine_layout_options
+@_server_options
 def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: Path | str | None,
                      junit_path: Path | str | None, html_path: Path | str | None, impl: str | None, require: str,
-                     timeout: float | None, invariant: bool, tp: int | None, page_size: int | None) -> int:
-    """Check an implementation against the golden fixtures; exit 1 on any failure."""
+                     timeout: float | None, invariant: bool, tp: int | None, page_size: int | None,
+                     **served: Any) -> int:
+    """Check an implementation against the golden fixtures, or (--server) what a serving engine serves;
+    exit 1 on any failure."""
+    if served["server"] is not None or _given(*SERVER_ONLY):
+        return _validate_server(fixtures, dtype, (json_path, junit_path, html_path),
+                                timeout=timeout or SERVER_TIMEOUT_S, **served)
     for flag, given in (("--invariant", invariant), ("--tp", tp), ("--page-size", page_size)):
         if given and impl:
             raise CliError(f"{flag} is a mode of the built-in engine; it does not apply to --impl")
@@ -309,13 +367,14 @@ def _log_steps(out: Console) -> _Steps:
     return _Steps(lambda line: out.print(_wrapped(shown(line), out.width if out.is_terminal else None, style="dim")))
 
 
-def _finish(report: Report, impl: str | None, out: Console, err: Console, steps: _Steps, device: str,
+def _finish(report: Report, impl: str | None, out: Console, err: Console, steps: _Steps, device: str | None,
             reports: tuple, stdout: BinaryIO | None = None) -> int:
     """The report's run described (impl: the --impl spec), shown on `out`, written to the (json,
     junit, html) paths (one named - onto stdout, default sys.stdout's), each file written named
     on `err` -> the exit status."""
     report.impl, report.versions, report.commit = impl, _versions(), _commit()
-    report.device_name = _device_name(device)
+    if device is not None:                         # None: a server's run (its device is the server's)
+        report.device_name = _device_name(device)
     report.timings = steps.timings()
     render(report, out)
     for path, form in zip(reports, ("json", "junit", "html")):
@@ -324,6 +383,33 @@ def _finish(report: Report, impl: str | None, out: Console, err: Console, steps:
             if path != STDOUT:
                 _wrote(path, err)
     return 1 if report.failed else 0
+
+
+def _given(*names: str) -> list[str]:
+    """The options among `names` given on the command line (or by an environment variable), as flags."""
+    ctx = click.get_current_context()
+    return [f"--{name.replace('_', '-')}" for name in names
+            if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)]
+
+
+def _validate_server(fixtures: Path | None, dtype: str, reports: tuple, server: str | None, samples: int | None,
+                     **options: Any) -> int:
+    """validate --server: a serving engine's tokens against a fixture (engine/validate/server.py)."""
+    if server is None:
+        raise CliError(f"{_given(*SERVER_ONLY)[0]} applies to --server URL")
+    if _given(*NOT_FOR_SERVER):
+        raise CliError(f"{_given(*NOT_FOR_SERVER)[0]} applies to an adapter or the built-in engine, not to --server")
+    if options["temperature"] == 0 and _given("samples", "seed"):
+        raise CliError(f"{_given('samples', 'seed')[0]} applies to sampled runs: give --temperature T > 0")
+    if reports[2] is not None:
+        _require_matplotlib("--html")
+    from .validate.server import SAMPLES, ServerRun, validate_server
+
+    out = console(stderr=STDOUT in reports)
+    steps = _log_steps(out)
+    run = ServerRun(server, samples=samples or SAMPLES, **options)
+    report = validate_server(run, fixtures, dtype if _given("dtype") else None, log=steps)
+    return _finish(report, None, out, console(stderr=True), steps, None, reports)
 
 
 def _write_report(report: Report, form: str, path: Path | str, stdout: BinaryIO) -> None:

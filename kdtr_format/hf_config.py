@@ -1,6 +1,7 @@
-"""Reading an HF ``config.json`` (DeepseekV3 / Kimi K2) into a `ModelConfig`.
+"""Reading an HF ``config.json`` (DeepseekV3 / Kimi K2) into a `ModelConfig`, and writing one.
 
     config, notes = ModelConfig.from_hf_dict(json.load(open("config.json")))
+    data = hf_config_dict(config, "bfloat16")          # what `refgen export` writes; read back exactly
 
 The dict is the text model's own config: a caller reading a vision-language
 checkpoint unwraps ``text_config`` first, and whoever reads quantized weights
@@ -37,6 +38,13 @@ always applies the ratio (docs/model.md). A config where the two readings
 differ (one of them 0 or absent, unless mscale is 1 and mscale_all_dim 0) is
 refused. So is ``attention_factor`` (an explicit gain), ``truncate`` false
 and ``partial_rotary_factor`` other than 1.
+
+`hf_config_dict` writes a config the way DeepSeek-V3 ships it: architecture
+``DeepseekV3ForCausalLM``, the rope in the 4.x form (``rope_theta`` and a
+``rope_scaling`` of type yarn, or null), ``scoring_func`` and ``topk_method``
+spelled out (vLLM's DeepseekV3 defaults to softmax scoring without them),
+``rope_interleave``, no bos / eos token (nothing stops a generation early), and
+kdtree's ``latent_norm_eps``, which the other readers ignore.
 """
 
 from __future__ import annotations
@@ -72,6 +80,17 @@ class HFConfig(NamedTuple):
 
     config: ModelConfig
     notes: list[str]   # one line per decision worth telling the user (default taken, key not run)
+
+
+def hf_config_dict(config: ModelConfig, torch_dtype: str) -> dict[str, Any]:
+    """`config` as a config.json dict (module docstring) of a checkpoint stored in `torch_dtype`;
+    `read_hf_config` reads it back as `config`, with no notes."""
+    fields = config.to_dict()
+    del fields["rope_style"]
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": torch_dtype,
+            **fields, "rope_interleave": config.rope_style == "interleave",
+            "num_key_value_heads": config.num_attention_heads, **CHECKED, "num_nextn_predict_layers": 0,
+            "bos_token_id": None, "eos_token_id": None}
 
 
 def _refuse(key: str, message: str) -> None:

@@ -9,6 +9,7 @@
     refgen materialize tests/golden --out DIR   full fixtures from slim ones (the committed files are slim)
     refgen verify [PATH]...                  regenerate and compare; exit 1 on drift
     refgen show FILE                         what a fixture holds
+    refgen export FILE --out DIR [--dtype bfloat16]   its model as an HF checkpoint directory, to serve
 
 Bad input ends in one line `refgen: error: ...` and exit status 2; drift in
 exit status 1 with one line per drifting tensor; Ctrl-C in 130 (the exit statuses
@@ -51,6 +52,7 @@ from .checkpoint import (CheckpointError, checkpoint_fixture, fixture_name, load
 from .files import SEEDED_KEY, omitted, slim_hint, stored_hash_problem, write_fixture  # noqa: E402
 from .fixtures import DEFAULT_PLAN, GOLDEN_PRESETS, Fixture, FixtureError, check_plan, model_fixture  # noqa: E402
 from .kernel_cases import KERNEL_KINDS, kernel_cases, kernel_fixture, kernel_path  # noqa: E402
+from . import export as exporting  # noqa: E402
 from .materialize import materialize as materialize_file  # noqa: E402
 from .regen import REGEN_REL, compare  # noqa: E402
 
@@ -532,3 +534,57 @@ def _short(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(map(_short, value)) + "]"
     return "-" if value is None else str(value)
+
+
+# ---------------------------------------------------------------------------- export
+
+@main.command("export", no_args_is_help=True)
+@click.argument("fixture", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The checkpoint directory to write (must not exist, or be empty).")
+@click.option("--dtype", type=click.Choice(exporting.DTYPES), default="float32", show_default=True,
+              help="float32: the fixture's weights; bfloat16: its bf16 cases' weights; fp8: DeepSeek's FP8 "
+                   "blocks (a model of its own, its fixture generated beside it).")
+@click.option("--layers", type=click.IntRange(min=1), metavar="K",
+              help="Only the first K layers, the final norm and the head: a draft model for speculative decoding.")
+@click.option("--fp8-block", type=click.IntRange(min=1, max=4096), default=128, show_default=True, metavar="N",
+              help="With --dtype fp8: N x N scale blocks.")
+@click.option("--shard-mb", type=click.IntRange(min=1), default=exporting.SHARD_BYTES >> 20, show_default=True,
+              help="Safetensors shards of at most this many MB (one model.safetensors when everything fits).")
+def export_command(fixture: Path, out: Path, dtype: str, layers: int | None, fp8_block: int, shard_mb: int) -> int:
+    """The model of a model FIXTURE as a Hugging Face checkpoint directory that transformers, vLLM and
+    SGLang load, with the fixture to validate the served tokens against (docs/serving.md)."""
+    if dtype != "fp8" and fp8_block != 128:
+        raise CliError("--fp8-block applies to --dtype fp8")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        exporting.check_out(out, dtype, layers)
+    except exporting.ExportError as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"cannot create {out.parent}: {exc.strerror or exc}") from None
+    try:
+        with kdtr_format.open(fixture) as reader:
+            src = exporting.source(reader, dtype)
+            for note in exporting.server_notes(src.cfg):
+                console(stderr=True).print(f"note: {note}", highlight=False, markup=False)
+            with _progress(console(stderr=True), TextColumn("{task.completed}/{task.total}")) as progress:
+                task = progress.add_task(f"exporting {fixture.name}", total=exporting.steps(src.cfg, dtype, layers))
+                written = exporting.export(reader, fixture, out, dtype, layers, (fp8_block, fp8_block),
+                                           shard_mb << 20, lambda steps: progress.advance(task, steps))
+    except (FixtureError, KdtrError) as exc:
+        raise CliError(f"{fixture}: {exc}") from None
+    except OSError as exc:
+        raise CliError(f"cannot write {out}: {exc.strerror or exc}") from None
+    files = table("file", "MB", title=f"{dtype} checkpoint written to {out}", right=("MB",))
+    for name, size in sorted(written.files.items()):
+        files.add_row(name, f"{size / 1e6:.2f}")
+    out_console = console()
+    out_console.print(files)
+    if written.fixture is None:
+        out_console.print(f"a draft model of {layers} layer(s): no fixture; serve it as the draft of the full export",
+                          highlight=False, markup=False)
+    else:
+        out_console.print(f"serve it (docs/serving.md), then: kdtree validate --server URL --fixtures {out}",
+                          highlight=False, markup=False)
+    return 0

@@ -65,7 +65,10 @@ one row, at a time: `plan`, `Validation`), `isolated` (a run in the child proces
 that `kdtree validate` watches, engine/supervise.py), and the report's other
 forms, `junit` (JUnit XML) and `html` (a self-contained page).
 `distribution` (the statistical test of a sampler's law, for implementations
-that draw their own uniforms; it needs scipy) is imported on its own.
+that draw their own uniforms; it needs scipy) is imported on its own, and so is
+`server` (`kdtree validate --server`: a running serving engine over HTTP, through
+engine/serving's clients, judged by `served` along the fixture's known prefixes,
+`prefixes`; docs/serving.md).
 """
 
 from .checked import AdapterFault, CheckedAdapter, CheckedV2

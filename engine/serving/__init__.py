@@ -1,0 +1,7 @@
+"""Talking to serving engines over HTTP: SGLang's native `/generate` and the OpenAI-compatible
+`/v1/completions` that vLLM and SGLang serve (client.py). `kdtree validate --server` judges
+what they serve (engine/validate/server.py); docs/serving.md says how to start them."""
+
+from .client import APIS, Ask, Client, Reply, ServerError, client
+
+__all__ = ["APIS", "Ask", "Client", "Reply", "ServerError", "client"]
