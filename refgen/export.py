@@ -332,7 +332,7 @@ def _write_weights(directory: Path, cfg: ModelConfig, src: Source, dtype: str, b
 def _fp8_fixture(out: Path, fixture: str, src: Source, step: Progress) -> int:
     """The FP8 model's fixture, generated from the export as `refgen generate --checkpoint` would."""
     from .checkpoint import checkpoint_fixture, load, open_checkpoint, plan_import
-    from .fixtures import write_fixture
+    from .files import write_fixture
 
     seed = int(src.metadata.get("generator", {}).get("seed", 0))
     write_fixture(out / fixture, checkpoint_fixture(load(plan_import(open_checkpoint(out)), step), seed,

@@ -23,23 +23,23 @@ PROMPTS = ("p0", "p1", "p2")
 
 
 @pytest.fixture(scope="module")
-def exports(golden_path, tmp_path_factory):
+def exports(golden, tmp_path_factory):
     """tiny exported as float32 and as bfloat16 (refgen export)."""
     from refgen.export import export
 
-    path = golden_path("tiny")
+    path = (golden / "tiny.kdtr")
     with kdtr_format.open(path) as reader:
         return {dtype: export(reader, path, tmp_path_factory.mktemp("export") / f"tiny-{dtype}", dtype).directory
                 for dtype in ("float32", "bfloat16")}
 
 
 @pytest.fixture(scope="module")
-def engines(golden_path):
+def engines(golden):
     made = {}
 
     def get(dtype: str = "float32") -> Engine:
         if dtype not in made:
-            made[dtype] = Engine(golden_path("tiny"), dtype)
+            made[dtype] = Engine((golden / "tiny.kdtr"), dtype)
         return made[dtype]
     return get
 
@@ -141,19 +141,19 @@ def test_no_server_is_one_fail_row(exports):
     assert "connection refused" in report.checks[0].detail
 
 
-def test_a_fixture_file_without_the_tokenizer_needs_ids_in_the_reply(engines, golden_path):
+def test_a_fixture_file_without_the_tokenizer_needs_ids_in_the_reply(engines, golden):
     """Validated against the fixture file itself, text alone cannot stand for ids."""
     with FakeServer(engines(), "openai", ids="text") as server:
-        report = run(server, golden_path("tiny"))
+        report = run(server, (golden / "tiny.kdtr"))
     assert "carries no token ids" in rows(report)["tokens p0"].detail
 
 
 # ---------------------------------------------------------------------------- the judge
 
 @pytest.fixture(scope="module")
-def cases(golden_path):
+def cases(golden):
     """dtype -> (regime, prompt -> KnownPrefixes) of tiny."""
-    with kdtr_format.open(golden_path("tiny")) as reader:
+    with kdtr_format.open((golden / "tiny.kdtr")) as reader:
         cfg = kdtr_format.ModelConfig.from_dict(reader.metadata["config"])
         out = {}
         for dtype in ("float32", "bfloat16"):

@@ -18,17 +18,17 @@ ROWS = ["server", "tokens p0", "logprobs p0", "tokens p1", "logprobs p1", "token
 
 
 @pytest.fixture(scope="module")
-def export_dir(golden_path, tmp_path_factory):
+def export_dir(golden, tmp_path_factory):
     from refgen.export import export
 
-    path = golden_path("tiny")
+    path = (golden / "tiny.kdtr")
     with kdtr_format.open(path) as reader:
         return export(reader, path, tmp_path_factory.mktemp("export") / "tiny-f32").directory
 
 
 @pytest.fixture(scope="module")
-def engine(golden_path):
-    return Engine(golden_path("tiny"))
+def engine(golden):
+    return Engine((golden / "tiny.kdtr"))
 
 
 def _reports(tmp_path):

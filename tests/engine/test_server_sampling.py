@@ -23,8 +23,8 @@ T, RUNS, HOT = 0.6, 60, 150
 
 
 @pytest.fixture(scope="module")
-def tiny(golden_path):
-    return golden_path("tiny")
+def tiny(golden):
+    return (golden / "tiny.kdtr")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ def exported(golden, tmp_path_factory):
     out = {}
     for name, dtype, shard in (("tiny", "float32", 6 << 20), ("tiny", "bfloat16", 1 << 30),
                                ("tiny2", "float32", 1 << 30)):
-        path = golden(f"{name}.kdtr")
+        path = (golden / f"{name}.kdtr")
         with kdtr_format.open(path) as reader:
             directory = tmp_path_factory.mktemp("export") / f"{name}-{dtype}"
             out[name, dtype] = export(reader, path, directory, dtype, shard_bytes=shard).directory
@@ -49,7 +49,7 @@ def test_import_gives_back_the_fixture_weights_bit_for_bit(golden, exported, nam
     directory = exported[name, dtype]
     imported = load(plan_import(open_checkpoint(directory)))
     prefix = "bf16/weights/" if dtype == "bfloat16" else "weights/"
-    with kdtr_format.open(golden(f"{name}.kdtr")) as reader:
+    with kdtr_format.open((golden / f"{name}.kdtr")) as reader:
         assert imported.cfg == ModelConfig.from_dict(reader.metadata["config"])
         assert sorted(imported.weights) == sorted(n[len(prefix):] for n in reader.names(prefix))
         for weight, value in imported.weights.items():
@@ -69,7 +69,7 @@ def test_the_config_reads_back_exactly_without_notes(name):
 
 def test_the_names_are_the_published_ones(golden):
     """Per-expert experts, DeepSeek's attention names: as the checkpoints ship them."""
-    cfg = ModelConfig.from_dict(kdtr_format.open(golden("tiny.kdtr")).metadata["config"])
+    cfg = ModelConfig.from_dict(kdtr_format.open((golden / "tiny.kdtr")).metadata["config"])
     w = np.zeros((cfg.n_routed_experts, 2, 3), np.float32)
     assert [n for n, _ in hf_tensors(cfg, "layers.1.moe.experts.w_up", w)][:2] == \
         ["model.layers.1.mlp.experts.0.up_proj.weight", "model.layers.1.mlp.experts.1.up_proj.weight"]
@@ -88,7 +88,7 @@ def test_hf_greedy_generate_gives_the_ar_tokens(golden, exported):
         model = transformers.AutoModelForCausalLM.from_pretrained(exported["tiny", "float32"], dtype=torch.float32,
                                                                   experts_implementation="eager",
                                                                   attn_implementation="eager")
-        with kdtr_format.open(golden("tiny.kdtr")) as reader:
+        with kdtr_format.open((golden / "tiny.kdtr")) as reader:
             for p in reader.metadata["prompts"]:
                 prompt = torch.tensor(np.asarray(reader[f"prompts/{p['name']}/tokens"]))[None]
                 want = np.asarray(reader[f"prompts/{p['name']}/ar/tokens"]).tolist()
@@ -122,7 +122,7 @@ def test_fp8_blocks_dequantize_exactly_to_the_fp8_model(golden, tmp_path):
     """DeepSeek's FP8 form, partial edge blocks (tiny's 96 / 80 / 64 rows at block 64): q * scale_inv,
     computed here from the stored bits, is what the importer gives and what the generated fixture holds;
     every scale a power of two, every weight within e4m3's rounding of the fixture's."""
-    path = golden("tiny.kdtr")
+    path = (golden / "tiny.kdtr")
     with kdtr_format.open(path) as reader:
         written = export(reader, path, tmp_path / "tiny-fp8", "fp8", block=(64, 64))
         fixture_weights = {n[len("weights/"):]: np.asarray(reader[n]) for n in reader.names("weights/")}
@@ -185,7 +185,7 @@ def test_fp8_quantize_rounds_each_block_to_nearest():
 
 
 def test_draft_model_is_the_first_layers(golden, tmp_path):
-    path = golden("tiny.kdtr")
+    path = (golden / "tiny.kdtr")
     with kdtr_format.open(path) as reader:
         written = export(reader, path, tmp_path / "draft", layers=2)
         imported = load(plan_import(open_checkpoint(written.directory)))
@@ -198,12 +198,12 @@ def test_cli_errors_are_one_line_and_leave_nothing(golden, tmp_path, refgen_cli)
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("x")
-    tiny = str(golden("tiny.kdtr"))
+    tiny = str((golden / "tiny.kdtr"))
     for args, mentions in (([tiny, "--out", full], "is not an empty directory"),
                            ([tiny, "--out", tmp_path / "a", "--layers", "9"], "--layers 9"),
                            ([tiny, "--out", tmp_path / "b", "--fp8-block", "16"], "--fp8-block"),
                            ([tiny, "--out", tmp_path / "tiny", "--dtype", "fp8"], "a preset's name"),
-                           ([golden("kernels/corpus.kdtr"), "--out", tmp_path / "c"], "not a model fixture")):
+                           ([(golden / "kernels/corpus.kdtr"), "--out", tmp_path / "c"], "not a model fixture")):
         result = refgen_cli("export", *args)
         assert result.exit_code == 2 and mentions in result.output and len(result.output.splitlines()) == 1, \
             result.output
@@ -218,14 +218,14 @@ def test_a_failed_write_leaves_nothing(golden, tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(refgen.export, "save_file", broken)
-    path = golden("tiny.kdtr")
+    path = (golden / "tiny.kdtr")
     with kdtr_format.open(path) as reader, pytest.raises(OSError):
         export(reader, path, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_in_a_terminal(golden, tmp_path):
-    result = in_terminal(["refgen", "export", str(golden("tiny2.kdtr")), "--out", str(tmp_path / "t2")], columns=80)
+    result = in_terminal(["refgen", "export", str((golden / "tiny2.kdtr")), "--out", str(tmp_path / "t2")], columns=80)
     assert result.returncode == 0, result.output
     assert result.widest <= 80 and "kdtree validate --server URL --fixtures" in result.output
     assert "rope_style neox" in result.output                     # what vLLM and SGLang compute otherwise
