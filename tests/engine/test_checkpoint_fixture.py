@@ -28,6 +28,7 @@ from kdtr_format.checkpoint_tensors import CheckpointTensorError, CheckpointTens
 from engine.adapter import TorchAdapter
 from engine.cli import main
 from engine.model import Transformer
+from engine.validate import Status, validate
 from engine.validate import fixtures as fixtures_module
 from engine.validate.regime import Regime
 from engine.weights import ROUTER_WEIGHTS, load_fixture_weights
@@ -125,6 +126,8 @@ def test_validate_takes_one_fixture_file_and_holds_its_weights_once(fixtures, ca
     monkeypatch.setattr(TorchAdapter, "load_weights", watched)
     code, out = _kdtree(capsys, "validate", "--fixtures", fixtures("k2-fp8"), "--impl", "engine.adapter:TorchAdapter")
     assert code == 0 and "PASSED" in out, out
+    report = validate(TorchAdapter(), fixtures("k2-fp8"))        # in this process (the CLI checks in a child)
+    assert not [c for c in report.checks if c.status is Status.FAIL]
     assert set(decoded.values()) == {1} and len(decoded) == len(weight_shapes(IMPORTED["k2-fp8"].cfg)), decoded
     assert shared == [True, True]                       # per request, then batched
 
