@@ -738,12 +738,13 @@ def _demo(world: Any, model: _DemoModel, tokens: list[int], ddtree: DDTreeConfig
     from .adapter import TorchAdapter
     from .decode import ar_decode, ddtree_decode
     from .drafters import LayerSkipDrafter, OracleDrafter
+    from .validate.fixtures import fixture_weights
 
     cfg = model.cfg
     adapter = TorchAdapter(device if world is None else world.device, invariant=invariant, world=world,
                            page_size=page_size)
     with _reading(model.path) as reader:
-        adapter.load_weights(cfg, {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")})
+        adapter.load_weights(cfg, fixture_weights(reader))
     target, layers = adapter.model, max(1, cfg.num_hidden_layers // 2)
     ar = ar_decode(target, [tokens], max_new_tokens, stages=adapter.stages)
     oracle = OracleDrafter([tokens + ar.tokens[0]], cfg.vocab_size, accuracy, seed=0, device=target.device)

@@ -35,6 +35,7 @@ from .diverge import Divergence, compare_ways
 from .diverge_ways import Way, batch_way, chunk_way, decode_way, tree_way
 from .drafters import OracleDrafter
 from .validate import random_weights
+from .validate.fixtures import fixture_weights
 
 WAYS = ("chunk", "tree", "batch")
 BENCH_DDTREE = DDTreeConfig(block_size=16, budget=64)
@@ -74,7 +75,7 @@ def from_fixture(path: str | Path, prompt: str | None, adapter: Any) -> Subject:
         name = prompt or max(metadata["prompts"], key=lambda p: p["length"])["name"]
         if name not in names:
             raise ValueError(f"{path.name} has no prompt {name!r} (it has {', '.join(names)})")
-        weights = {n[len("weights/"):]: np.array(reader[n]) for n in reader.names("weights/")}
+        weights = fixture_weights(reader)
         adapter.load_weights(cfg, weights)
         tokens = np.asarray(reader[f"prompts/{name}/tokens"]).tolist()
         trees = {}

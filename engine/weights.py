@@ -1,11 +1,11 @@
 """A config's weights checked against their names and shapes (kdtr_format.weights), and loaded
 from a KDTR fixture.
 
-Names and layouts are docs/fixtures.md "Weights" (torch layout [out, in]);
-a fixture stores them under ``weights/<name>`` (float32; for a fixture made from
-a checkpoint, the checkpoint's dequantized weights) and its config under
-``metadata["config"]``. The router (`ROUTER_WEIGHTS`) stays float32 in any
-compute dtype.
+Names and layouts are docs/fixtures.md "Weights" (torch layout [out, in]); a fixture stores
+them under ``weights/<name>`` (float32) and its config under ``metadata["config"]``; a fixture
+made from a checkpoint names them in its metadata instead (kdtr_format.checkpoint_tensors: the
+checkpoint's tensors and how to decode them). The router (`ROUTER_WEIGHTS`) stays float32 in
+any compute dtype.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import kdtr_format
-from kdtr_format import ModelConfig
+from kdtr_format import ModelConfig, checkpoint_tensors
 from kdtr_format.weights import weight_shapes
 
 ROUTER_WEIGHTS = ("moe.gate", "moe.e_score_correction_bias")      # name suffixes kept in float32
@@ -39,12 +39,22 @@ def check_weights(cfg: ModelConfig, weights: Mapping[str, Any]) -> None:
 
 
 def as_tensor(value: torch.Tensor | np.ndarray) -> torch.Tensor:
-    """A torch tensor owning a copy of (or sharing) `value`'s data."""
+    """A torch tensor of `value`: itself; for a writable, contiguous float32 numpy array one that
+    shares its memory (the runner's fixture weights: one copy for the runner and the engine);
+    for any other array a float32 copy (a read-only memory map of a file among them)."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
+        if value.dtype == np.float32 and value.flags.writeable and value.flags.c_contiguous:
+            return torch.from_numpy(value)
         return torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
     raise TypeError(f"weights must be torch tensors or numpy arrays, got {type(value).__name__}")
+
+
+def on_device(value: torch.Tensor | np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """`value` as a float32 tensor on `device`: sharing its memory where `as_tensor` shares and the
+    device is the CPU, else a copy there."""
+    return as_tensor(value).to(device=device, dtype=torch.float32)
 
 
 def weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -56,9 +66,10 @@ def load_fixture_weights(path_or_reader: str | os.PathLike | Any, dtype: torch.d
                          ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, weights) from a KDTR fixture: a path or an open `kdtr_format` reader.
 
-    Each tensor is converted from the file's memory map straight to the dtype the model
-    holds it in (`weight_dtype`), one at a time, so loading a large fixture costs the
-    weights in the compute dtype and no more; they outlive the reader.
+    Each weight is converted straight to the dtype the model holds it in (`weight_dtype`), one
+    at a time, so loading a large fixture costs the weights in the compute dtype and no more: a
+    stored one from the file's memory map, a checkpoint fixture's decoded from the checkpoint's
+    tensors (each verified by its sha256: kdtr_format.checkpoint_tensors). They outlive the reader.
     """
     if isinstance(path_or_reader, (str, os.PathLike)):
         with kdtr_format.open(path_or_reader) as reader:
@@ -69,11 +80,15 @@ def load_fixture_weights(path_or_reader: str | os.PathLike | Any, dtype: torch.d
         raise ValueError("fixture has no metadata['config'] (not a kdtree model fixture?)")
     cfg = ModelConfig.from_dict(metadata["config"])
     prefix = "weights/"
+    rebuilt = checkpoint_tensors.CheckpointTensors(metadata)
     weights = {}
-    for name in reader.names(prefix):
-        stored = reader.torch(name)
+    for name in checkpoint_tensors.names(reader, prefix):
         target = weight_dtype(name, dtype)
-        weights[name[len(prefix):]] = stored.clone() if stored.dtype == target else stored.to(target)
+        if name in reader:
+            stored = reader.torch(name)
+            weights[name[len(prefix):]] = stored.clone() if stored.dtype == target else stored.to(target)
+        else:                               # a fresh float32 array: kept as it is in float32
+            weights[name[len(prefix):]] = torch.from_numpy(rebuilt.array(name)).to(target)
     if not weights:
         raise ValueError("fixture holds no 'weights/...' tensors (a slim fixture? `refgen materialize FILE "
                          "--out DIR` writes its full form)")

@@ -30,10 +30,14 @@ from kdtr_format import ModelConfig
 from .ddtree import Tree, compile_tree, visibility_over_cache
 from .model import KVCache, Model, causal_visibility, route, router_margins
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
 
 def bf16_weights(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """float32 weights rounded to bfloat16 (nearest, ties to even), stored as ml_dtypes.bfloat16."""
-    return {name: np.asarray(w, dtype=np.float32).astype(ml_dtypes.bfloat16) for name, w in weights.items()}
+    """float32 weights rounded to bfloat16 (nearest, ties to even), stored as ml_dtypes.bfloat16
+    (a bf16 weight, a checkpoint's memory-mapped one, is its own rounding and stays as it is)."""
+    return {name: w if w.dtype == BF16 else np.asarray(w, dtype=np.float32).astype(BF16)
+            for name, w in weights.items()}
 
 
 class RoutingRecorder:
@@ -71,13 +75,14 @@ def routing_tensors(model: Model, tensors: Mapping[str, np.ndarray], prompt: str
     prompts/{p}/ (its prefill rows), prompts/{p}/ar/ (the row behind each AR decision) and
     traces/{t}/rounds/{r}/ (each verified node). AR rows are those of one causal prefill of the
     prompt and its AR tokens (the same values); a round's cache holds the prompt and the tokens
-    committed before it."""
+    committed before it, the rows of that prefill (a causal row depends on the rows before it
+    alone: the numbers of prefilling the prefix again, to BLAS's rounding)."""
     recorder = RoutingRecorder(model)
     tokens, ar_tokens = tensors[f"prompts/{prompt}/tokens"], tensors[f"prompts/{prompt}/ar/tokens"]
     m = len(tokens)
     sequence = np.concatenate([tokens, ar_tokens[:-1]])
-    recorder.forward(sequence, np.arange(len(sequence)), causal_visibility(len(sequence), 0),
-                     KVCache.new(model.cfg, len(sequence)), 0)
+    causal = KVCache.new(model.cfg, len(sequence))          # row s: token s of the one causal prefill
+    recorder.forward(sequence, np.arange(len(sequence)), causal_visibility(len(sequence), 0), causal, 0)
     out = {}
     for where, rows in ((f"prompts/{prompt}", slice(0, m)), (f"prompts/{prompt}/ar", slice(m - 1, m - 1 + len(ar_tokens)))):
         out[f"{where}/router_experts"], out[f"{where}/router_margins"] = recorder.experts[rows], recorder.margins[rows]
@@ -87,7 +92,8 @@ def routing_tensors(model: Model, tensors: Mapping[str, np.ndarray], prompt: str
             start = int(tensors[f"{rp}/start"])
             tree = Tree(*(tensors[f"{rp}/{name}"] for name in ("parents", "tokens", "depths", "ranks", "scores")))
             cache = KVCache.new(model.cfg, start + len(tree.parents))
-            model.forward(sequence[:start], np.arange(start), causal_visibility(start, 0), cache, 0)
+            for layer, (c_kv, k_pe) in enumerate(zip(causal.c_kv, causal.k_pe)):    # the prefix: that prefill's
+                cache.c_kv[layer][:start], cache.k_pe[layer][:start] = c_kv[:start], k_pe[:start]
             compiled = compile_tree(tree, start)
             recorder.forward(tree.tokens, compiled.positions, visibility_over_cache(compiled, start), cache, start)
             out[f"{rp}/router_experts"], out[f"{rp}/router_margins"] = recorder.experts, recorder.margins

@@ -3,7 +3,7 @@
     ckpt = open_checkpoint(directory)                     config.json, quantization_config, every tensor's header
     plan = plan_import(ckpt, layers=2, experts=8)         every name mapped, shapes and scales checked, the slice
     imported = load(plan, progress)                       the kept weights, dequantized (reads only the slice)
-    fixture = checkpoint_fixture(imported, seed)          references as for every model fixture, plus the bits
+    fixture = checkpoint_fixture(imported, seed)          references as for every model fixture, no weights
 
 What is supported, the name map and the dequant formulas are docs/checkpoints.md.
 In short: HF tensor names (``model.`` / ``language_model.model.`` / ``model.language_model.``
@@ -20,18 +20,20 @@ scale, a shape that disagrees with config.json, an unknown dtype or a non-finite
 in a kept tensor is a `CheckpointError` naming it. The layers the files hold are checked
 against config.json before anything is built per layer.
 
-Weights are held as the reference needs them (refgen/model.py widens them to
-float64 where used): bf16 / float16 / float32 tensors as zero-copy views of the
-files, dequantized ones (FP8, INT4, stacked experts) as float32. The fixture
-stores ``weights/<name>`` as float32 (converted while it is written) and the
-checkpoint's own tensors, sliced, under ``checkpoint/<HF name>``.
+Each kept weight is described as data first, a kdtr_format.checkpoint_tensors entry (the checkpoint
+tensors it is made of: file, name, byte ranges, sha256 of those bytes, and how to decode them),
+then decoded from that entry by kdtr_format's decoder, which the engine uses on the fixture: the
+weights the references are computed on are the ones the engine loads. Weights are held as the
+reference needs them (refgen/model.py widens them to float64 where used): bf16 / float16 /
+float32 tensors as zero-copy views of the files, dequantized ones (FP8, INT4, stacked experts)
+as float32. The fixture stores no weight: its metadata's ``checkpoint_tensors`` stand for them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +43,14 @@ import ml_dtypes
 import numpy as np
 
 from kdtr_format import PRESETS, KdtrError, ModelConfig
+from kdtr_format.checkpoint_tensors import KEY as CHECKPOINT_TENSORS
+from kdtr_format.checkpoint_tensors import CheckpointTensorError, decode_checkpoint
 
 from .checkpoint_names import (BODIES, HEADS, PLAIN, ExpertSlice, Param, ShapeTemplates, check_storage, classify,
                                expected_shape, mtp_layers, param_and_role)
 from .fixtures import DEFAULT_PLAN, Fixture, FixturePlan, model_fixture
 from .model import rope_inv_freq
-from .quant import QuantError, Quantization, fp8_scaled, int4_packed, parse_quantization
+from .quant import QuantError, Quantization, parse_quantization
 from .safetensors_dir import DTYPES, CheckpointError, SafetensorsDir, StoredTensor, read_json
 from .weights import weight_shapes
 
@@ -58,6 +62,7 @@ FINITE_CHUNK = 1 << 24              # elements checked for NaN / Inf at a time
 # HF transformers computes inv_freq in float32 (a power, a division and YaRN's blend, each
 # rounded: a few 2^-24 relative); a stored buffer adds its own dtype's rounding to this.
 INV_FREQ_ARITHMETIC = 2.0 ** -20
+WEIGHT_PREFIXES = ("weights/", "bf16/weights/")   # a checkpoint fixture's, taken from the checkpoint
 
 
 # ---------------------------------------------------------------------------- the directory
@@ -139,9 +144,16 @@ class ImportPlan:
     notes: list[str]
 
     @property
-    def steps(self) -> int:
-        """Progress steps of `load`: one per project weight."""
-        return len(self.weights)
+    def bytes(self) -> int:
+        """What `load` reads, its progress: every kept tensor's bytes in the slice, once."""
+        sizes = {}
+        for param in (p for params in self.weights.values() for p in params):
+            for role, tensor in param.tensors.items():
+                if role == "shape":             # an INT4 weight_shape: the entry's shape says it
+                    continue
+                size = tensor.end - tensor.begin
+                sizes[tensor.name] = size // tensor.shape[0] * self.experts.count if param.expert_axis else size
+        return sum(sizes.values())
 
 
 def plan_import(ckpt: Checkpoint, layers: int | None = None, experts: int | None = None) -> ImportPlan:
@@ -304,36 +316,50 @@ def fixture_name(plan: ImportPlan) -> str:
 
 @dataclass
 class Imported:
-    """The slice, read: `weights` as the reference holds them (views or float32), `bits`
-    (``checkpoint/<HF name>`` -> the checkpoint's own tensors, sliced), and `metadata`
-    (the fixture's ``checkpoint`` entry)."""
+    """The slice, read: `weights` as the reference holds them (views or float32), `entries`
+    (``weights/<name>`` -> the kdtr_format.checkpoint_tensors entry that rebuilds it from the checkpoint's
+    tensors), and `metadata` (the fixture's ``checkpoint`` entry)."""
 
     name: str
     cfg: ModelConfig
     weights: dict[str, np.ndarray]
-    bits: dict[str, np.ndarray]
+    entries: dict[str, dict[str, Any]]
     metadata: dict[str, Any]
+
+    def sources(self, weight: str) -> list[str]:
+        """The checkpoint tensors project weight `weight` is made of, its parts in slot order."""
+        entry = self.entries[f"weights/{weight}"]
+        return [ref["tensor"] for part in entry.get("experts", [entry.get("tensors")]) for ref in part.values()]
+
+    @property
+    def referenced(self) -> dict[str, dict[str, Any]]:
+        """Every checkpoint tensor the slice is made of -> its reference (kdtr_format.checkpoint_tensors)."""
+        return {ref["tensor"]: ref for entry in self.entries.values()
+                for part in entry.get("experts", [entry.get("tensors")]) for ref in part.values()}
 
 
 def load(plan: ImportPlan, progress: Progress | None = None) -> Imported:
-    """Read and dequantize the slice, one project weight at a time (`progress(1)` after each);
-    CheckpointError naming a kept tensor that holds a NaN or an infinity, or a weight that
-    dequantizes to one."""
+    """Read and dequantize the slice, one project weight at a time (`progress(n)` after each, n the
+    bytes of the checkpoint it read: ImportPlan.bytes in all):
+    each weight's kdtr_format.checkpoint_tensors entry (the checkpoint tensors it is made of, their bytes'
+    sha256) and the weight decoded from it, as the engine decodes it. CheckpointError naming a
+    kept tensor that holds a NaN or an infinity, or a weight that dequantizes to one."""
     step = progress or (lambda steps: None)
     ckpt, cfg = plan.ckpt, plan.cfg
     shapes = weight_shapes(cfg)
-    weights, bits, sources = {}, {}, {}
+    refs: dict[str, dict[str, Any]] = {}
+    weights, entries = {}, {}
     for weight, params in plan.weights.items():
-        for param in params:
-            for tensor in param.tensors.values():
-                if f"checkpoint/{tensor.name}" not in bits:
-                    bits[f"checkpoint/{tensor.name}"] = _finite(tensor, _sliced(ckpt, plan, param, tensor))
+        known = set(refs)
+        entry = _entry(ckpt, plan, weight, params, shapes[weight], refs)
+        plain = entry["decode"] == "plain" and "experts" not in entry
         try:
-            weights[weight] = _assemble(ckpt, plan, weight, params, shapes[weight])
-        except QuantError as exc:
-            raise CheckpointError(f"{params[0].name}: {exc}") from None
-        sources[weight] = _source(params, weight)
-        step(1)
+            weights[weight] = decode_checkpoint(weight, entry, lambda _, ref: _referenced(ckpt, plan, ref),
+                                                None if plain else np.float32)
+        except CheckpointTensorError as exc:
+            raise CheckpointError(f"{params[0].name}: {str(exc).split(': ', 1)[1]}") from None
+        entries[f"weights/{weight}"] = entry
+        step(sum(e - b for name in set(refs) - known for b, e in refs[name]["ranges"]))
     experts = plan.experts
     metadata = {
         "path": str(ckpt.directory.resolve()),
@@ -346,19 +372,89 @@ def load(plan: ImportPlan, progress: Progress | None = None) -> Imported:
         "tensors": dict(plan.counts),
         "mtp": {"layers": list(ckpt.mtp_held), "declared": ckpt.mtp_declared, "tensors": len(plan.mtp_names),
                 "kept": False} if ckpt.mtp_held else None,
-        "weights": sources,
         "notes": plan.notes,
     }
-    return Imported(fixture_name(plan), cfg, weights, bits, metadata)
+    return Imported(fixture_name(plan), cfg, weights, entries, metadata)
+
+
+def _entry(ckpt: Checkpoint, plan: ImportPlan, weight: str, params: list[Param], shape: tuple[int, ...],
+           refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The kdtr_format.checkpoint_tensors entry of one project weight [shape]: one part, or one per kept expert
+    (stacked in the slice's slots); `refs` caches each tensor's reference (a fused gate_up is read
+    for two weights)."""
+    first = params[0]
+    target = next(t for t in first.targets if t.weight == weight)
+    entry: dict[str, Any] = {"dtype": "float32", "shape": list(shape),
+                             "decode": "fp8" if first.storage == "float-quantized" else first.storage}
+    if first.storage in ("fp8", "float-quantized"):
+        entry["block"] = list(first.block)
+    if first.storage == "int4":
+        entry["group_size"] = first.group_size
+    if target.rows is not None:
+        entry["rows"] = list(target.rows)
+
+    def part(param: Param) -> dict[str, Any]:
+        return {role: _reference(ckpt, plan, param, tensor, refs)
+                for role, tensor in sorted(param.tensors.items()) if role != "shape"}
+    if target.expert is None:
+        entry["tensors"] = part(first)
+    else:
+        slots = sorted(params, key=lambda p: plan.experts.slot(p.targets[0].expert))
+        entry["experts"] = [part(p) for p in slots]
+    return entry
+
+
+def _reference(ckpt: Checkpoint, plan: ImportPlan, param: Param, tensor: StoredTensor,
+               refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A kept tensor's reference (kdtr_format.checkpoint_tensors): its file, the byte ranges of the slice (the
+    kept experts' runs along an expert axis) and their sha256, after checking the bytes are finite."""
+    if tensor.name in refs:
+        return refs[tensor.name]
+    if param.expert_axis:
+        stride = (tensor.end - tensor.begin) // tensor.shape[0]
+        kept = [plan.experts.expert(s) for s in range(plan.experts.count)]
+        runs: list[list[int]] = []
+        for e in kept:
+            if runs and runs[-1][1] == tensor.begin + e * stride:
+                runs[-1][1] += stride
+            else:
+                runs.append([tensor.begin + e * stride, tensor.begin + (e + 1) * stride])
+        shape = [len(kept), *tensor.shape[1:]]
+    else:
+        runs, shape = [[tensor.begin, tensor.end]], list(tensor.shape)
+    ref = {"file": tensor.file, "tensor": tensor.name, "dtype": tensor.dtype, "shape": shape, "ranges": runs}
+    array = _finite(tensor, _referenced(ckpt, plan, ref))
+    ref["sha256"] = hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
+    refs[tensor.name] = ref
+    return ref
+
+
+def _referenced(ckpt: Checkpoint, plan: ImportPlan, ref: Mapping[str, Any]) -> np.ndarray:
+    """The array a reference names, read through the checkpoint's memory map: the kept experts
+    along axis 0 when its shape keeps fewer rows than the tensor has."""
+    array = ckpt.files.array(ref["tensor"])
+    if len(ref["ranges"]) == 1 and list(array.shape) == ref["shape"]:
+        return array
+    return array[plan.experts.index()]
+
+
+_FINITE_MASKS = {"BF16": (np.uint16, 0x7F80, 0x7F80), "F16": (np.uint16, 0x7C00, 0x7C00),
+                 "F8_E4M3": (np.uint8, 0x7F, 0x7F)}     # bits that are all ones in a NaN or an infinity
 
 
 def _finite(tensor: StoredTensor, array: np.ndarray) -> np.ndarray:
-    """`array` (a kept tensor as stored), after checking that a float one holds no NaN or infinity."""
+    """`array` (a kept tensor as stored), after checking that a float one holds no NaN or infinity
+    (by its exponent bits: e4m3fn has no infinity, its NaN is S.1111.111)."""
     if tensor.dtype not in (*PLAIN, "F64", "F8_E4M3"):
         return array
     flat = array.reshape(-1)
     for start in range(0, flat.size, FINITE_CHUNK):
-        finite = np.isfinite(flat[start:start + FINITE_CHUNK])
+        chunk = flat[start:start + FINITE_CHUNK]
+        if tensor.dtype in _FINITE_MASKS:
+            bits, mask, bad = _FINITE_MASKS[tensor.dtype]
+            finite = (chunk.view(bits) & mask) != bad
+        else:
+            finite = np.isfinite(chunk)
         if not finite.all():
             at = start + int(np.argmin(finite))
             index = [int(i) for i in np.unravel_index(at, array.shape)]
@@ -367,92 +463,42 @@ def _finite(tensor: StoredTensor, array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _assemble(ckpt: Checkpoint, plan: ImportPlan, weight: str, params: list[Param],
-              shape: tuple[int, ...]) -> np.ndarray:
-    """One project weight [shape] from its parameters: a view when one plain tensor
-    gives it, else float32 (dequantized and / or stacked experts, in the slice's slots)."""
-    first = params[0]
-    target = next(t for t in first.targets if t.weight == weight)
-    if target.expert is None:
-        return _dequantize(ckpt, plan, first, target.rows, None if first.storage == "plain" else np.float32)
-    out = np.empty(shape, dtype=np.float32)
-    for param in params:
-        out[plan.experts.slot(param.targets[0].expert)] = _dequantize(ckpt, plan, param, None, np.float32)
-    return out
-
-
-def _dequantize(ckpt: Checkpoint, plan: ImportPlan, param: Param, rows: tuple[int, int] | None,
-                dtype: type | None) -> np.ndarray:
-    """A kept parameter, sliced to the kept experts and to `rows` (a fused half), in `dtype`
-    (None: the stored dtype, a zero-copy view of a plain tensor)."""
-    t, files = param.tensors, ckpt.files
-    if param.storage == "int4":
-        shape = tuple(int(v) for v in files.array(t["shape"].name).reshape(-1))
-        return int4_packed(files.array(t["packed"].name), files.array(t["scale"].name), shape,
-                           param.group_size, dtype)
-    data = _sliced(ckpt, plan, param, t["data"])
-    row_slice = slice(*rows) if rows is not None else slice(None)
-    if param.storage == "plain":
-        value = data[..., row_slice, :] if rows is not None else data
-        return value if dtype is None else np.asarray(value, dtype=dtype)
-    b0, b1 = param.block
-    if param.storage == "float-quantized":
-        scale = files.array(t["scale"].name).reshape(math.ceil(data.shape[0] / b0), math.ceil(data.shape[1] / b1))
-        return fp8_scaled(data, scale, param.block, dtype or np.float32)
-    scale = _sliced(ckpt, plan, param, t["scale_inv"])
-    if rows is not None:
-        first, count = math.ceil(rows[0] / b0), math.ceil((rows[1] - rows[0]) / b0)
-        scale = scale[..., first:first + count, :]
-    return fp8_scaled(data[..., row_slice, :], scale, param.block, dtype or np.float32)
-
-
-def _sliced(ckpt: Checkpoint, plan: ImportPlan, param: Param, tensor: StoredTensor) -> np.ndarray:
-    """A tensor of a kept parameter; the kept experts along axis 0 when that axis indexes experts."""
-    array = ckpt.files.array(tensor.name)
-    return array[plan.experts.index()] if param.expert_axis else array
-
-
-def _source(params: list[Param], weight: str) -> dict[str, Any]:
-    """Where a project weight came from, for the fixture's metadata (docs/checkpoints.md)."""
-    first = params[0]
-    target = next(t for t in first.targets if t.weight == weight)
-    name = first.name if target.expert is None else re.sub(r"\.experts\.\d+\.", ".experts.{e}.", first.name)
-    source: dict[str, Any] = {"tensor": name, "format": first.storage}
-    if target.rows is not None:
-        source["rows"] = list(target.rows)
-    return source
-
-
 # ---------------------------------------------------------------------------- the fixture
 
 class _FixtureTensors(Mapping):
-    """A model fixture's tensors with ``weights/*`` converted to float32 when read (one at a
-    time, while the file is written) and the checkpoint's bits beside them."""
+    """A model fixture's tensors without its weights (``weights/*``, ``bf16/weights/*``): the
+    metadata's ``checkpoint_tensors`` rebuild them from the checkpoint."""
 
-    def __init__(self, tensors: Mapping[str, np.ndarray], bits: Mapping[str, np.ndarray]) -> None:
-        self._tensors, self._bits = tensors, bits
+    def __init__(self, tensors: Mapping[str, np.ndarray]) -> None:
+        self._names = [n for n in tensors if not n.startswith(WEIGHT_PREFIXES)]
+        self._tensors = tensors
 
     def __getitem__(self, name: str) -> np.ndarray:
-        if name in self._bits:
-            return self._bits[name]
-        value = self._tensors[name]
-        return np.asarray(value, dtype=np.float32) if name.startswith("weights/") else value
+        if name.startswith(WEIGHT_PREFIXES):
+            raise KeyError(name)
+        return self._tensors[name]
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._tensors
-        yield from self._bits
+        yield from self._names
 
     def __len__(self) -> int:
-        return len(self._tensors) + len(self._bits)
+        return len(self._names)
 
 
 def checkpoint_fixture(imported: Imported, seed: int = 0, plan: FixturePlan = DEFAULT_PLAN,
                        progress: Progress | None = None) -> Fixture:
-    """The model fixture of an imported slice: references from its weights exactly as for
-    every model fixture (refgen/fixtures.py), ``source: "checkpoint"``, the import's
-    ``checkpoint`` metadata, and the checkpoint's own tensors under ``checkpoint/``."""
+    """The model fixture of an imported slice: references from its weights exactly as for every
+    model fixture (refgen/fixtures.py), ``source: "checkpoint"``, the import's ``checkpoint``
+    metadata, and no weights: ``checkpoint_tensors`` names each (``weights/<name>`` from the
+    checkpoint's tensors, ``bf16/weights/<name>`` its bf16 rounding), so the file holds the
+    references alone."""
     fixture = model_fixture(imported.cfg, imported.name, seed, plan, progress, source="checkpoint",
                             weights=imported.weights)
-    fixture.tensors = _FixtureTensors(fixture.tensors, imported.bits)
+    entries = dict(imported.entries)
+    if "bf16" in fixture.metadata:
+        entries.update({f"bf16/{name}": {"dtype": "bfloat16", "shape": entry["shape"], "decode": "bf16", "of": name}
+                        for name, entry in imported.entries.items()})
+    fixture.tensors = _FixtureTensors(fixture.tensors)
     fixture.metadata["checkpoint"] = imported.metadata
+    fixture.metadata[CHECKPOINT_TENSORS] = dict(sorted(entries.items()))
     return fixture

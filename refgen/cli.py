@@ -24,6 +24,8 @@ import sys
 # The reference multiplies small matrices: BLAS threads cost more than they
 # give. Only a process that starts as `refgen` sets this, before numpy loads
 # (an explicit setting in the environment wins; an importer is left alone).
+# The large products (a K2-sized head, MLP, experts) are shared among refgen's
+# own threads instead, a block of rows each (--threads; refgen.model.set_threads).
 if "numpy" not in sys.modules:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -39,7 +41,7 @@ import click  # noqa: E402
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn  # noqa: E402
 from rich.text import Text  # noqa: E402
 
 import kdtr_format  # noqa: E402
@@ -50,10 +52,12 @@ from . import __version__  # noqa: E402
 from .checkpoint import (CheckpointError, checkpoint_fixture, fixture_name, load, open_checkpoint,  # noqa: E402
                          plan_import)
 from .files import SEEDED_KEY, omitted, slim_hint, stored_hash_problem, write_fixture  # noqa: E402
-from .fixtures import DEFAULT_PLAN, GOLDEN_PRESETS, Fixture, FixtureError, check_plan, model_fixture  # noqa: E402
+from .fixtures import (DEFAULT_PLAN, GOLDEN_PRESETS, Fixture, FixtureError, check_plan, model_fixture,  # noqa: E402
+                       model_steps)
 from .kernel_cases import KERNEL_KINDS, kernel_cases, kernel_fixture, kernel_path  # noqa: E402
 from . import export as exporting  # noqa: E402
 from .materialize import materialize as materialize_file  # noqa: E402
+from .model import set_threads  # noqa: E402
 from .regen import REGEN_REL, compare  # noqa: E402
 
 DEFAULT_DIR = "tests/golden"
@@ -62,6 +66,11 @@ IDENTICALLY = (f"integers and drawn floats identical, computed floats within {RE
                "the logit scale for logits and margins")   # as the README says
 MAX_WEIGHT_BYTES = 2 << 30      # refgen holds every weight in float64: refuse configs beyond this
 MAX_REPORTED = 40               # drift lines printed per file
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+THREADS = click.option("--threads", type=click.IntRange(min=1), metavar="N",
+                       help=f"Threads sharing the float64 reference's large products (default: every core "
+                            f"this process may use, {CORES} here). The numbers do not depend on it.")
 
 KIND_HELP = {
     "model": "config, weights, 3 prompts, prefill logits, AR greedy, DDTree traces",
@@ -105,33 +114,36 @@ def list_command() -> int:
 
 @dataclass(frozen=True)
 class _Job:
-    """One fixture file to write: its path relative to the output directory,
-    progress steps, and how to build it."""
+    """One fixture file to write: its path relative to the output directory, progress steps,
+    and how to build it (build(step, read): `step` after each of `steps` cases; a checkpoint
+    job calls `read` with the bytes of each weight it reads, `reading` bytes in all, first)."""
 
     path: str
     steps: int
-    build: Callable[[Callable[[int], None]], Fixture]
+    build: Callable[[Callable[[int], None], Callable[[int], None]], Fixture]
+    reading: int = 0
 
 
 def _model_job(cfg: ModelConfig, name: str, seed: int, source: str) -> _Job:
-    return _Job(f"{name}.kdtr", DEFAULT_PLAN.steps,
-                lambda step: model_fixture(cfg, name, seed, DEFAULT_PLAN, step, source))
+    return _Job(f"{name}.kdtr", model_steps(DEFAULT_PLAN),
+                lambda step, read: model_fixture(cfg, name, seed, DEFAULT_PLAN, step, source))
 
 
 def _checkpoint_job(directory: Path, layers: int | None, experts: int | None, seed: int) -> _Job:
     """Opens and maps the checkpoint now, so a bad one is reported before any work; reads the
-    slice and computes the references when built (progress: a step per weight, then the plan's)."""
+    slice and computes the references when built."""
     plan = plan_import(open_checkpoint(directory), layers, experts)
     name = fixture_name(plan)
     for note in plan.notes:
         console(stderr=True).print(Text(f"note: {shown(note)}"))
-    return _Job(f"{name}.kdtr", plan.steps + DEFAULT_PLAN.steps,
-                lambda step: checkpoint_fixture(load(plan, step), seed, DEFAULT_PLAN, step))
+    return _Job(f"{name}.kdtr", model_steps(DEFAULT_PLAN),
+                lambda step, read: checkpoint_fixture(load(plan, read), seed, DEFAULT_PLAN, step),
+                reading=plan.bytes)
 
 
 def _kernel_job(kind: str, seed: int, large: bool) -> _Job:
     return _Job(kernel_path(kind, large), len(kernel_cases(kind, large)),
-                lambda step: kernel_fixture(kind, seed, large, step))
+                lambda step, read: kernel_fixture(kind, seed, large, step))
 
 
 def _config_from_file(path: Path) -> tuple[ModelConfig, str]:
@@ -175,22 +187,31 @@ def _prepare_out(out: Path, jobs: list[_Job]) -> None:
             raise CliError(f"output directory {directory} is not writable")
 
 
-def _progress(on: Console, *columns: Any) -> Progress:
-    """Progress bars on a terminal (80 columns hold them), nothing on a pipe."""
-    return Progress(TextColumn("{task.description:<36}", markup=False), BarColumn(bar_width=20), *columns,
-                    console=on, transient=True, disable=not on.is_terminal)
+def _progress(on: Console, done: TextColumn | None = None) -> Progress:
+    """Progress bars on a terminal (80 columns hold them), nothing on a pipe: how much is done
+    (`done`, default the percentage), the time taken and the time left at the pace so far."""
+    return Progress(TextColumn("{task.description:<30}", markup=False), BarColumn(bar_width=16),
+                    done or TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(), TextColumn("left"),
+                    TimeRemainingColumn(), console=on, transient=True, disable=not on.is_terminal)
+
+
+def _build(job: _Job, progress: Progress, description: str) -> Fixture:
+    """A job's fixture, with a bar for its cases and, for a checkpoint, one for reading it."""
+    task = progress.add_task(description, total=job.steps)
+    read = progress.add_task("  reading the checkpoint", total=job.reading) if job.reading else None
+    return job.build(lambda steps: progress.advance(task, steps),
+                     lambda size: progress.advance(read, size) if read is not None else None)
 
 
 def _run_jobs(jobs: list[_Job], out: Path, progress_console: Console, slim: bool) -> list[tuple[_Job, float]]:
     """Build and write every job (`slim`: without its seeded tensors) with progress bars -> (job, seconds)
     per job."""
     done = []
-    with _progress(progress_console, TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as progress:
+    with _progress(progress_console) as progress:
         for job in jobs:
-            task = progress.add_task(job.path, total=job.steps)
             began = time.perf_counter()
             try:
-                fixture = job.build(lambda steps: progress.advance(task, steps))
+                fixture = _build(job, progress, job.path)
                 write_fixture(out / job.path, fixture, slim=slim)
             except (FixtureError, KdtrError) as exc:
                 raise CliError(f"{job.path}: {exc}") from None
@@ -223,10 +244,12 @@ def _run_jobs(jobs: list[_Job], out: Path, progress_console: Console, slim: bool
 @click.option("--full", is_flag=True,
               help="Also write the tensors drawn from the seed (weights, kernel-case inputs): full fixtures, "
                    "as `refgen materialize` makes. Default: slim, as committed.")
+@THREADS
 def generate(presets: tuple[str, ...], all_: bool, config_file: Path | None, checkpoint: Path | None,
              layers: int | None, experts: int | None, out: Path, kernels: bool | None, kernels_large: bool,
-             seed: int, full: bool) -> int:
+             seed: int, full: bool, threads: int | None) -> int:
     """Write golden fixtures (slim: docs/fixtures.md "Slim and full")."""
+    set_threads(threads or CORES)
     unknown = [name for name in presets if name not in PRESETS]
     if unknown:
         raise CliError(f"unknown preset {unknown[0]!r} (known: {', '.join(PRESETS)})")
@@ -325,8 +348,7 @@ def _verify_file(path: Path, scratch: Path, progress_console: Console) -> list[s
             fresh = scratch / job.path
             fresh.parent.mkdir(parents=True, exist_ok=True)
             with _progress(progress_console) as progress:
-                task = progress.add_task(f"regenerating {path.name}", total=job.steps)
-                write_fixture(fresh, job.build(lambda steps: progress.advance(task, steps)), slim=True)
+                write_fixture(fresh, _build(job, progress, f"regenerating {path.name}"), slim=True)
             with kdtr_format.open(fresh) as regenerated:
                 problems += compare(committed, regenerated)
             fresh.unlink()
@@ -347,7 +369,9 @@ def _require_fixture(metadata: dict[str, Any]) -> None:
                    f"but for provenance (docs/fixtures.md, \"Regeneration\"). This checkout's {DEFAULT_DIR} must "
                    "also hold every committed fixture. Exit 1 on any drift.")
 @click.argument("paths", nargs=-1, type=click.Path(exists=True, path_type=Path), metavar="[PATH]...")
-def verify(paths: tuple[Path, ...]) -> int:
+@THREADS
+def verify(paths: tuple[Path, ...], threads: int | None) -> int:
+    set_threads(threads or CORES)
     files, missing = _all_fixture_files(paths)
     out, failed = console(), 0
     for path in missing:

@@ -60,11 +60,12 @@ from safetensors.numpy import save_file
 
 import kdtr_format
 from kdtr_format import ModelConfig, weight_shapes
+from kdtr_format.checkpoint_tensors import CheckpointTensors
+from kdtr_format.dequant import FP8
 from kdtr_format.hf_config import hf_config_dict
 
 from .checkpoint_names import _ATTENTION, _DENSE, _MOE, _NORMS, BODIES, HEADS
 from .fixtures import DEFAULT_PLAN, FixtureError
-from .quant import FP8
 
 DTYPES = ("float32", "bfloat16", "fp8")
 MANIFEST = "kdtree-export.json"
@@ -200,7 +201,8 @@ def source(reader: Any, dtype: str) -> Source:
     except (KeyError, ValueError) as exc:
         raise ExportError(f"no valid model config in its metadata ({exc})") from None
     prefix = "bf16/weights/" if dtype == "bfloat16" else "weights/"
-    missing = [name for name in weight_shapes(cfg) if prefix + name not in reader]
+    taken = CheckpointTensors(metadata)          # a checkpoint fixture's weights: from the checkpoint
+    missing = [name for name in weight_shapes(cfg) if prefix + name not in reader and prefix + name not in taken]
     if missing:
         what = "bf16 cases (regenerate it with `refgen generate`)" if dtype == "bfloat16" else "weights"
         raise ExportError(f"{prefix}{missing[0]}: not in the fixture ({len(missing)} weight(s) missing: it holds "
@@ -208,7 +210,8 @@ def source(reader: Any, dtype: str) -> Source:
     if dtype == "bfloat16" and "bf16" not in metadata:
         raise ExportError("the fixture holds no bf16 cases (metadata bf16); regenerate it with `refgen generate`")
     regime = "float32" if dtype == "float32" else "bfloat16"
-    return Source(cfg, metadata, lambda name: np.asarray(reader[prefix + name]), regime)
+    return Source(cfg, metadata, lambda name: np.asarray(reader[prefix + name]) if prefix + name in reader
+                  else taken.array(prefix + name), regime)
 
 
 def export(reader: Any, fixture_path: Path, out: Path, dtype: str = "float32", layers: int | None = None,

@@ -226,6 +226,12 @@ def check_plan(cfg: ModelConfig, plan: FixturePlan) -> None:
                            f"{plan.positions_needed()}, the config allows {cfg.max_position_embeddings}")
 
 
+def model_steps(plan: FixturePlan, bf16_plan: FixturePlan | None = BF16_PLAN) -> int:
+    """Progress steps of `model_fixture` with these plans: each plan's (FixturePlan.steps), and the bf16
+    cases' routing of each prompt."""
+    return plan.steps + (bf16_plan.steps + len(bf16_plan.prompt_lengths) if bf16_plan is not None else 0)
+
+
 def model_fixture(cfg: ModelConfig, preset: str, seed: int = 0, plan: FixturePlan = DEFAULT_PLAN,
                   progress: Progress | None = None, source: str = "preset",
                   weights: Mapping[str, np.ndarray] | None = None,
@@ -244,8 +250,7 @@ def model_fixture(cfg: ModelConfig, preset: str, seed: int = 0, plan: FixturePla
     cases, metadata["sample_cases"] = sample_cases(cfg.vocab_size)
     tensors.update(cases)
     if bf16_plan is not None:
-        bf16_tensors, bf16_metadata = _cases(cfg, bf16_weights(weights), seed, bf16_plan, lambda steps: None,
-                                             bf16=True)
+        bf16_tensors, bf16_metadata = _cases(cfg, bf16_weights(weights), seed, bf16_plan, step, bf16=True)
         tensors.update({f"bf16/{name}": array for name, array in bf16_tensors.items()})
         metadata["bf16"] = {"weights_dtype": "bfloat16", **bf16_metadata}
     metadata = {
@@ -294,6 +299,7 @@ def _cases(cfg: ModelConfig, weights: Mapping[str, np.ndarray], seed: int, plan:
     if bf16:
         for p in prompts:
             tensors.update(routing_tensors(model, tensors, p["name"], [t for t in traces if t["prompt"] == p["name"]]))
+            step(1)
         metadata.update(_bf16_bounds(cfg, tensors, logit_scale))
     return tensors, metadata
 

@@ -6,10 +6,11 @@ their positions, a visibility mask over every cache slot up to the last new
 token, and the cache slot where the first new token goes.
 
 Everything runs in float64 from the stored weights (float32, or the bf16 / float16 /
-float32 a checkpoint holds; widening is exact): `Float64Weights` widens small
-tensors once and large ones (K2-sized projections, experts, embedding, head) where
-they are used, a block of rows at a time, so memory stays that of the stored form
-(the numbers: those of widening up front, to BLAS rounding). Shapes: n new tokens,
+float32 a checkpoint holds; widening is exact): `Float64Weights` widens tensors
+once within a memory budget and the rest (a K2-sized embedding and head) where
+they are used, a block of rows at a time on every thread `set_threads` allows, so
+memory stays bounded (the numbers: those of widening up front, to BLAS rounding).
+Shapes: n new tokens,
 S = start + n keys, D hidden, H heads, R = kv_lora_rank, dn / dr / dv the nope /
 rope / value head dims, E routed experts, k experts per token, V vocab.
 """
@@ -17,6 +18,10 @@ rope / value head dims, E routed experts, k experts per token, V vocab.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping
 
@@ -248,29 +253,100 @@ class KVCache:
 
 # ---------------------------------------------------------------------------- weights
 
-WIDEN_ONCE = 1 << 24            # tensors up to this many elements (128 MiB in float64) are widened once
-SCRATCH_ELEMENTS = 1 << 24      # `project` widens a larger one into a scratch block of this size
+# Float64 bytes of weights widened once, smallest first (a third of the machine's memory): at K2's dims
+# every tensor but the embedding and the head, whose float64 forms would take 9.4 GB each.
+WIDEN_BUDGET = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3 if hasattr(os, "sysconf") else 1 << 33
+BLOCK_ELEMENTS = 1 << 18        # `project` widens a larger one a block of about this many at a time (2 MiB)
 NARROW = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16))
+BF16 = np.dtype(ml_dtypes.bfloat16)
+_threads = 1                    # workers of `project`'s blocks (set_threads)
+_pool: ThreadPoolExecutor | None = None
+
+
+def set_threads(threads: int) -> None:
+    """How many threads widen and multiply the blocks of `Float64Weights.project` (1: the caller's
+    alone). The numbers do not depend on it: every block is the same product on any thread."""
+    global _threads, _pool
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads: must be a positive integer, got {threads!r}")
+    if threads != _threads and _pool is not None:
+        _pool.shutdown()
+        _pool = None
+    _threads = threads
+
+
+def _blocks_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_threads, thread_name_prefix="refgen-blocks")
+    return _pool
+
+
+class _Scratch(threading.local):
+    """Each thread's block: float64 [BLOCK_ELEMENTS] and, for bf16, the float32 words whose high
+    halves take the bf16 bits (the low halves stay zero: widening bf16 to float32 exactly)."""
+
+    def __init__(self) -> None:
+        self.block = np.empty(0)
+        self.words = np.zeros(0, dtype=np.uint16)
+
+    def get(self, size: int, bf16: bool) -> tuple[np.ndarray, np.ndarray]:
+        if self.block.size < size:
+            self.block = np.empty(size)
+        if bf16 and self.words.size < 2 * size:
+            self.words = np.zeros(2 * size, dtype=np.uint16)
+        return self.block, self.words
+
+
+_SCRATCH = _Scratch()
+
+
+def _widen(block: np.ndarray, narrow: np.ndarray, words: np.ndarray) -> None:
+    """block[...] = narrow widened exactly to float64 (bf16 through its float32 bits: numpy's own
+    loops, several times faster than a bf16 cast)."""
+    if narrow.dtype == BF16 and sys.byteorder == "little":
+        halves = words[:2 * narrow.size]
+        halves[1::2] = narrow.reshape(-1).view(np.uint16)
+        np.copyto(block.reshape(-1), halves.view(np.float32))
+    else:
+        np.copyto(block, narrow, casting="unsafe")
+
+
+def _project_blocks(x: np.ndarray, w: np.ndarray, out: np.ndarray, starts: range, step: int) -> None:
+    """out[:, r:r + step] = x @ widened(w[r:r + step]).T for each r of `starts`."""
+    d = w.shape[1]
+    block, words = _SCRATCH.get(step * d, w.dtype == BF16)
+    for r in starts:
+        rows = w[r:r + step]
+        wide = block[:rows.size].reshape(rows.shape)
+        _widen(wide, rows, words)
+        out[:, r:r + len(rows)] = x @ wide.T
 
 
 class Float64Weights:
-    """Weights as the reference reads them, always float64. A tensor of at most `widen_once`
-    elements is widened once; a larger one of a narrow float dtype stays as given (a
-    memory map, say) and is widened where it is used: by rows (`rows`, an embedding row or
-    an expert), or a block of rows at a time into one reused scratch block (`project`,
-    every matrix product with it). Widening is exact, so `rows` and `w[name]` give the
-    numbers of widening up front bit for bit; a product by blocks differs from the whole
-    product only as BLAS rounds blocks of other shapes (about 1e-15 relative, inside a
-    regeneration's 1e-12). Tensors within `widen_once` take the whole-product path, so the
-    committed presets' fixtures are unchanged."""
+    """Weights as the reference reads them, always float64. Tensors are widened once, the
+    smallest first, while their float64 forms fit in `budget` bytes; a larger one of a narrow
+    float dtype stays as given (a memory map, say) and is widened where it is used: by rows
+    (`rows`, an embedding row or an expert), or a block of rows at a time (`project`, every
+    matrix product with it): blocks of about BLOCK_ELEMENTS, small enough to stay in the CPU's
+    cache between widening and the product, shared among `set_threads` threads. Widening is
+    exact, so `rows` and `w[name]` give the numbers of widening up front bit for bit; a product
+    by blocks differs from the whole product only as BLAS rounds blocks of other shapes (about
+    1e-15 relative, inside a regeneration's tolerance), and not with the number of threads. The
+    committed presets' weights are a few MB, widened once, so their fixtures are unchanged."""
 
-    def __init__(self, weights: Mapping[str, np.ndarray], widen_once: int = WIDEN_ONCE) -> None:
+    def __init__(self, weights: Mapping[str, np.ndarray], budget: int = WIDEN_BUDGET) -> None:
         self._stored = {}
-        for name, value in weights.items():
-            value = np.asarray(value)
-            large = value.size > widen_once and value.dtype in NARROW
-            self._stored[name] = value if large else np.asarray(value, dtype=np.float64)
-        self._scratch: np.ndarray | None = None
+        arrays = {name: np.asarray(value) for name, value in weights.items()}
+        left = budget
+        for name in sorted(arrays, key=lambda n: arrays[n].size):
+            value = arrays[name]
+            if value.dtype in NARROW and value.size * 8 > left:
+                self._stored[name] = value
+                continue
+            left -= value.size * 8 if value.dtype != np.float64 else 0
+            self._stored[name] = np.asarray(value, dtype=np.float64)
+        self._stored = {name: self._stored[name] for name in arrays}
 
     def __getitem__(self, name: str) -> np.ndarray:
         return np.asarray(self._stored[name], dtype=np.float64)
@@ -284,15 +360,18 @@ class Float64Weights:
         w = self._stored[name] if index is None else self._stored[name][index]
         if w.dtype == np.float64:
             return x @ w.T
-        if self._scratch is None:
-            self._scratch = np.empty(SCRATCH_ELEMENTS)
         m, d = w.shape
-        step = max(1, min(m, self._scratch.size // d))
+        step = max(1, min(m, BLOCK_ELEMENTS // d))
         out = np.empty((x.shape[0], m))
-        for r in range(0, m, step):
-            block = self._scratch[:min(step, m - r) * d].reshape(-1, d)
-            np.copyto(block, w[r:r + len(block)], casting="unsafe")
-            out[:, r:r + len(block)] = x @ block.T
+        blocks = range(0, m, step)
+        workers = min(_threads, len(blocks))
+        if workers == 1:
+            _project_blocks(x, w, out, blocks, step)
+            return out
+        share = -(-len(blocks) // workers)          # contiguous runs of blocks, one per worker
+        runs = [blocks[k * share:(k + 1) * share] for k in range(workers)]
+        for done in [_blocks_pool().submit(_project_blocks, x, w, out, run, step) for run in runs]:
+            done.result()
         return out
 
 
@@ -306,7 +385,7 @@ class Model:
     residual; bf16 fixtures take the router margins from it)."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray],
-                 attention: Attention = "absorbed", widen_once: int = WIDEN_ONCE,
+                 attention: Attention = "absorbed", widen_budget: int = WIDEN_BUDGET,
                  capture: Callable[[str, int, np.ndarray], None] | None = None) -> None:
         if attention not in ("absorbed", "naive"):
             raise ValueError(f"attention: must be 'absorbed' or 'naive', got {attention!r}")
@@ -324,7 +403,7 @@ class Model:
         self.cfg = cfg
         self.attention = attention
         self.capture = capture
-        self.w = Float64Weights({name: weights[name] for name in shapes}, widen_once)
+        self.w = Float64Weights({name: weights[name] for name in shapes}, widen_budget)
         self.scale = softmax_scale(cfg)
         H, dn, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)

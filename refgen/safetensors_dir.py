@@ -23,22 +23,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
+
+from kdtr_format.checkpoint_tensors import SAFETENSORS_DTYPES as DTYPES
 
 from .fixtures import FixtureError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_JSON_DEPTH = 32
-
-DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
-    "I16": np.dtype(np.int16), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
-    "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-}
 
 
 class CheckpointError(FixtureError):

@@ -41,7 +41,8 @@ from .batched import (Request, accept_rows, at, build_rows, compile_rows, groups
                       packed_rows, put, sample_accept_rows, split, timed, topk_rows)
 from .checked import CheckedV2, fault_into
 from .compare import _int, compare_tokens, row, unpack_bits
-from .fixtures import model_fixture_config
+from ..weights import on_device
+from .fixtures import fixture_weights, model_fixture_config
 from .model_checks import _Fixture
 from .regime import Regime
 from .report import Check, Status
@@ -132,8 +133,8 @@ class _Run:
         adapter, fixture, traces = self.adapter, self.fixture, self.traces
         name, rows = "batched prefill logits", self.found["batched prefill logits"]
         with fault_into(rows, self.section, name, "every prompt") as run:
-            adapter.load_weights(fixture.cfg, {n[len("weights/"):]: put(adapter, fixture[n], torch.float32)
-                                               for n in fixture.reader.names("weights/")})
+            adapter.load_weights(fixture.cfg, {n: on_device(w, adapter.device)
+                                               for n, w in fixture_weights(fixture.reader).items()})
             adapter.reset(len(traces), fixture.max_len() + max(t.poison for t in traces))
             lengths = [len(t.prompt) for t in traces]
             with adapter.timing(self.seconds, "prefill"):

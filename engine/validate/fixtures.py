@@ -1,12 +1,15 @@
 """Finding the fixtures: a directory or file given by the user, the committed tests/golden,
-or a cache directory that `refgen generate --all --full` fills once, all or nothing.
+or a cache directory that `refgen generate --all --full` fills once, all or nothing; and a
+model fixture's weights, read once per open fixture and shared by every check that loads them.
 
 The committed fixtures are slim (docs/fixtures.md, "Slim and full"): they omit the tensors
 drawn from a seed. Fixtures found slim are materialized once, by `python -m refgen
 materialize` (the engine runs refgen, never imports it), into a cache directory named by
 their content: <KDTREE_CACHE_DIR, default ~/.cache/kdtree>/golden-<sha256 of the files>/.
 All or nothing: refgen writes into a staging directory that is then renamed into place;
-a process that loses the race to another (pytest-xdist workers) takes the winner's.
+a process that loses the race to another (pytest-xdist workers) takes the winner's. A
+fixture made from a checkpoint holds no weights either, but needs no materializing: its
+weights are the checkpoint's tensors, which kdtr_format.checkpoint_tensors decodes here.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
+import numpy as np
+
 import kdtr_format
-from kdtr_format import PRESETS, KdtrError, ModelConfig
+from kdtr_format import PRESETS, KdtrError, ModelConfig, checkpoint_tensors
 
 from .report import ValidateError
 
@@ -144,3 +150,27 @@ def model_fixture_config(reader, path: Path) -> ModelConfig:
         raise ValidateError(f"{path.name}: its config differs from preset {preset!r} (a fixture of "
                             f"another config?)")
     return cfg
+
+
+_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()      # open reader -> (prefix, weights)
+
+
+def fixture_weights(reader, prefix: str = "") -> dict[str, np.ndarray]:
+    """A model fixture's weights for the cases under `prefix` ("" or "bf16/"), named as
+    docs/fixtures.md, as float32 arrays: stored ones (``weights/<name>``) read from the file, a
+    checkpoint fixture's decoded from the checkpoint's tensors (each verified by its sha256:
+    kdtr_format.checkpoint_tensors). Made once per open reader and prefix, and the same arrays handed to
+    every caller (the per-request and the batched checks load them into the adapter), so a run
+    holds one copy; freed with the reader. The arrays are shared: an adapter reads them and
+    copies what it changes (docs/adapter.md)."""
+    kept = _WEIGHTS.get(reader)
+    if kept is not None and kept[0] == prefix:
+        return kept[1]
+    _WEIGHTS.pop(reader, None)                 # another prefix's weights go before these are made
+    rebuilt = checkpoint_tensors.CheckpointTensors(reader.metadata)
+    weights = {}
+    for name in checkpoint_tensors.names(reader, prefix + "weights/"):
+        value = np.array(reader[name], dtype=np.float32) if name in reader else rebuilt.array(name)
+        weights[name[len(prefix + "weights/"):]] = value if value.dtype == np.float32 else value.astype(np.float32)
+    _WEIGHTS[reader] = (prefix, weights)
+    return weights

@@ -21,7 +21,7 @@ from kdtr_format import ModelConfig
 from .checked import fault_into
 from .compare import _int, _words, compare_exact, compare_tree, row, unpack_bits
 from .engine_rows import engine_checks
-from .fixtures import model_fixture_config
+from .fixtures import fixture_weights, model_fixture_config
 from .invariant import invariant_checks
 from .regime import Regime, RoutingWatch, reached_rows, sequence_reached
 from .report import Check, Status
@@ -57,10 +57,8 @@ def _model_fixture(adapter: Any, caps: set[str], reader, section: str, builtin: 
     model = "model" in caps
     if model:
         loading: list[Check] = []
-        prefix = regime.prefix + "weights/"
         with fault_into(loading, section, "model") as load:
-            adapter.load_weights(cfg, {name[len(prefix):]: np.array(reader[name], dtype=np.float32)
-                                       for name in reader.names(prefix)})
+            adapter.load_weights(cfg, fixture_weights(reader, regime.prefix))
         if load.fault:                 # no weights: every row that needs the model carries the fault
             for name, needs in ROWS.items():
                 if "model" in needs:

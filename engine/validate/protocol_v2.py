@@ -110,6 +110,7 @@ from kdtr_format import ModelConfig
 
 from ..ragged import (forward_of_one, offsets_of, pack_visibility, sizes, to_padded, to_ragged, tree_bits,
                       unpack_visibility, widest)
+from ..weights import on_device
 from .guard import attribute
 from .protocol import CAPABILITIES, Method, Output, capabilities, protocol_version
 from .report import ValidateError
@@ -248,7 +249,7 @@ class PerRequest:
         return torch.tensor([0, count], device=self.device)
 
     def load_weights(self, config: ModelConfig, weights: Mapping[str, Any]) -> None:
-        self.adapter.load_weights(config, {name: self._put(w, torch.float32) for name, w in weights.items()})
+        self.adapter.load_weights(config, {name: on_device(w, self.device) for name, w in weights.items()})
 
     def reset(self, max_len: int) -> None:
         self.adapter.reset(1, max_len)

@@ -79,8 +79,9 @@ def test_save_pretrained_imports_and_matches_hf_logits(saved, layout):
     files = {p.name for p in directories[layout].iterdir()}
     assert ("model.safetensors.index.json" in files) == (layout == "per-expert")   # sharded, with an index
     logits, imported = refgen_logits(directories[layout])
-    source = imported.metadata["weights"]["layers.1.moe.experts.w_up"]["tensor"]
-    assert source.endswith("mlp.experts.{e}.up_proj.weight" if layout == "per-expert" else "mlp.experts.gate_up_proj")
+    sources = imported.sources("layers.1.moe.experts.w_up")
+    assert sources == ([f"model.layers.1.mlp.experts.{e}.up_proj.weight" for e in range(PLAIN.n_routed_experts)]
+                       if layout == "per-expert" else ["model.layers.1.mlp.experts.gate_up_proj"])
     assert imported.cfg == PLAIN
     for name, w in weights.items():
         np.testing.assert_array_equal(np.asarray(imported.weights[name], np.float32), w, err_msg=name)
@@ -129,7 +130,7 @@ def test_kimi_k2_rotary_buffers_agree_and_are_dropped(kimi_k2):
     note = next(n for n in plan.notes if n.startswith("rotary_emb.inv_freq"))
     assert note.startswith(f"rotary_emb.inv_freq: 3 of 3 buffers equal the inv_freq kdtree computes from "
                            f"config.json (YaRN rope, factor 4) to their rounding"), note
-    assert not any("inv_freq" in name for name in imported.bits)
+    assert not any("inv_freq" in name for name in imported.referenced)
 
 
 @pytest.mark.parametrize("stored, fragment", [

@@ -5,15 +5,18 @@ quantizes DeepSeek's FP8 blocks, compressed-tensors packs INT4 and quantizes flo
 and the same module computes what each weight dequantizes to with its own formulas (compressed-
 tensors' own decompressor for float-quantized). Checked: every tensor is accounted for (kept, sliced
 away, MTP, outside the language model); the dequantized weights equal the independent formulas
-bit for bit (float64 from refgen.quant, float32 as stored); the slice keeps the first layers and
+bit for bit (float64 from kdtr_format.dequant, float32 as stored); the slice keeps the first layers and
 experts and the router rows to match; the reference on the imported weights gives the logits of
 the reference on the float weights, and its lazy path the numbers of the eager one; and
-`refgen generate --checkpoint` writes a fixture holding both forms that `refgen verify` regenerates.
+`refgen generate --checkpoint` writes a fixture that references the checkpoint's tensors (and
+holds no weight) and that `refgen verify` regenerates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 
 import ml_dtypes
 import numpy as np
@@ -26,11 +29,15 @@ from kdtr_format import ModelConfig
 from refgen import model as reference
 from refgen.checkpoint import load, open_checkpoint, plan_import
 from refgen.model import KVCache, Model
-from refgen.quant import WeightScheme, fp8_scaled, int4_packed
+from kdtr_format.checkpoint_tensors import KEY as CHECKPOINT_TENSORS
+from kdtr_format.checkpoint_tensors import CheckpointTensors
+from kdtr_format.dequant import fp8_scaled, int4_packed
+from refgen.quant import WeightScheme
 from refgen.regen import REGEN_REL, tensor_drift
 from refgen.weights import init_weights, weight_shapes
 from synthetic_checkpoint import (SMALL, Layout, ct_fp8_compress, ct_fp8_dequantize, needs_compressed_tensors,
                                   write_checkpoint)
+from terminal import in_terminal
 
 LAYOUTS = {
     "fp8": Layout(quant="fp8", mtp=True),                           # DeepSeek-V3 / Kimi K2, MTP layer
@@ -77,9 +84,9 @@ def test_every_tensor_is_accounted_for(checkpoints, layout):
     assert plan.counts["mtp"] == len(mtp) and (len(mtp) > 0) == LAYOUTS[layout].mtp
     assert plan.mtp_names == sorted(mtp)
     assert plan.counts["outside"] == len(outside) == (2 if LAYOUTS[layout].multimodal else 0)
-    kept = {f"checkpoint/{n}" for n in written.names if n not in mtp and n not in outside
+    kept = {n for n in written.names if n not in mtp and n not in outside
             and ".layers.2." not in n and not any(f".experts.{e}." in n for e in set(range(8)) - set(KEPT))}
-    assert set(imported.bits) == kept
+    assert set(imported.referenced) | {n for n in kept if n.endswith("weight_shape")} == kept
     assert plan.counts["kept"] == len(kept)
     assert set(imported.weights) == set(weight_shapes(plan.cfg))
 
@@ -96,7 +103,7 @@ def test_dequantized_weights_equal_the_independent_formulas(checkpoints, layout)
 
 
 def test_fp8_scaled_dequant_is_exact_in_float64(checkpoints):
-    """refgen.quant.fp8_scaled in float64 == torch's e4m3 decode times the expanded scales, for every FP8
+    """kdtr_format.dequant.fp8_scaled in float64 == torch's e4m3 decode times the expanded scales, for every FP8
     tensor (partial row and column blocks among them: 80 x 192, 96 x 192, 256 x 64)."""
     directory, _ = checkpoints("fp8")
     tensors = {}
@@ -115,7 +122,7 @@ def test_fp8_scaled_dequant_is_exact_in_float64(checkpoints):
 
 
 def test_int4_dequant_is_exact_in_float64(checkpoints):
-    """refgen.quant.int4_packed in float64 == compressed-tensors' own unpack times the group scales."""
+    """kdtr_format.dequant.int4_packed in float64 == compressed-tensors' own unpack times the group scales."""
     directory, _ = checkpoints("int4-k25")             # skips where compressed-tensors is absent
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
@@ -141,10 +148,9 @@ def test_float_quantized_fp8_is_read_as_float_quantized(checkpoints, layout):
     directory, written = checkpoints(layout)
     imported = load(plan_import(open_checkpoint(directory), **SLICE))
     assert imported.metadata["format"] == "float-quantized"
-    assert {s["format"] for s in imported.metadata["weights"].values()} == {"plain", "float-quantized"}
-    scale = imported.bits["checkpoint/model.layers.0.self_attn.q_a_proj.weight_scale"]
-    assert (scale.dtype, scale.shape) == ((reference.NARROW[2], (96, 1)) if layout == "ct-fp8-channel"
-                                          else (np.float32, (1, 2)))
+    assert {entry["decode"] for entry in imported.entries.values()} == {"plain", "fp8"}
+    scale = imported.referenced["model.layers.0.self_attn.q_a_proj.weight_scale"]
+    assert (scale["dtype"], scale["shape"]) == (("BF16", [96, 1]) if layout == "ct-fp8-channel" else ("F32", [1, 2]))
     if layout == "ct-fp8-channel":
         for name in ("layers.0.attn.wq_a", "layers.1.moe.experts.w_down"):
             np.testing.assert_array_equal(np.asarray(imported.weights[name], np.float64),
@@ -162,7 +168,7 @@ STRATEGIES = {  # strategy -> (compressed-tensors' QuantizationArgs extras, refg
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_fp8_scales_of_every_strategy_match_the_decompressor(strategy):
-    """refgen.quant.fp8_scaled in float64 == compressed-tensors' decompressor in float64, for each FP8
+    """kdtr_format.dequant.fp8_scaled in float64 == compressed-tensors' decompressor in float64, for each FP8
     strategy: the scale shape it stores and the products (200 x 320: partial blocks under 64 x 128)."""
     needs_compressed_tensors()
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -198,7 +204,8 @@ def test_slice_keeps_the_first_layers_and_experts(checkpoints):
     assert dataclasses.replace(SMALL, num_hidden_layers=2, n_routed_experts=4) == plan.cfg
     gate = np.asarray(imported.weights["layers.1.moe.gate"], np.float64)
     np.testing.assert_array_equal(gate, written.dequantized["layers.1.moe.gate"][KEPT])
-    assert imported.bits["checkpoint/model.layers.1.mlp.gate.weight"].shape == (4, SMALL.hidden_size)
+    router = imported.referenced["model.layers.1.mlp.gate.weight"]
+    assert router["shape"] == [4, SMALL.hidden_size] and len(router["ranges"]) == SMALL.n_group   # runs 0-1, 4-5
     assert imported.metadata["layers"] == 2 and imported.metadata["num_hidden_layers"] == 3
     assert imported.metadata["kept_experts"] == KEPT == [0, 1, 4, 5]
     mtp = [n for n in written.names if ".layers.3." in n]
@@ -214,13 +221,16 @@ def test_slice_keeps_the_first_layers_and_experts(checkpoints):
 def test_fused_experts_are_split_into_gate_and_up(checkpoints):
     directory, written = checkpoints("bf16-fused")
     imported = load(plan_import(open_checkpoint(directory), **SLICE))
-    bits = imported.bits["checkpoint/model.layers.1.mlp.experts.gate_up_proj"]
-    assert bits.shape == (4, 2 * SMALL.moe_intermediate_size, SMALL.hidden_size)
+    tensors = {}
+    for file in directory.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    fused = tensors["model.layers.1.mlp.experts.gate_up_proj"][KEPT].float().numpy()
     I = SMALL.moe_intermediate_size
-    np.testing.assert_array_equal(np.asarray(imported.weights["layers.1.moe.experts.w_up"], np.float64),
-                                  np.asarray(bits[:, I:], np.float64))
-    assert imported.metadata["weights"]["layers.1.moe.experts.w_up"] == {
-        "tensor": "model.layers.1.mlp.experts.gate_up_proj", "format": "plain", "rows": [I, 2 * I]}
+    np.testing.assert_array_equal(np.asarray(imported.weights["layers.1.moe.experts.w_up"], np.float32),
+                                  fused[:, I:])
+    entry = imported.entries["weights/layers.1.moe.experts.w_up"]
+    assert (entry["decode"], entry["rows"], entry["tensors"]["data"]["shape"]) == \
+        ("plain", [I, 2 * I], [4, 2 * I, SMALL.hidden_size])
 
 
 @pytest.mark.parametrize("layout", ["fp8", "int4-k25"])
@@ -246,11 +256,11 @@ def test_float64_weights_widen_exactly_by_rows_and_blocks(monkeypatch):
     """The lazy accessors against plain numpy widening: rows and whole tensors bit for bit; products
     a block of rows at a time (blocks of 7 rows of 50, the last partial), for bf16 and float32 storage,
     to the rounding of a BLAS block."""
-    monkeypatch.setattr(reference, "SCRATCH_ELEMENTS", 7 * 24)
+    monkeypatch.setattr(reference, "BLOCK_ELEMENTS", 7 * 24)
     rng = np.random.default_rng(0)
     stored = {"bf16": rng.standard_normal((50, 24)).astype(ml_dtypes.bfloat16),
               "f32": rng.standard_normal((3, 50, 24)).astype(np.float32)}
-    w = reference.Float64Weights(stored, widen_once=0)
+    w = reference.Float64Weights(stored, budget=0)
     x = rng.standard_normal((5, 24))
     wide = {name: np.asarray(value, np.float64) for name, value in stored.items()}
     _same_numbers(w.project(x, "bf16"), x @ wide["bf16"].T)
@@ -259,17 +269,19 @@ def test_float64_weights_widen_exactly_by_rows_and_blocks(monkeypatch):
     np.testing.assert_array_equal(w.rows("f32", 1), wide["f32"][1])
     np.testing.assert_array_equal(w["f32"], wide["f32"])
     assert w.rows("f32", 1).dtype == w.project(x, "bf16").dtype == np.float64
+    within = reference.Float64Weights(stored, budget=50 * 24 * 8)       # room for the smaller one only
+    assert within._stored["bf16"].dtype == np.float64 and within._stored["f32"].dtype == np.float32
 
 
 def test_lazy_widening_gives_the_numbers_of_eager_widening(checkpoints, monkeypatch):
     """Every weight kept narrow and widened where used, 100 rows at a time: the logits of every
-    weight widened up front, to the rounding of a BLAS block."""
+    weight widened up front, to the rounding of a BLAS block; on two threads, the same bits."""
     directory, _ = checkpoints("fp8")
     imported = load(plan_import(open_checkpoint(directory), **SLICE))
-    monkeypatch.setattr(reference, "SCRATCH_ELEMENTS", 100 * SMALL.hidden_size)
+    monkeypatch.setattr(reference, "BLOCK_ELEMENTS", 100 * SMALL.hidden_size)
     prompt = np.arange(5, 30)
     cfg = imported.cfg
-    lazy = Model(cfg, imported.weights, widen_once=0)
+    lazy = Model(cfg, imported.weights, widen_budget=0)
     assert all(lazy.w._stored[n].dtype != np.float64 for n in imported.weights)
     eager = Model(cfg, {n: np.asarray(w, np.float64) for n, w in imported.weights.items()})
     for positions in (np.arange(len(prompt)), np.array([7])):
@@ -278,15 +290,31 @@ def test_lazy_widening_gives_the_numbers_of_eager_widening(checkpoints, monkeypa
         a = lazy.forward(tokens, positions, visibility, KVCache.new(cfg, 32), 0)
         b = eager.forward(tokens, positions, visibility, KVCache.new(cfg, 32), 0)
         _same_numbers(a, b)
+        reference.set_threads(2)
+        try:
+            threaded = lazy.forward(tokens, positions, visibility, KVCache.new(cfg, 32), 0)
+        finally:
+            reference.set_threads(1)
+        np.testing.assert_array_equal(threaded, a)
 
 
-def test_generate_writes_both_forms_and_verify_regenerates(checkpoints, refgen_process, tmp_path):
+def test_generate_references_the_checkpoint_and_verify_regenerates(checkpoints, refgen_process, tmp_path):
+    """Run in a terminal 80 columns wide: two progress bars (reading, by bytes; the cases) with the time
+    left, within the width. The fixture holds the references and no weight: each weights/<name> is a
+    checkpoint_tensors entry that kdtr_format rebuilds from the checkpoint's own bytes (their sha256
+    recorded) to the independent dequantization, and bf16/weights/<name> its bf16 rounding."""
     directory, written = checkpoints("int4-k25")
-    result = refgen_process("generate", "--checkpoint", directory, "--layers", 2, "--experts", 4,
-                            "--out", tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "MTP" not in result.stderr and "outside the language model" in result.stderr
+    result = in_terminal(["refgen", "generate", "--checkpoint", str(directory), "--layers", "2", "--experts", "4",
+                          "--out", str(tmp_path)], columns=80)
+    assert result.returncode == 0, result.output
+    assert "MTP" not in result.output and "outside the language model" in result.output
+    bars = [line for line in result.screen_lines if re.search(r" left +(\d+:\d\d:\d\d|-:--:--)", line)]
+    assert any("reading the checkpoint" in line for line in bars) and any(".kdtr" in line for line in bars), bars
+    assert result.widest <= 80, result.screen_lines
     path = tmp_path / f"{directory.name}-layers2-experts4.kdtr"
+    tensors = {}
+    for file in directory.glob("*.safetensors"):
+        tensors.update(load_file(file))
     with kdtr_format.open(path) as fixture:
         meta = fixture.metadata
         assert (meta["kind"], meta["source"], meta["preset"]) == ("model", "checkpoint", path.stem)
@@ -295,22 +323,22 @@ def test_generate_writes_both_forms_and_verify_regenerates(checkpoints, refgen_p
         origin = meta["checkpoint"]
         assert origin["format"] == "pack-quantized" and origin["quantization_config"]["format"] == "pack-quantized"
         assert origin["config"] == written.config["text_config"]
-        for name in weight_shapes(ModelConfig.from_dict(meta["config"])):
-            stored = np.asarray(fixture[f"weights/{name}"])
-            assert stored.dtype == np.float32, name
-            np.testing.assert_array_equal(stored, _kept(name, written.dequantized[name]).astype(np.float32))
-        tensors = {}
-        for file in directory.glob("*.safetensors"):
-            tensors.update(load_file(file))
-        bits = fixture.names("checkpoint/")
-        assert any(n.endswith("weight_packed") for n in bits)
-        for name in bits:
-            original = tensors[name[len("checkpoint/"):]]
-            if ".mlp.gate." in name:
-                original = original[KEPT]
-            got = fixture.torch(name)
-            assert got.dtype == original.dtype and torch.equal(got.view(torch.uint8), original.view(torch.uint8)), name
-        assert origin["weights"]["layers.1.moe.experts.w_gate"] == {
-            "tensor": "language_model.model.layers.1.mlp.experts.{e}.gate_proj.weight", "format": "int4"}
+        assert not fixture.names("weights/") and not fixture.names("bf16/weights/") and fixture.names("prompts/")
+        rebuilt = CheckpointTensors(meta)
+        names = weight_shapes(ModelConfig.from_dict(meta["config"]))
+        assert rebuilt.names() == sorted([f"weights/{n}" for n in names] + [f"bf16/weights/{n}" for n in names])
+        for name in names:
+            value = rebuilt.array(f"weights/{name}")
+            assert value.dtype == np.float32, name
+            expected = _kept(name, written.dequantized[name]).astype(np.float32)
+            np.testing.assert_array_equal(value, expected, err_msg=name)
+            np.testing.assert_array_equal(rebuilt.array(f"bf16/weights/{name}"), expected.astype(ml_dtypes.bfloat16))
+        experts = meta[CHECKPOINT_TENSORS]["weights/layers.1.moe.experts.w_gate"]
+        assert experts["decode"] == "int4" and [part["packed"]["tensor"] for part in experts["experts"]] == [
+            f"language_model.model.layers.1.mlp.experts.{e}.gate_proj.weight_packed" for e in KEPT]
+        for part in experts["experts"]:
+            for ref in part.values():
+                original = tensors[ref["tensor"]].contiguous().view(torch.uint8).numpy().tobytes()
+                assert hashlib.sha256(original).hexdigest() == ref["sha256"], ref["tensor"]
     verify = refgen_process("verify", path)
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -60,7 +60,7 @@ def test_nemo_bf16_conversion_keeps_an_undeclared_mtp_layer(checkpoints):
     assert imported.metadata["mtp"] == {"layers": [3], "declared": 0, "tensors": len(mtp), "kept": False}
     note = next(n for n in plan.notes if n.startswith("MTP"))
     assert "declares 0" in note and "3 recognized by eh_proj" in note and "NeMo" in note, note
-    assert not any(".layers.3." in name for name in imported.bits)
+    assert not any(".layers.3." in name for name in imported.referenced)
 
 
 def test_a_layer_beyond_the_config_without_eh_proj_is_still_refused(checkpoints, tmp_path):
@@ -97,8 +97,8 @@ def test_deepseek_v3_slice_keeps_experts_group_by_group(checkpoints):
         np.testing.assert_array_equal(np.asarray(imported.weights[name], np.float64),
                                       written.dequantized[name][kept].astype(np.float32), err_msg=name)
     dropped = set(range(32)) - set(kept)
-    assert not any(f".experts.{e}." in name for name in imported.bits for e in dropped)
-    assert imported.bits["checkpoint/model.layers.1.mlp.gate.weight"].shape == (16, V3.hidden_size)
+    assert not any(f".experts.{e}." in name for name in imported.referenced for e in dropped)
+    assert imported.referenced["model.layers.1.mlp.gate.weight"]["shape"] == [16, V3.hidden_size]
     assert "the first 2 of each of the 8 groups (n_group)" in next(n for n in plan.notes if n.startswith("routed"))
     floats = {n: (written.dequantized[n][kept] if ".experts." in n or n.endswith(("moe.gate", "correction_bias"))
                   else written.dequantized[n]).astype(np.float32) for n in imported.weights}
@@ -111,7 +111,7 @@ def test_deepseek_v3_slice_keeps_experts_group_by_group(checkpoints):
 def test_moonlight_without_q_lora_imports(checkpoints):
     directory, written = checkpoints("moonlight-bf16")
     imported = load(plan_import(open_checkpoint(directory)))
-    assert imported.metadata["weights"]["layers.0.attn.wq"]["tensor"] == "model.layers.0.self_attn.q_proj.weight"
+    assert imported.sources("layers.0.attn.wq") == ["model.layers.0.self_attn.q_proj.weight"]
     for name, value in imported.weights.items():
         np.testing.assert_array_equal(np.asarray(value, np.float64), written.dequantized[name], err_msg=name)
 

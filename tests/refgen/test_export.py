@@ -15,6 +15,7 @@ import pytest
 from safetensors import safe_open
 
 import kdtr_format
+from kdtr_format.checkpoint_tensors import CheckpointTensors
 from kdtr_format import PRESETS, ModelConfig
 from kdtr_format.hf_config import hf_config_dict
 from refgen.checkpoint import load, open_checkpoint, plan_import
@@ -151,9 +152,10 @@ def test_fp8_blocks_dequantize_exactly_to_the_fp8_model(golden, tmp_path):
         assert np.all(np.abs(np.asarray(value) - original) <= 2 ** -4 * np.abs(original) + 2 ** -9 * np.abs(original).max())
     with kdtr_format.open(directory / written.fixture) as reader:
         assert reader.metadata["checkpoint"]["format"] == "fp8"
+        taken = CheckpointTensors(reader.metadata)         # a checkpoint fixture names its weights
         for weight, value in imported.weights.items():
-            assert np.array_equal(np.asarray(reader[f"weights/{weight}"]), np.asarray(value, np.float32))
-            assert np.array_equal(np.asarray(reader[f"bf16/weights/{weight}"]).astype(np.float32),
+            assert np.array_equal(taken.array(f"weights/{weight}"), np.asarray(value, np.float32))
+            assert np.array_equal(taken.array(f"bf16/weights/{weight}").astype(np.float32),
                                   np.asarray(value, np.float32))
     assert written.manifest["regime"] == "bfloat16" and written.manifest["prompts"]
 
