@@ -1,15 +1,57 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one device call: kernel build, the GPU test suites
-# (kernels and engine, CUDA variants included), then scripts/gpu_engine.sh (validate --device
-# cuda and the end-to-end benchmark). Logs under $OUT. Run from the checkout root:
+# Every GPU check of the project in one device call, on the stock GPU image. Run from the
+# checkout root:
 #
 #   OUT=out PYTHONPATH=. bash scripts/gpu_all.sh
+#
+# Stages, each capped and all within DEADLINE seconds (default 540); a failing stage does not
+# stop the next:
+#   build     the default fat library (sm_80, sm_90a, sm_120, compute_80) and one without sm_90a
+#             (sm_90,compute_90: the mma.sync path every non-Hopper GPU takes), side by side;
+#             libraries named by $KDTREE_KERNELS_LIB and $KDTREE_KERNELS_LIB_NOA are used as
+#             they are (built here beforehand with the same sources)          -> build.log
+#   tests     pytest tests/kernels tests/engine with the fat library          -> gpu_tests.log
+#   noa       pytest tests/kernels with the library without sm_90a            -> gpu_tests_noa.log
+#   validate  kdtree validate --device cuda, float32 then bfloat16
+#                                       -> validate_cuda_{float32,bfloat16}.{txt,json}
+# Also under $OUT: gpu.txt (GPU name, driver, clocks) and summary.txt (one line per stage).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-echo "== build kernels"
-build_kernels
-echo "== GPU tests (kernels, engine)"
-timeout 240 python3 -m pytest tests/kernels tests/engine -p no:cacheprovider -q -rs --continue-on-collection-errors \
-    >"$OUT/gpu_tests.log" 2>&1
-tail -15 "$OUT/gpu_tests.log"
-bash scripts/gpu_engine.sh
+DEADLINE="${DEADLINE:-540}"
+WORKERS="${WORKERS:-8}"
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+counts() { grep -E "^=+ .*(passed|failed|error).* in " "$1" | tail -1; }
+
+echo "== build" | tee "$OUT/build.log"
+LIB_FAT="${KDTREE_KERNELS_LIB:-}" LIB_NOA="${KDTREE_KERNELS_LIB_NOA:-}"
+if [[ -z "$LIB_FAT" ]]; then
+    timeout "$(left 300)" python3 -m kernels_cuda.build >/tmp/build-fat.log 2>&1 &
+fi
+if [[ -z "$LIB_NOA" ]]; then
+    KDTREE_CUDA_ARCHS=sm_90,compute_90 timeout "$(left 300)" python3 -m kernels_cuda.build >/tmp/build-noa.log 2>&1 &
+fi
+wait
+LIB_FAT="${LIB_FAT:-$(tail -1 /tmp/build-fat.log)}" LIB_NOA="${LIB_NOA:-$(tail -1 /tmp/build-noa.log)}"
+for lib in "$LIB_FAT" "$LIB_NOA"; do
+    [[ -f "$lib" ]] && echo "library $lib" >>"$OUT/build.log" || summary "build: no library ($lib)"
+done
+summary "build: done at ${SECONDS} s"
+
+echo "== GPU tests (kernels, engine), fat library"
+KDTREE_KERNELS_LIB="$LIB_FAT" timeout "$(left 300)" python3 -m pytest tests/kernels tests/engine -p no:cacheprovider \
+    -q -rfEs -n "$WORKERS" --dist loadfile >"$OUT/gpu_tests.log" 2>&1
+summary "tests (exit $?): $(counts "$OUT/gpu_tests.log") at ${SECONDS} s"
+grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+
+echo "== GPU tests (kernels), no sm_90a"
+KDTREE_KERNELS_LIB="$LIB_NOA" timeout "$(left 150)" python3 -m pytest tests/kernels -p no:cacheprovider \
+    -q -rfEs -n "$WORKERS" --dist loadfile >"$OUT/gpu_tests_noa.log" 2>&1
+summary "noa (exit $?): $(counts "$OUT/gpu_tests_noa.log") at ${SECONDS} s"
+grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_noa.log" | head -20
+
+for dtype in float32 bfloat16; do
+    echo "== kdtree validate --device cuda --dtype $dtype"
+    KDTREE_KERNELS_LIB="$LIB_FAT" timeout "$(left 200)" python3 -c "from engine.cli import main; main()" validate --device cuda --dtype "$dtype" \
+        --json "$OUT/validate_cuda_$dtype.json" >"$OUT/validate_cuda_$dtype.txt" 2>&1
+    summary "validate $dtype (exit $?): $(grep -E "PASSED|FAILED" "$OUT/validate_cuda_$dtype.txt" | tail -1) at ${SECONDS} s"
+done
