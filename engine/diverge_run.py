@@ -1,6 +1,6 @@
 """What `kdtree diverge` runs: an implementation and a prompt from a model fixture or a named
 config, and the two ways of engine/diverge_ways.py over them, compared by engine/diverge.py
-(engine/cli.py renders the finding).
+(engine/cli/diverge_cmd.py renders the finding).
 
 - From a fixture: its float32 weights, one of its prompts; the compared tokens are the
   prompt's AR tokens (teacher-forced); the tree is a trace round's (default: the longest

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import engine.cli
+import engine.cli.diverge_cmd
 import engine.diverge_run
 import engine.model
 import kdtr_format
@@ -400,12 +400,12 @@ def test_cli_headlines_a_planted_bug_and_writes_json(golden, tmp_path, capsys):
 
 def test_cli_states_the_memory_a_config_needs_and_refuses_beyond_what_is_available(capsys, monkeypatch):
     need = memory_needed(PRESETS["tiny"], "float32", prompt_length=64, tokens=16).total
-    monkeypatch.setattr(engine.cli, "_free_bytes", lambda device: need - 1)
+    monkeypatch.setattr(engine.cli.diverge_cmd, "_free_bytes", lambda device: need - 1)
     code, out, err = run_main(["diverge", "--config", "tiny"], capsys)
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1, err
     assert lines[0].startswith("kdtree: error: --config tiny needs about ") and "available on cpu" in lines[0]
-    monkeypatch.setattr(engine.cli, "_free_bytes", lambda device: need)
+    monkeypatch.setattr(engine.cli.diverge_cmd, "_free_bytes", lambda device: need)
     code, out, err = run_main(["diverge", "--config", "tiny", "--tokens", "2"], capsys)
     assert code in (0, 1) and "kdtree diverge: tiny" in out
     assert err.startswith("kdtree: note: --config tiny needs about "), err

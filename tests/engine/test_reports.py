@@ -26,7 +26,7 @@ import kdtr_format
 from engine.adapter import TorchAdapter
 from cli_run import run_main
 from engine.validate import Check, Report, Status, ValidateError, Validation, plan
-from engine.cli import render
+from engine.cli.validate_cmd import render
 from engine.validate.protocol_v2 import PerRequest
 from engine.validate.junit import to_junit, write_junit
 
@@ -126,8 +126,8 @@ def commit_of_a_copy(root: Path, inside: str) -> str:
         shutil.copytree(REPO / package, root / inside / package, ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     env["PYTHONPATH"] = str(root / inside)
-    run = subprocess.run([sys.executable, "-c", "from engine.cli import _commit; print(_commit())"], cwd=root,
-                         env=env, capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", "from engine.cli.validate_cmd import _commit; print(_commit())"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
 
