@@ -147,6 +147,14 @@ def test_a_kdtree_adapter_fixture_that_returns_none_is_an_error(project):
         run.stdout
 
 
+def test_a_kdtree_impl_factory_that_returns_none_is_an_error(project):
+    """--kdtree-impl naming a factory that returns None does not check the built-in engine instead."""
+    (project / "forgets.py").write_text("def make():\n    adapter = object()\n")
+    run = pytest_run(project, "--kdtree-impl", "forgets.py:make", "-k", "accept_compact")
+    assert run.returncode == 1 and " passed" not in summary(run), run.stdout
+    assert "--kdtree-impl 'forgets.py:make'" in run.stdout and "returned None" in run.stdout, run.stdout
+
+
 def test_the_plugin_runs_on_one_thread_as_the_cli_does_and_shows_progress(project):
     (project / "conftest.py").write_text("import torch\n\ntorch.set_num_threads(2)\n")
     (project / "test_threads.py").write_text("import torch\n\n\ndef test_threads(kdtree_case):\n"
