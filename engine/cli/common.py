@@ -16,11 +16,10 @@ from rich.console import Console
 from rich.text import Text
 
 from kdtr_format import KdtrError
-from kdtr_format.clikit import Cli, CliError, OutputFile, console, shown
+from kdtr_format.clikit import Cli, CliError, console, shown
 
 DTYPES = ("float32", "bfloat16")
 MAX_CPU_RANKS = 8              # --tp on the CPU: local processes, each holding the replicated weights
-STDOUT = "-"                   # a validate report file named so goes to stdout
 
 
 def _version() -> str:
@@ -57,37 +56,6 @@ class Device(click.ParamType):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", str(value)):
             self.fail(f"{value!r}: expected cpu, cuda or cuda:N", param, ctx)
         return str(value)
-
-
-class TokenIds(click.ParamType):
-    """Comma-separated token ids ("1,2,3"; spaces around commas allowed) -> list[int]."""
-
-    name = "ids"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
-        if isinstance(value, list):
-            return value
-        items = [item.strip() for item in str(value).split(",")]
-        if not any(items):
-            self.fail("empty; give comma-separated token ids, e.g. 1,2,3", param, ctx)
-        for item in items:
-            if not re.fullmatch(r"\d+", item):
-                what = "an empty item" if not item else f"{item!r} is not a token id"
-                self.fail(f"{value!r}: {what}; give comma-separated token ids, e.g. 1,2,3", param, ctx)
-        return [int(item) for item in items]
-
-
-class ReportFile(OutputFile):
-    """A report file to write (OutputFile), or - for stdout."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
-        return STDOUT if value == STDOUT else super().convert(value, param, ctx)
-
-
-def _under_torchrun() -> bool:
-    """Whether torchrun started this process: its variables are set (engine.parallel.torchrun_size
-    reads them; this asks without importing torch)."""
-    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
 
 
 def _check_tp(tp: int | None, device: str) -> None:

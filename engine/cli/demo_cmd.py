@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +18,30 @@ from kdtr_format import PRESETS, DDTreeConfig, KdtrError, ModelConfig
 from kdtr_format.clikit import CliError, FiniteFloat, OutputFile, atomic_output, shown, table
 
 from .common import (
-    Device, TokenIds, _check_device, _check_tp, _engine_layout_options, _free_bytes, _on_ranks, _rank_console,
+    Device, _check_device, _check_tp, _engine_layout_options, _free_bytes, _on_ranks, _rank_console,
     _require_matplotlib, _wrote, cli,
 )
 
 if TYPE_CHECKING:
     from ..decode import DecodeResult
+
+
+class TokenIds(click.ParamType):
+    """Comma-separated token ids ("1,2,3"; spaces around commas allowed) -> list[int]."""
+
+    name = "ids"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
+        if isinstance(value, list):
+            return value
+        items = [item.strip() for item in str(value).split(",")]
+        if not any(items):
+            self.fail("empty; give comma-separated token ids, e.g. 1,2,3", param, ctx)
+        for item in items:
+            if not re.fullmatch(r"\d+", item):
+                what = "an empty item" if not item else f"{item!r} is not a token id"
+                self.fail(f"{value!r}: {what}; give comma-separated token ids, e.g. 1,2,3", param, ctx)
+        return [int(item) for item in items]
 
 
 @dataclass(frozen=True)

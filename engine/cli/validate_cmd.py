@@ -20,12 +20,12 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from kdtr_format.clikit import CliError, FiniteFloat, console, shown
+from kdtr_format.clikit import CliError, FiniteFloat, OutputFile, console, shown
 
 from ..supervise import CALL_TIMEOUT_S, ValidateJob, supervise
 from .common import (
-    DTYPES, Device, ReportFile, STDOUT, _check_device, _check_tp, _engine_layout_options, _on_ranks,
-    _rank_console, _require_matplotlib, _under_torchrun, _version, _wrote, cli,
+    DTYPES, Device, _check_device, _check_tp, _engine_layout_options, _on_ranks,
+    _rank_console, _require_matplotlib, _version, _wrote, cli,
 )
 
 if TYPE_CHECKING:
@@ -34,6 +34,20 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STATUS_STYLE = {"exact": "green", "within tolerance": "green", "near-tie": "yellow", "skipped": "dim",
                 "FAIL": "bold red"}
+STDOUT = "-"                   # a validate report file named so goes to stdout
+
+
+class ReportFile(OutputFile):
+    """A report file to write (OutputFile), or - for stdout."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        return STDOUT if value == STDOUT else super().convert(value, param, ctx)
+
+
+def _under_torchrun() -> bool:
+    """Whether torchrun started this process: its variables are set (engine.parallel.torchrun_size
+    reads them; this asks without importing torch)."""
+    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
 
 
 class ServerUrl(click.ParamType):

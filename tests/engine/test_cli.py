@@ -18,6 +18,7 @@ import pytest
 import kdtr_format
 import torch
 
+import engine.cli.validate_cmd
 from cli_run import run_main
 from engine.validate import load_impl
 from kdtr_format import PRESETS
@@ -86,7 +87,8 @@ def test_the_json_report_says_what_ran_where_and_how_long(golden, tmp_path, caps
     assert report["versions"]["torch"] == torch.__version__ and report["versions"]["numpy"] == np.__version__
     assert report["versions"]["kdtree"] and report["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "engine/cli/validate_cmd.py"], cwd=REPO,
+    cli_file = Path(engine.cli.validate_cmd.__file__).resolve().relative_to(REPO)
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", str(cli_file)], cwd=REPO,
                              capture_output=True).returncode == 0
     if tracked:
         assert head and report["commit"] in (head, f"{head}-dirty")

@@ -207,7 +207,7 @@ def test_the_plugin_leaves_the_projects_own_suite_alone():
     outputs, which rerun the CLIs, left out)."""
     run = subprocess.run([sys.executable, "-m", "pytest", "tests/test_docs.py", "-k", "not example_output", "-q",
                           "-p", "no:cacheprovider", "-p", "engine.pytest_plugin", "-W", "error::pytest.PytestWarning"],
-                         cwd=REPO,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+                         cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "kdtree_case" not in run.stdout and re.match(r"\d+ passed", summary(run)), summary(run)
