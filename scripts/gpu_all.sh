@@ -26,15 +26,7 @@ summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 counts() { grep -E "^=+ .*(passed|failed|error).* in " "$1" | tail -1; }
 
 echo "== build" | tee "$OUT/build.log"
-LIB_FAT="${KDTREE_KERNELS_LIB:-}" LIB_NOA="${KDTREE_KERNELS_LIB_NOA:-}"
-if [[ -z "$LIB_FAT" ]]; then
-    timeout "$(left 300)" python3 -m kernels_cuda.build >/tmp/build-fat.log 2>&1 &
-fi
-if [[ -z "$LIB_NOA" ]]; then
-    KDTREE_CUDA_ARCHS=sm_90,compute_90 timeout "$(left 300)" python3 -m kernels_cuda.build >/tmp/build-noa.log 2>&1 &
-fi
-wait
-LIB_FAT="${LIB_FAT:-$(tail -1 /tmp/build-fat.log)}" LIB_NOA="${LIB_NOA:-$(tail -1 /tmp/build-noa.log)}"
+build_both
 for lib in "$LIB_FAT" "$LIB_NOA"; do
     [[ -f "$lib" ]] && echo "library $lib" >>"$OUT/build.log" || summary "build: no library ($lib)"
 done
@@ -47,7 +39,7 @@ summary "tests (exit $?): $(counts "$OUT/gpu_tests.log") at ${SECONDS} s"
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
 
 echo "== GPU tests (kernels), no sm_90a"
-KDTREE_KERNELS_LIB="$LIB_NOA" KDTREE_CUDA_ARCHS=sm_90,compute_90 timeout "$(left 150)" python3 -m pytest tests/kernels -p no:cacheprovider \
+KDTREE_KERNELS_LIB="$LIB_NOA" KDTREE_CUDA_ARCHS=$NOA_ARCHS timeout "$(left 150)" python3 -m pytest tests/kernels -p no:cacheprovider \
     -q -rfEs -n "$WORKERS" --dist loadfile >"$OUT/gpu_tests_noa.log" 2>&1
 summary "noa (exit $?): $(counts "$OUT/gpu_tests_noa.log") at ${SECONDS} s"
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_noa.log" | head -20

@@ -33,3 +33,17 @@ build_kernels() {
     export KDTREE_KERNELS_LIB="$(tail -1 "$OUT/build.log")"
     echo "built $KDTREE_KERNELS_LIB"
 }
+
+# build_both: the default fat library and one without sm_90a ($NOA_ARCHS: the mma.sync path every
+# non-Hopper GPU takes), compiled side by side (each cached by content), their paths in LIB_FAT
+# and LIB_NOA; one named by $KDTREE_KERNELS_LIB or $KDTREE_KERNELS_LIB_NOA is used as it is.
+# Build logs, with ptxas' register and spill report: /tmp/build-fat.log, /tmp/build-noa.log.
+NOA_ARCHS=sm_90,compute_90
+build_both() {
+    LIB_FAT="${KDTREE_KERNELS_LIB:-}" LIB_NOA="${KDTREE_KERNELS_LIB_NOA:-}"
+    [[ -n "$LIB_FAT" ]] || timeout 300 python3 -m kernels_cuda.build --verbose >/tmp/build-fat.log 2>&1 &
+    [[ -n "$LIB_NOA" ]] ||
+        KDTREE_CUDA_ARCHS=$NOA_ARCHS timeout 300 python3 -m kernels_cuda.build --verbose >/tmp/build-noa.log 2>&1 &
+    wait
+    LIB_FAT="${LIB_FAT:-$(tail -1 /tmp/build-fat.log)}" LIB_NOA="${LIB_NOA:-$(tail -1 /tmp/build-noa.log)}"
+}

@@ -20,14 +20,10 @@ stage="${1:-all}"
 source "$(dirname "$0")/gpu_env.sh"
 DEADLINE="${DEADLINE:-420}"
 SUBSET="ctx32768-tree128-b8 or ctx8192-tree16-b8 or ctx32768-tree64-b32 or ctx1024-tree128-b1 or ctx1024-tree64-b8 or ctx32768-tree1-b8 or ctx8192-tree128-b1"
-NOA_ARCHS=sm_90,compute_90
 LOG="$OUT/build.log"
 
 echo "== build (no sm_90a, and the default fat binary, side by side)"
-KDTREE_CUDA_ARCHS=$NOA_ARCHS timeout 300 python3 -m kernels_cuda.build --verbose >/tmp/build-noa.log 2>&1 &
-timeout 300 python3 -m kernels_cuda.build --verbose >/tmp/build-fat.log 2>&1 &
-wait
-LIB_NOA="$(tail -1 /tmp/build-noa.log)" LIB_FAT="$(tail -1 /tmp/build-fat.log)"
+build_both
 for name in noa fat; do
     lib=$([[ $name == noa ]] && echo "$LIB_NOA" || echo "$LIB_FAT")
     { echo "-- $name: $lib"; grep -B1 -A3 "mla_k2_mma" "/tmp/build-$name.log" | grep -E "registers|spill" | sort | uniq -c
