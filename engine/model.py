@@ -45,6 +45,7 @@ rank's heads in q_lat and o_lat.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from typing import Callable, Mapping
@@ -300,14 +301,16 @@ class Transformer:
     capture: the divergence finder's hook (module docstring). world: this rank's place in
     the tensor-parallel group (module docstring); `weights` are the full weights.
     page_size: `new_cache` hands out paged caches of this page size (engine/cache.py);
-    None, contiguous ones. `forward` takes either layout.
+    None, contiguous ones. `forward` takes either layout. fused: the layers as the fused
+    Triton launches (engine/fused; a forward with a capture hook takes the unfused layers);
+    None: on a CUDA device in default mode on one device, with no `moe` named.
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor | np.ndarray],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attention: AttentionBackend | None = None, *, invariant: bool = False,
                  moe: str | None = None, capture: Capture | None = None, world: World | None = None,
-                 page_size: int | None = None):
+                 page_size: int | None = None, fused: bool | None = None):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Transformer: dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -334,6 +337,10 @@ class Transformer:
         w = {name: _stored(name, as_tensor(value).to(self.device), dtype) for name, value in weights.items()}
         self.embed, self.norm, self.lm_head = w["embed_tokens"], w["norm"], w["lm_head"]
         self.layers = [Block(cfg, w, i, first) for i in range(cfg.num_hidden_layers)]
+        self.fused_forward = None
+        if _use_fused(fused, self.device, invariant, world, moe):
+            from .fused import FusedForward
+            self.fused_forward = FusedForward(cfg, self.layers, self.norm, self.lm_head)
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
         self.scale = softmax_scale(cfg)
 
@@ -377,6 +384,10 @@ class Transformer:
         cos, sin = self._rows(self._rope, positions.where(real, 0).clamp(min=0).reshape(rows))
 
         x = self.embed[token_ids]                                                    # [M, D]
+        if self.fused_forward is not None and self.capture is None:
+            logits = self.fused_forward(x, cos, sin, cache.slot_rows(slots).reshape(rows),
+                                        flat_real.view(torch.uint8), cache, attend, self.scale, batch)
+            return logits.view(batch, n, -1)
         for layer, block in enumerate(self.layers):
             h, q_lat, q_pe, c_kv, k_pe = self._rows(block.attention_in, x, cos, sin)
             cache.write(layer, slots, real, c_kv.view(batch, n, -1), k_pe.view(batch, n, -1))
@@ -488,6 +499,26 @@ class Transformer:
         _need(bool(((positions >= 0) | ~real).all()), "positions must be >= 0 on real rows")
         _need(bool((new_visibility.diagonal(dim1=1, dim2=2) | ~real).all()),
               "new_visibility must let every real token see itself (new_visibility[b, i, i])")
+
+
+def _use_fused(fused: bool | None, device: torch.device, invariant: bool, world: World | None,
+               moe: str | None) -> bool:
+    """Whether the forward takes the fused layers (engine/fused): asked for, or by default on a
+    CUDA device in default mode on one device with no MoE dispatch named, where Triton is."""
+    if fused is None:
+        return (device.type == "cuda" and not invariant and world is None and moe is None
+                and importlib.util.find_spec("triton") is not None)
+    if not fused:
+        return False
+    for ok, why in ((not invariant, "invariant mode keeps its own fixed-shape kernels"),
+                    (world is None, "the fused layers run on one device"),
+                    (moe is None, f"the fused layers have their own MoE dispatch, not moe={moe!r}"),
+                    (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
+                     f"the fused layers are Triton kernels: a CUDA device, or TRITON_INTERPRET=1 on {device}"),
+                    (importlib.util.find_spec("triton") is not None, "Triton is not installed")):
+        if not ok:
+            raise ValueError(f"Transformer: fused=True, but {why}")
+    return True
 
 
 def _need(ok: bool, message: str) -> None:

@@ -1,5 +1,7 @@
 """Suite-wide settings and the golden fixtures.
 
+Without a CUDA GPU, Triton's kernels run in its interpreter (TRITON_INTERPRET=1).
+
 Single-threaded BLAS and torch: the suite runs on 2-core CI machines next to other
 processes; threaded BLAS there costs far more in contention than it gains, and one
 thread also keeps float reduction order fixed from run to run.
@@ -22,6 +24,20 @@ import pytest
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+
+
+def _no_cuda_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return True
+    return not torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels (engine/fused) run in Triton's interpreter, on CPU tensors;
+# set before any kernel is defined (Triton reads it when a kernel is decorated).
+if "TRITON_INTERPRET" not in os.environ and _no_cuda_gpu():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 COMMITTED_GOLDEN = Path(__file__).resolve().parent / "golden"
 

@@ -130,13 +130,48 @@ def touched_experts(model, tokens: torch.Tensor, positions: torch.Tensor, visibi
     def keep(name: str, layer: int, t: torch.Tensor) -> None:
         if name == "experts":
             chosen[layer] = t[real].unique()
-    copy = type(cache)(cache.c_kv.clone(), cache.k_pe.clone(), cache.lengths.clone())
+    copy = cache_copy(cache)
     model.capture = keep
     try:
         model.forward(tokens, positions, visibility, n_new, starts, copy, check=False)
     finally:
         model.capture = None
     return [int(chosen[layer].numel()) if layer in chosen else 0 for layer in range(model.cfg.num_hidden_layers)]
+
+
+def cache_copy(cache):
+    """A contiguous cache with the same contents (what a measuring forward may write into)."""
+    return type(cache)(cache.c_kv.clone(), cache.k_pe.clone(), cache.lengths.clone())
+
+
+def forward_profile(model, tokens: torch.Tensor, positions: torch.Tensor, visibility: torch.Tensor,
+                    n_new: torch.Tensor, starts: torch.Tensor, cache, top: int = 12) -> dict:
+    """The device activity of one eager forward (the kernels its CUDA graph replays: kernels,
+    memsets and copies), from torch's profiler, on a copy of the cache -> {"kernels": launches,
+    "per_layer": launches / layers, "kernel_ms": their summed device time, "top": [[name,
+    launches, ms], ...] by device time}."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    copy = cache_copy(cache)
+
+    def run() -> None:
+        model.forward(tokens, positions, visibility, n_new, starts, copy, check=False)
+        torch.cuda.synchronize()
+    run()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [event.name, 0, 0.0])
+            entry[1] += 1
+            entry[2] += getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0) or 0.0
+    launches = sum(e[1] for e in totals.values())
+    ranked = sorted(totals.values(), key=lambda e: -e[2])
+    return {"kernels": launches, "per_layer": launches / model.cfg.num_hidden_layers,
+            "kernel_ms": sum(e[2] for e in ranked) / 1e3,
+            "top": [[name[:90], count, us / 1e3] for name, count, us in ranked[:top]]}
 
 
 def cuda_ms(fn: Callable[[], object], reps: int = 10, before: Callable[[], object] | None = None) -> float:
@@ -244,10 +279,9 @@ class Bench:
         for dtype_name in self.plan.dtypes:
             dtype = getattr(torch, dtype_name)
             weights = self.part("weights", lambda: random_weights(self.cfg, seed=0, device=self.device, dtype=dtype))
-            moe = self.part("moe check", lambda: self.check_moe(weights, dtype, attention))
             for mode in self.plan.modes:
                 try:
-                    self.measure(weights, dtype_name, mode, moe, attention, stages, prompts, ceilings_)
+                    self.measure(weights, dtype_name, mode, attention, stages, prompts, ceilings_)
                 except Exception as exc:            # one broken combination must not cost the others
                     self.doc["notes"].append(f"{dtype_name} {mode}: stopped by {type(exc).__name__}: "
                                              f"{traceback.format_exc(limit=-3)}")
@@ -257,45 +291,15 @@ class Bench:
         self.save()
         return self.doc
 
-    def check_moe(self, weights: dict, dtype: torch.dtype, attention) -> str:
-        """The dispatch the default mode uses: the device's choice, unless its logits disagree
-        with the dense dispatch's beyond rounding (then dense, with a note)."""
-        from engine.model import Transformer
-        from engine.moe import moe_dispatch
-
-        choice = moe_dispatch(self.device, dtype)
-        if choice == "dense":
-            return choice
-        models = {m: Transformer(self.cfg, weights, device=self.device, dtype=dtype, attention=attention, moe=m)
-                  for m in ("grouped", "dense")}
-        dev = self.device
-        tokens = torch.randint(0, self.cfg.vocab_size, (2, 24), device=dev)
-        logits = {}
-        try:
-            for m, model in models.items():
-                logits[m] = model.forward(tokens, torch.arange(24, device=dev).expand(2, 24),
-                                          torch.ones(2, 24, 24, dtype=torch.bool, device=dev).tril(),
-                                          torch.tensor([24, 17], device=dev),
-                                          torch.zeros(2, dtype=torch.int64, device=dev), model.new_cache(2, 32))
-            error = float((logits["grouped"][:, :17] - logits["dense"][:, :17]).abs().max()
-                          / logits["dense"][:, :17].abs().max())
-        except Exception as exc:                        # a missing or broken grouped kernel
-            self.doc["notes"].append(f"{dtype}: grouped MoE failed ({type(exc).__name__}: {exc}); dense used")
-            return "dense"
-        self.doc.setdefault("moe_check", {})[str(dtype)] = error
-        if not error < 2e-2:
-            self.doc["notes"].append(f"{dtype}: grouped MoE logits differ from dense by {error:.2e}; dense used")
-            return "dense"
-        return choice
-
-    def measure(self, weights, dtype_name: str, mode: str, moe: str, attention, stages, prompts, ceilings_) -> None:
+    def measure(self, weights, dtype_name: str, mode: str, attention, stages, prompts, ceilings_) -> None:
         from engine.decode import ar_decode, ddtree_decode
         from engine.graphs import GraphedModel
         from engine.model import Transformer
 
         dtype, invariant, plan = getattr(torch, dtype_name), mode == "invariant", self.plan
         model = Transformer(self.cfg, weights, device=self.device, dtype=dtype, attention=attention,
-                            invariant=invariant, moe=None if invariant else moe)
+                            invariant=invariant)
+        self.doc.setdefault("layers", {})[f"{dtype_name} {mode}"] = "fused" if model.fused_forward else "unfused"
         graphed = GraphedModel(model)
         key = dict(dtype=dtype_name, mode=mode)
         element, rate = (2, ceilings_["bf16_TFLOPs"]) if dtype == torch.bfloat16 else (4, ceilings_["fp32_TFLOPs"])
@@ -367,6 +371,8 @@ class Bench:
         cost = forward_cost(self.cfg, element, starts.tolist(), [1] * batch, batch, touched)
         self.step_row({**key, "kind": "ar", "batch": batch, "rows": batch}, ms, cost, touched, rate, ceilings_,
                       context=starts.tolist())
+        self.doc["steps"][-1]["profile"] = forward_profile(model, step.last[:, None], starts[:, None], ones,
+                                                           step.active, starts, step.cache)
 
     def verify_step(self, graphed, model, batch: int, budget: int, key, element, rate, ceilings_) -> None:
         """The verify graph of this (batch, budget), every request active with a full tree."""
@@ -384,7 +390,9 @@ class Bench:
         cost = forward_cost(self.cfg, element, starts, n_new.tolist(), pairs, touched)
         self.step_row({**key, "kind": "verify", "batch": batch, "budget": budget, "rows": int(n_new.sum())}, ms,
                       cost, touched, rate, ceilings_, context=starts)
-        self.doc["steps"][-1].update(build_ms=replay_ms(rnd.build), accept_ms=replay_ms(rnd.accept))
+        self.doc["steps"][-1].update(build_ms=replay_ms(rnd.build), accept_ms=replay_ms(rnd.accept),
+                                     profile=forward_profile(model, ids, positions, visibility, n_new,
+                                                             rnd.starts, rnd.cache))
 
     def step_row(self, row: dict, ms: float, cost: Cost, touched: list[int], rate: float, ceilings_: dict,
                  context: list[int]) -> None:

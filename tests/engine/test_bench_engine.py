@@ -146,7 +146,9 @@ def sample_doc() -> dict:
     return {"config": "k2-mid", "date": "2026-12-01", "commit": "abc", "torch": "2.11",
             "ceilings": {"gpu": "H200", "copy_TBps": 4.3, "bf16_TFLOPs": 790.0, "fp32_TFLOPs": 50.0},
             "backends": {}, "plan": {}, "timing_s": {"total": 300.0}, "notes": [], "skipped": [],
-            "steps": [{**step, "kind": "ar", "ms": 0.6, "floor_ms": 0.5, "x_floor": 1.2},
+            "steps": [{**step, "kind": "ar", "ms": 0.6, "floor_ms": 0.5, "x_floor": 1.2,
+                       "profile": {"kernels": 250, "per_layer": 25.0, "kernel_ms": 0.4,
+                                   "top": [["fused_moe_kernel", 24, 0.2]]}},
                       {**step, "kind": "verify", "budget": 64, "rows": 65, "ms": 1.0, "floor_ms": 0.5,
                        "x_floor": 2.0}],
             "ar": [dict(dtype="bfloat16", mode="default", batch=1, tokens_per_s=1600.0, ms_per_step=0.6)],
@@ -159,6 +161,7 @@ def test_report_states_every_target(tmp_path):
     doc = sample_doc()
     found = {name: (measured, met) for name, measured, _, met in engine_report.verdicts(doc)}
     assert found["AR decode step (bfloat16, batch 1)"][1] is True                 # 1.2x <= 1.5x
+    assert found["kernels per layer, AR step (bfloat16, batch 1)"] == ("25.0 (250 launches a step)", False)
     assert found["tree verify step (bfloat16, batch 1, budget 64)"][1] is False    # 2.0x
     other = found["round work but draft and verify, worst point (default mode)"]
     assert other[1] is False and other[0].startswith("20.0%")
@@ -171,5 +174,6 @@ def test_report_states_every_target(tmp_path):
     assert engine_report.main([str(path), str(tmp_path / "engine")]) == 0
     text = (tmp_path / "engine.md").read_text()
     assert "| tree verify step (bfloat16, batch 1, budget 64) | 2.00x floor" in text and "| not met |" in text
+    assert "| `fused_moe_kernel` | 24 | 0.200 |" in text and "| 250 | 25.0 | 0.400 |" in text
     assert (tmp_path / "engine.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert engine_report.main([str(tmp_path / "missing.json"), str(tmp_path / "x")]) == 1

@@ -1,0 +1,225 @@
+"""The fused FFN: the router in one kernel, the token-to-expert sort in one, the experts in two.
+
+Every FFN of the fused layer is a set of ET stacked experts (engine/fused/weights.py): a MoE
+layer's E routed experts and then its shared experts, split into n_shared experts of the routed
+width; a dense layer's MLP as one expert. Row m of the layer's input gets S slots, each an
+(expert, weight) pair: its k routed choices, then one slot per shared expert at weight 1 (a
+dense layer: one slot, expert 0, weight 1). Then
+
+    y[m, s] = weight[m, s] * W_down_e (silu(W_gate_e h[m]) * (W_up_e h[m]))      float32 [M, S, D]
+
+and the next `add_rms_norm` sums y over s in slot order, so the combine has one fixed order and
+no atomics. The four launches:
+
+- `route`: per row, from the router logits (h W_router^T, float32): sigmoid scores, the
+  selection-only bias, group-limited top-k (a group scores the sum of its two best), the k
+  best experts (ties to the lower index, as `engine.model.route`), their scores normalized
+  and scaled, and the shared slots appended.
+- `align`: the (row, slot) pairs of real rows sorted by expert, each expert's run padded to
+  whole blocks of BLOCK_M (pair -1 in the padding), with the expert of every block and the
+  number of blocks: one program, reading nothing back to the host.
+- `gate_up` / `down`: per block of BLOCK_M sorted pairs, one expert's tile products, SiLU-and-mul
+  in the first's epilogue, the routing weight in the second's. Their grids are sized from the
+  shapes alone (the most blocks any routing can need); blocks past the count return at once,
+  so a call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdtr_format import ModelConfig
+
+from .tiles import cast, dot
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, idx_ptr, weight_ptr, E, scaling,
+                  EG: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+                  SHARED: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_EG: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    e = tl.arange(0, BLOCK_EG)[None, :]
+    expert = g * EG + e                                                   # [BG, BEG]
+    inside = (g < G) & (e < EG)
+    scores = tl.sigmoid(tl.load(logits_ptr + row * E + expert, mask=inside, other=0.0))
+    selection = tl.where(inside, scores + tl.load(bias_ptr + expert, mask=inside, other=0.0), float("-inf"))
+    big = BLOCK_G * BLOCK_EG
+    if G > 1:
+        best = tl.max(selection, axis=1)                                  # [BG]
+        first = tl.min(tl.where(selection == best[:, None], expert, big), axis=1)
+        second = tl.max(tl.where(expert == first[:, None], float("-inf"), selection), axis=1)
+        group_score = tl.where(tl.arange(0, BLOCK_G) < G, best + second, float("-inf"))
+        kept = tl.zeros([BLOCK_G], dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.max(group_score, axis=0)
+            chosen = tl.min(tl.where(group_score == top, tl.arange(0, BLOCK_G), BLOCK_G), axis=0)
+            kept = kept | (tl.arange(0, BLOCK_G) == chosen)
+            group_score = tl.where(tl.arange(0, BLOCK_G) == chosen, float("-inf"), group_score)
+        selection = tl.where(kept[:, None], selection, float("-inf"))
+    total = 0.0
+    for j in tl.static_range(K):
+        top = tl.max(tl.max(selection, axis=1), axis=0)
+        chosen = tl.min(tl.min(tl.where(selection == top, expert, big), axis=1), axis=0)
+        score = tl.sum(tl.sum(tl.where(expert == chosen, scores, 0.0), axis=1), axis=0)
+        tl.store(idx_ptr + row * (K + SHARED) + j, chosen.to(tl.int32))
+        tl.store(weight_ptr + row * (K + SHARED) + j, score)
+        total += score
+        selection = tl.where(expert == chosen, float("-inf"), selection)
+    for j in tl.static_range(K):
+        w = tl.load(weight_ptr + row * (K + SHARED) + j)
+        if NORM:
+            w = w / total
+        tl.store(weight_ptr + row * (K + SHARED) + j, w * scaling)
+    for j in tl.static_range(SHARED):
+        tl.store(idx_ptr + row * (K + SHARED) + K + j, (E + j).to(tl.int32))
+        tl.store(weight_ptr + row * (K + SHARED) + K + j, 1.0)
+
+
+def route(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits float32 [M, E] (h W_router^T), bias float32 [E] -> (experts int32 [M, S],
+    weights float32 [M, S]), S = k + n_shared (module docstring)."""
+    m, experts = logits.shape
+    k, shared = cfg.num_experts_per_tok, cfg.n_shared_experts
+    idx = torch.empty(m, k + shared, device=logits.device, dtype=torch.int32)
+    weight = torch.empty(m, k + shared, device=logits.device, dtype=torch.float32)
+    if m:
+        per_group = experts // cfg.n_group
+        _route_kernel[(m,)](logits, bias, idx, weight, experts, float(cfg.routed_scaling_factor),
+                            EG=per_group, G=cfg.n_group, TOPK_GROUP=cfg.topk_group, K=k, SHARED=shared,
+                            NORM=bool(cfg.norm_topk_prob), BLOCK_G=triton.next_power_of_2(cfg.n_group),
+                            BLOCK_EG=triton.next_power_of_2(per_group), num_warps=4)
+    return idx, weight
+
+
+@triton.jit
+def _align_kernel(idx_ptr, real_ptr, sorted_ptr, block_expert_ptr, blocks_ptr, pairs, S, capacity,
+                  max_blocks, ET, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    experts = tl.arange(0, BLOCK_E)
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(0, pairs, CHUNK):
+        p = c + lane
+        ids = tl.load(idx_ptr + p, mask=p < pairs, other=-1)
+        ids = tl.where(tl.load(real_ptr + p // S, mask=p < pairs, other=0) != 0, ids, -1)
+        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    offsets = tl.cumsum(padded, axis=0) - padded                          # [BE] run starts
+    total = tl.sum(padded, axis=0) // BLOCK_M
+    tl.store(blocks_ptr, total)
+    for b0 in range(0, max_blocks, CHUNK):
+        b = b0 + lane
+        starts = (offsets // BLOCK_M)[:, None]
+        owner = tl.max(tl.where((starts <= b[None, :]) & (padded[:, None] > 0) & (experts[:, None] < ET),
+                                experts[:, None], -1), axis=0)
+        tl.store(block_expert_ptr + b, tl.where(b < total, owner, -1), mask=b < max_blocks)
+    for s0 in range(0, capacity, CHUNK):
+        tl.store(sorted_ptr + s0 + lane, tl.full([CHUNK], -1, tl.int32), mask=s0 + lane < capacity)
+    tl.debug_barrier()
+    taken = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(0, pairs, CHUNK):
+        p = c + lane
+        ids = tl.load(idx_ptr + p, mask=p < pairs, other=-1)
+        ids = tl.where(tl.load(real_ptr + p // S, mask=p < pairs, other=0) != 0, ids, -1)
+        match = (ids[None, :] == experts[:, None]).to(tl.int32)          # [BE, CHUNK]
+        position = offsets[:, None] + taken[:, None] + tl.cumsum(match, axis=1) - 1
+        target = tl.sum(match * position, axis=0)
+        tl.store(sorted_ptr + target, p.to(tl.int32), mask=tl.sum(match, axis=0) > 0)
+        taken += tl.sum(match, axis=1)
+
+
+def block_m(pairs: int, experts: int) -> int:
+    """Rows per expert block: the smallest of 16, 32, 64 that the mean run fills."""
+    per_expert = pairs / max(experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+def align(idx: torch.Tensor, real: torch.Tensor, experts: int, rows_per_block: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """idx int32 [M, S] in [0, experts), real uint8 [M] -> (sorted pairs int32 [blocks * BM]
+    (pair m * S + s, -1 in padding), block_expert int32 [blocks] (-1 past the count),
+    count int32 [1]), blocks the most any routing needs (module docstring)."""
+    pairs = idx.numel()
+    max_blocks = (pairs + min(pairs, experts) * (rows_per_block - 1)) // rows_per_block
+    sorted_pairs = torch.empty(max_blocks * rows_per_block, device=idx.device, dtype=torch.int32)
+    block_expert = torch.empty(max_blocks, device=idx.device, dtype=torch.int32)
+    count = torch.empty(1, device=idx.device, dtype=torch.int32)
+    if pairs:
+        block_e = triton.next_power_of_2(experts)
+        _align_kernel[(1,)](idx, real, sorted_pairs, block_expert, count, pairs, idx.shape[1],
+                            sorted_pairs.numel(), max_blocks, experts, BLOCK_M=rows_per_block,
+                            BLOCK_E=block_e, CHUNK=max(16, min(128, 8192 // block_e)),
+                            num_warps=8 if block_e > 64 else 4)
+    return sorted_pairs, block_expert, count
+
+
+@triton.jit
+def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_expert_ptr, blocks_ptr,
+                          weight_ptr, N, K, S, sw_e, sw_n,
+                          GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GATED: out[sorted row] = silu(a W^T) * (a W2^T), a = h[pair // S] (the gate-up pass);
+    else out[pair] = weight[pair] * (a W^T), a = the block's rows of the first pass (down)."""
+    block = tl.program_id(0)
+    if block >= tl.load(blocks_ptr):
+        return
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair >= 0
+    if GATED:
+        source = (tl.where(valid, pair, 0) // S).to(tl.int64)
+    else:
+        source = rows.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_base = expert * sw_e + cols[None, :].to(tl.int64) * sw_n
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(a_ptr + source[:, None] * K + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0)
+        w_mask = (k[:, None] < K) & (cols[None, :] < N)
+        b = tl.load(w_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
+        acc = dot(a, b, acc, IEEE)
+        if GATED:
+            b2 = tl.load(w2_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
+            acc2 = dot(a, b2, acc2, IEEE)
+    out_mask = valid[:, None] & (cols[None, :] < N)
+    if GATED:
+        h = acc / (1.0 + tl.exp(-acc)) * acc2
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], cast(h, out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        w = tl.load(weight_ptr + tl.where(valid, pair, 0))
+        tl.store(out_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * N + cols[None, :],
+                 acc * w[:, None], mask=out_mask)
+
+
+def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torch.Tensor,
+            w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """h [M, D], idx int32 [M, S], weight float32 [M, S], real uint8 [M], stacked experts
+    w_gate, w_up [ET, I, D], w_down [ET, D, I] -> y float32 [M, S, D] (module docstring; the
+    pairs of padding rows are left unwritten)."""
+    m, slots = idx.shape
+    stacked, inner, width = w_gate.shape
+    y = torch.empty(m, slots, width, device=h.device, dtype=torch.float32)
+    if m == 0 or slots == 0:
+        return y
+    bm = block_m(m * slots, stacked)
+    sorted_pairs, block_expert, count = align(idx, real, stacked, bm)
+    blocks = block_expert.shape[0]
+    ieee = h.dtype == torch.float32
+    hidden = torch.empty(sorted_pairs.shape[0], inner, device=h.device, dtype=h.dtype)
+    _expert_matmul_kernel[(blocks, triton.cdiv(inner, 64))](
+        h, w_gate, w_up, hidden, sorted_pairs, block_expert, count, weight, inner, width, slots,
+        w_gate.stride(0), w_gate.stride(1), GATED=True, IEEE=ieee, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64,
+        num_warps=4)
+    _expert_matmul_kernel[(blocks, triton.cdiv(width, 64))](
+        hidden, w_down, w_down, y, sorted_pairs, block_expert, count, weight, width, inner, slots,
+        w_down.stride(0), w_down.stride(1), GATED=False, IEEE=ieee, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64,
+        num_warps=4)
+    return y

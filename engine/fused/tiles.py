@@ -1,0 +1,56 @@
+"""Pieces the fused kernels share: the tile product and the rotary pair.
+
+`INTERPRETED`: the kernels run in Triton's interpreter (TRITON_INTERPRET=1, the CPU tests).
+Two of its bf16 operations differ from the GPU's (Triton 3.9): its tile product is garbage,
+and its float32 -> bf16 conversion truncates. There `dot` multiplies bf16 tiles as float32
+(the same arithmetic: a product of two bf16 values is exact in float32) and `cast` rounds to
+nearest even by hand, as the GPU's conversion does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_BY_HAND = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a b with float32 accumulation; IEEE: float32 tiles as exact float32 (no TF32)."""
+    if _BY_HAND:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE or _BY_HAND:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def rope_pair(base, half_idx, inside, cos, sin, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The rotary embedding's pairs at base (interleave: 2i, 2i+1; neox: i, i + HALF), rotated
+    -> (first offsets, first values, second offsets, second values), float32."""
+    if INTERLEAVE:
+        first = 2 * half_idx
+        second = first + 1
+    else:
+        first = half_idx
+        second = half_idx + HALF
+    a = tl.load(base + first, mask=inside, other=0.0).to(tl.float32)
+    b = tl.load(base + second, mask=inside, other=0.0).to(tl.float32)
+    return first, a * cos - b * sin, second, a * sin + b * cos
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr):
+    """float32 x -> dtype, rounded to nearest even."""
+    if _BY_HAND:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(dtype)

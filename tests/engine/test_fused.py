@@ -1,0 +1,236 @@
+"""The fused layers (engine/fused) against torch references, kernel by kernel and whole.
+
+Each kernel beside the torch ops it replaces, over sizes, dtypes and both rotary pairings; then
+the fused forward against the unfused one and the float64 reference. On a GPU the kernels are
+compiled; without one they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
+so CI checks the same kernels' arithmetic on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused layers are Triton kernels; Triton is not installed")
+
+from engine.fused import heads, moe as fused_moe, norms  # noqa: E402
+from engine.model import Transformer, apply_rope, rms_norm, route  # noqa: E402
+from engine.moe import RoutedExperts, swiglu  # noqa: E402
+from kdtr_format import PRESETS  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, ulps: float = 2.0) -> None:
+    """Within `ulps` units of the dtype's rounding at the expected tensor's scale."""
+    scale = float(expected.float().abs().max()) or 1.0
+    unit = torch.finfo(dtype).eps * scale
+    error = float((actual.float() - expected.float()).abs().max())
+    assert error <= ulps * unit, f"max error {error:.3g} > {ulps} ulps ({unit:.3g}) at scale {scale:.3g}"
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [48, 256, 300])
+def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype, width):
+    x, delta = randn(5, width, dtype=dtype), randn(5, width, dtype=dtype, seed=1)
+    weight = randn(width, seed=2).to(dtype).float()
+    x_new, h, h32 = norms.add_rms_norm(x, weight, 1e-6, delta=delta, float32_copy=True)
+    assert torch.equal(x_new, x + delta)
+    close(h, rms_norm(x + delta, weight, 1e-6), dtype)
+    assert torch.equal(h32, h.float())
+    _, alone, _ = norms.add_rms_norm(x, weight, 1e-6)
+    close(alone, rms_norm(x, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_sums_the_slots_in_order_and_skips_padding_rows(dtype):
+    x, slots = randn(4, 64, dtype=dtype), randn(4, 3, 64, seed=1)
+    real = torch.tensor([1, 0, 1, 1], dtype=torch.uint8, device=DEVICE)
+    slots[1] = float("nan")                              # a padding row's unwritten slots
+    x_new, _, _ = norms.add_rms_norm(x, torch.ones(64, device=DEVICE), 1e-6, delta=slots, real=real)
+    combined = slots[:, 0] + slots[:, 1] + slots[:, 2]
+    expected = torch.where(real.bool()[:, None], x + combined.to(dtype), x)
+    assert torch.equal(x_new, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["interleave", "neox"])
+@pytest.mark.parametrize("q_lora", [96, None])
+def test_latent_norms_rotates_and_writes_only_real_rows(dtype, style, q_lora):
+    m, r, dr, q_cols = 6, 64, 16, q_lora or 40
+    kv = randn(m, q_cols + r + dr, dtype=dtype)
+    q_a_norm = randn(q_cols, seed=1).float() if q_lora else None
+    kv_a_norm = randn(r, seed=2).float()
+    cos, sin = randn(m, dr // 2, seed=3), randn(m, dr // 2, seed=4)
+    rows = torch.tensor([7, 2, 0, 5, 9, 3], device=DEVICE)
+    real = torch.tensor([1, 1, 0, 1, 1, 0], dtype=torch.uint8, device=DEVICE)
+    c_kv, k_pe = randn(10, r, dtype=dtype, seed=5), randn(10, dr, dtype=dtype, seed=6)
+    c_kv_before, k_pe_before = c_kv.clone(), k_pe.clone()
+    q_a = norms.latent(kv, q_cols, q_a_norm, kv_a_norm, 1e-6, cos, sin, style, rows, real, c_kv, k_pe)
+    if q_lora:
+        close(q_a, rms_norm(kv[:, :q_cols], q_a_norm, 1e-6), dtype)
+    else:
+        assert q_a is None
+    written = rows[real.bool()]
+    close(c_kv[written], rms_norm(kv[real.bool(), q_cols:q_cols + r], kv_a_norm, 1e-6), dtype)
+    close(k_pe[written], apply_rope(kv[real.bool(), q_cols + r:], cos[real.bool()], sin[real.bool()], style), dtype)
+    untouched = torch.ones(10, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.equal(c_kv[untouched], c_kv_before[untouched]) and torch.equal(k_pe[untouched], k_pe_before[untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 17, 70])
+def test_head_bmm_absorbs_q_nope_and_rotates_q_pe(dtype, rows):
+    heads_, d_nope, dr, r = 3, 32, 16, 80
+    q = randn(rows, heads_, d_nope + dr, dtype=dtype)
+    w_uk = randn(heads_, d_nope, r, dtype=dtype, seed=1)
+    cos, sin = randn(rows, dr // 2, seed=2), randn(rows, dr // 2, seed=3)
+    q_lat, q_pe = heads.head_bmm(q, w_uk, w_transposed=False, rope=(cos, sin, "neox"))
+    close(q_lat, torch.einsum("mhd,hdr->mhr", q[..., :d_nope].float(), w_uk.float()), dtype, ulps=4)
+    close(q_pe, apply_rope(q[..., d_nope:], cos[:, None], sin[:, None], "neox"), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_bmm_takes_w_uv_as_stored(dtype):
+    o_lat, w_uv = randn(9, 4, 64, dtype=dtype), randn(4, 24, 64, dtype=dtype, seed=1)
+    o, q_pe = heads.head_bmm(o_lat, w_uv, w_transposed=True)
+    assert q_pe is None
+    close(o, torch.einsum("mhr,hvr->mhv", o_lat.float(), w_uv.float()), dtype, ulps=4)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny2"])
+def test_route_matches_the_engine_router(preset):
+    cfg = PRESETS[preset]
+    e = cfg.n_routed_experts
+    logits = randn(40, e)
+    logits[:8] = logits[:8].round()                      # ties: to the lower index, as engine.model.route
+    bias = 0.1 * randn(e, seed=1)
+    idx, weight = fused_moe.route(cfg, logits, bias)
+    expected_idx, expected_weight = route(cfg, logits, torch.eye(e, device=DEVICE), bias)
+    k = cfg.num_experts_per_tok
+    assert torch.equal(idx[:, :k].long(), expected_idx)
+    torch.testing.assert_close(weight[:, :k], expected_weight, rtol=1e-6, atol=0)
+    shared = torch.arange(e, e + cfg.n_shared_experts, dtype=torch.int32, device=DEVICE)
+    assert torch.equal(idx[:, k:], shared.expand(40, -1)) and bool((weight[:, k:] == 1).all())
+
+
+def test_route_groups_and_normalizes_as_deepseek_v3():
+    cfg = dataclasses.replace(PRESETS["tiny2"], n_routed_experts=32, n_group=8, topk_group=3,
+                              num_experts_per_tok=6, norm_topk_prob=True)
+    logits, bias = randn(30, 32), 0.5 * randn(32, seed=1)
+    idx, weight = fused_moe.route(cfg, logits, bias)
+    expected_idx, expected_weight = route(cfg, logits, torch.eye(32, device=DEVICE), bias)
+    assert torch.equal(idx[:, :6].long(), expected_idx)
+    torch.testing.assert_close(weight[:, :6], expected_weight, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rows, slots, experts, block", [(1, 5, 17, 16), (9, 3, 5, 16), (300, 5, 17, 32)])
+def test_align_sorts_every_real_pair_by_expert_into_whole_blocks(rows, slots, experts, block):
+    g = torch.Generator().manual_seed(rows)
+    idx = torch.randint(0, experts, (rows, slots), generator=g, dtype=torch.int32).to(DEVICE)
+    real = (torch.rand(rows, generator=g) < 0.8).to(torch.uint8).to(DEVICE)
+    real[0] = 1
+    sorted_pairs, block_expert, count = fused_moe.align(idx, real, experts, block)
+    blocks = int(count)
+    assert 0 < blocks <= block_expert.numel()
+    pairs = sorted_pairs[:blocks * block].view(blocks, block).cpu()
+    owners = block_expert[:blocks].cpu()
+    assert bool((block_expert[blocks:] == -1).all()) and bool((owners[1:] >= owners[:-1]).all())
+    flat_idx, flat_real = idx.flatten().cpu(), real.cpu().repeat_interleave(slots).bool()
+    for b in range(blocks):
+        members = pairs[b][pairs[b] >= 0]
+        assert members.numel() > 0 and bool((flat_idx[members.long()] == owners[b]).all())
+    listed = pairs[pairs >= 0]
+    assert torch.equal(listed.sort().values, torch.nonzero(flat_real).flatten().to(listed.dtype))
+    assert bool((sorted_pairs[blocks * block:] == -1).all())
+    for e in range(experts):                             # stable: each expert's pairs in pair order
+        mine = listed[flat_idx[listed.long()] == e]
+        assert bool((mine[1:] > mine[:-1]).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 8, 65])
+def test_experts_match_routed_and_shared_experts(dtype, rows):
+    cfg = PRESETS["tiny2"]
+    e, k, ns, inner, width = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts, 48, 64
+    w_gate, w_up = (randn(e + ns, inner, width, dtype=dtype, seed=s) / 8 for s in (1, 2))
+    w_down = randn(e + ns, width, inner, dtype=dtype, seed=3) / 8
+    h = randn(rows, width, dtype=dtype, seed=4)
+    idx, weight = fused_moe.route(cfg, randn(rows, e, seed=5), torch.zeros(e, device=DEVICE))
+    real = torch.ones(rows, dtype=torch.uint8, device=DEVICE)
+    if rows > 1:
+        real[-1] = 0
+    y = fused_moe.experts(h, idx, weight, real, w_gate, w_up, w_down)
+    routed = RoutedExperts(w_gate[:e].float(), w_up[:e].float(), w_down[:e].float())
+    expected = routed(h.float(), idx[:, :k].long(), weight[:, :k], real.bool(), "dense")
+    for j in range(ns):
+        expected = expected + swiglu(h.float(), w_gate[e + j].float(), w_up[e + j].float(), w_down[e + j].float())
+    keep = real.bool()
+    close(y.sum(1)[keep], expected[keep], dtype, ulps=8)
+
+
+def forward_pair(cfg, weights, dtype, fused: bool, prompts: torch.Tensor, tree: torch.Tensor):
+    """A prefill of `prompts` [B, P] then one forward of `tree` [B, N] (causal; request 1 with
+    two padding rows) -> (logits [B, N, V], cache)."""
+    model = Transformer(cfg, weights, device=DEVICE, dtype=dtype, fused=fused)
+    batch, p = prompts.shape
+    n = tree.shape[1]
+    cache = model.new_cache(batch, 32)
+    arange = torch.arange(32, device=DEVICE)
+    causal = torch.ones(n, n, dtype=torch.bool, device=DEVICE).tril().expand(batch, n, n)
+    model(prompts, arange[:p].expand(batch, p), torch.ones(p, p, dtype=torch.bool, device=DEVICE).tril()
+          .expand(batch, p, p), torch.full((batch,), p, device=DEVICE), torch.zeros(batch, dtype=torch.int64,
+                                                                                 device=DEVICE), cache)
+    n_new = torch.tensor([n, n - 2], device=DEVICE)
+    logits = model(tree, (p + arange[:n]).expand(batch, n), causal, n_new, torch.full((batch,), p, device=DEVICE),
+                   cache)
+    return logits, cache, n_new
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny2", "tiny-neox-yarn"])
+def test_fused_forward_matches_the_unfused_forward(model_zoo, name):
+    """float32: the same math to rounding (logits and the cache); padding rows write nothing."""
+    case = model_zoo.get(name)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, case.cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
+    tree = torch.randint(0, case.cfg.vocab_size, (2, 5), generator=g).to(DEVICE)
+    fused, fused_cache, n_new = forward_pair(case.cfg, case.weights, torch.float32, True, prompts, tree)
+    plain, plain_cache, _ = forward_pair(case.cfg, case.weights, torch.float32, False, prompts, tree)
+    real = torch.arange(5, device=DEVICE)[None] < n_new[:, None]
+    close(fused[real], plain[real], torch.float32, ulps=64)
+    close(fused_cache.c_kv, plain_cache.c_kv, torch.float32, ulps=64)
+    assert torch.equal(fused_cache.c_kv[:, 1, 4 + 3:], plain_cache.c_kv[:, 1, 4 + 3:])   # zeros: never written
+
+
+def test_fused_forward_in_bfloat16_stays_near_the_float64_reference(model_zoo):
+    """bf16: within the spread of bf16 forwards around the float64 reference (the unfused bf16
+    forward's own error, doubled)."""
+    case = model_zoo.get("tiny")
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, case.cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
+    tree = torch.randint(0, case.cfg.vocab_size, (2, 5), generator=g).to(DEVICE)
+    exact, _, n_new = forward_pair(case.cfg, case.weights, torch.float32, False, prompts, tree)
+    fused, _, _ = forward_pair(case.cfg, case.weights, torch.bfloat16, True, prompts, tree)
+    plain, _, _ = forward_pair(case.cfg, case.weights, torch.bfloat16, False, prompts, tree)
+    real = torch.arange(5, device=DEVICE)[None] < n_new[:, None]
+    plain_error = float((plain[real] - exact[real]).abs().max())
+    fused_error = float((fused[real] - exact[real]).abs().max())
+    assert fused_error <= 2 * plain_error, f"fused bf16 error {fused_error:.3g}, unfused {plain_error:.3g}"
+
+
+def test_fused_is_refused_where_it_cannot_run(model_zoo):
+    case = model_zoo.get("tiny")
+    with pytest.raises(ValueError, match="invariant mode"):
+        Transformer(case.cfg, case.weights, device=DEVICE, invariant=True, fused=True)
+    with pytest.raises(ValueError, match="moe='dense'"):
+        Transformer(case.cfg, case.weights, device=DEVICE, moe="dense", fused=True)
+    assert Transformer(case.cfg, case.weights, device="cpu").fused_forward is None
