@@ -82,27 +82,25 @@ def _latent_kernel(kv_ptr, q_a_norm_ptr, kv_a_norm_ptr, cos_ptr, sin_ptr, rows_p
     base = kv_ptr + row * width
     dtype = c_kv_ptr.dtype.element_ty
     if BLOCK_Q > 0:
-        cols = tl.arange(0, BLOCK_Q)
-        inside = cols < Q
-        q_a = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(q_a * q_a, axis=0) / Q + eps)
-        w = tl.load(q_a_norm_ptr + cols, mask=inside, other=0.0)
-        tl.store(q_a_ptr + row * Q + cols, cast(q_a * r * w, dtype), mask=inside)
+        q_idx = tl.arange(0, BLOCK_Q)
+        q_in = q_idx < Q
+        q_a = tl.load(base + q_idx, mask=q_in, other=0.0).to(tl.float32)
+        q_a = q_a * tl.rsqrt(tl.sum(q_a * q_a, axis=0) / Q + eps) * tl.load(q_a_norm_ptr + q_idx, mask=q_in, other=0.0)
+        tl.store(q_a_ptr + row * Q + q_idx, cast(q_a, dtype), mask=q_in)
     if tl.load(real_ptr + row) != 0:
         slot = tl.load(rows_ptr + row)
-        cols = tl.arange(0, BLOCK_R)
-        inside = cols < R
-        c = tl.load(base + Q + cols, mask=inside, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)
-        w = tl.load(kv_a_norm_ptr + cols, mask=inside, other=0.0)
-        tl.store(c_kv_ptr + slot * R + cols, cast(c * r * w, dtype), mask=inside)
+        r_idx = tl.arange(0, BLOCK_R)
+        r_in = r_idx < R
+        c = tl.load(base + Q + r_idx, mask=r_in, other=0.0).to(tl.float32)
+        c = c * tl.rsqrt(tl.sum(c * c, axis=0) / R + eps) * tl.load(kv_a_norm_ptr + r_idx, mask=r_in, other=0.0)
+        tl.store(c_kv_ptr + slot * R + r_idx, cast(c, dtype), mask=r_in)
         half_idx = tl.arange(0, BLOCK_HALF)
-        inside = half_idx < HALF
-        cos = tl.load(cos_ptr + row * HALF + half_idx, mask=inside, other=0.0)
-        sin = tl.load(sin_ptr + row * HALF + half_idx, mask=inside, other=0.0)
-        first, a, second, b = rope_pair(base + Q + R, half_idx, inside, cos, sin, HALF, INTERLEAVE)
-        tl.store(k_pe_ptr + slot * 2 * HALF + first, cast(a, dtype), mask=inside)
-        tl.store(k_pe_ptr + slot * 2 * HALF + second, cast(b, dtype), mask=inside)
+        half_in = half_idx < HALF
+        cos = tl.load(cos_ptr + row * HALF + half_idx, mask=half_in, other=0.0)
+        sin = tl.load(sin_ptr + row * HALF + half_idx, mask=half_in, other=0.0)
+        first, a, second, b = rope_pair(base + Q + R, half_idx, half_in, cos, sin, HALF, INTERLEAVE)
+        tl.store(k_pe_ptr + slot * 2 * HALF + first, cast(a, dtype), mask=half_in)
+        tl.store(k_pe_ptr + slot * 2 * HALF + second, cast(b, dtype), mask=half_in)
 
 
 def latent(kv: torch.Tensor, q_cols: int, q_a_norm: torch.Tensor | None, kv_a_norm: torch.Tensor, eps: float,
