@@ -55,13 +55,16 @@ class AttentionBackend(Protocol):
 
 def bind_attention(backend: AttentionBackend, starts: torch.Tensor, n_new: torch.Tensor,
                    new_visibility: torch.Tensor, num_slots: int,
-                   block_table: torch.Tensor | None = None) -> LayerAttention:
+                   block_table: torch.Tensor | None = None, reuse_out: bool = False) -> LayerAttention:
     """The per-layer call of `backend` for one forward over a cache of num_slots slots per
-    request, paged when block_table int32 [B, num_slots / page_size] is given (module docstring)."""
+    request, paged when block_table int32 [B, num_slots / page_size] is given (module docstring).
+    reuse_out: the caller keeps no layer's o_lat past the next call, so a backend that offers
+    it (``reuses_out``) may return one buffer every call."""
+    reuse = {"reuse_out": True} if reuse_out and getattr(backend, "reuses_out", False) else {}
     if block_table is not None:
         bind_paged = getattr(backend, "bind_paged", None)
         if bind_paged is not None:
-            return bind_paged(starts, n_new, new_visibility, block_table)
+            return bind_paged(starts, n_new, new_visibility, block_table, **reuse)
         contiguous = bind_attention(backend, starts, n_new, new_visibility, num_slots)
         table = block_table.long()
 
@@ -71,7 +74,7 @@ def bind_attention(backend: AttentionBackend, starts: torch.Tensor, n_new: torch
         return gathered
     bind = getattr(backend, "bind", None)
     if bind is not None:
-        return bind(starts, n_new, new_visibility, num_slots)
+        return bind(starts, n_new, new_visibility, num_slots, **reuse)
     return lambda q_lat, q_pe, c_kv, k_pe, scale: backend(q_lat, q_pe, c_kv, k_pe, starts, n_new,
                                                           new_visibility, scale)
 

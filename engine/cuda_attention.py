@@ -46,6 +46,8 @@ class CudaAttention:
     k_pe [B, T, dr], starts [B], n_new [B], new_visibility [B, N, N] bool -> o_lat [B, N, H, R]
     in q_lat's dtype. Inputs float32 or bfloat16, all on one CUDA device."""
 
+    reuses_out = True           # bind(..., reuse_out=True): engine.attention.bind_attention
+
     def __init__(self, invariant: bool = False) -> None:
         self.invariant = invariant
 
@@ -53,43 +55,52 @@ class CudaAttention:
         return CudaAttention(invariant=True)
 
     def bind(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
-             num_slots: int) -> LayerAttention:
+             num_slots: int, reuse_out: bool = False) -> LayerAttention:
+        kv_offsets: dict[int, torch.Tensor] = {}        # per slot stride: every layer's is the same
+
         def kernel(q_lat, q_pe, c_kv, k_pe, context, tree, q_offsets, bits, scale, n, out):
             c_rows, stride = _key_rows(c_kv)
             k_rows, k_stride = _key_rows(k_pe)
             if k_stride != stride:
                 (c_rows, stride), (k_rows, _) = _key_rows(c_kv.contiguous()), _key_rows(k_pe.contiguous())
-            kv_offsets = torch.arange(len(context), device=context.device, dtype=torch.int32) * stride
-            mla_verify(q_lat, q_pe, c_rows, k_rows, context, tree, q_offsets, kv_offsets, bits, scale,
+            if stride not in kv_offsets:
+                kv_offsets[stride] = torch.arange(len(context), device=context.device, dtype=torch.int32) * stride
+            mla_verify(q_lat, q_pe, c_rows, k_rows, context, tree, q_offsets, kv_offsets[stride], bits, scale,
                        max_tree=n, max_kv=max(c_kv.shape[1], 1), invariant=self.invariant, out=out)
-        return self._bound(starts, n_new, new_visibility, kernel)
+        return self._bound(starts, n_new, new_visibility, kernel, reuse_out)
 
     def bind_paged(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
-                   block_table: torch.Tensor) -> LayerAttention:
+                   block_table: torch.Tensor, reuse_out: bool = False) -> LayerAttention:
         """The per-layer call over the pools c_kv [pages, page_size, R], k_pe [pages, page_size, dr]."""
         table = block_table.to(torch.int32).contiguous()
 
         def kernel(q_lat, q_pe, c_kv, k_pe, context, tree, q_offsets, bits, scale, n, out):
             mla_verify_paged(q_lat, q_pe, c_kv, k_pe, context, tree, q_offsets, table, bits, scale, max_tree=n,
                              max_kv=max(table.shape[1] * c_kv.shape[1], 1), invariant=self.invariant, out=out)
-        return self._bound(starts, n_new, new_visibility, kernel)
+        return self._bound(starts, n_new, new_visibility, kernel, reuse_out)
 
     def _bound(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
-               kernel) -> LayerAttention:
+               kernel, reuse_out: bool) -> LayerAttention:
         """The per-layer call around `kernel`: the padded batch as the kernel's ragged one
-        (module docstring), visibility packed once."""
+        (module docstring), visibility packed once. reuse_out: every call writes into (and
+        returns) the same o_lat, zeroed once (the kernel never writes padding rows)."""
         batch, n = new_visibility.shape[:2]
         bits = pack_visibility(new_visibility).view(batch * n, -1)                # [B N, W]
         context, tree = starts.to(torch.int32), n_new.to(torch.int32)
         q_offsets = torch.arange(batch + 1, device=new_visibility.device, dtype=torch.int32) * n
+        kept: list[torch.Tensor] = []
 
         def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                    scale: float) -> torch.Tensor:
             heads, kv_lora = q_lat.shape[2:]
-            o_lat = torch.zeros(batch, n, heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
+            if kept and kept[0].shape[2:] == (heads, kv_lora) and kept[0].dtype == q_lat.dtype:
+                o_lat, lse = kept
+            else:
+                o_lat = torch.zeros(batch, n, heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
+                lse = torch.empty((batch * n, heads), dtype=torch.float32, device=q_lat.device)
+                kept[:] = [o_lat, lse] if reuse_out else []
             if batch == 0 or n == 0 or heads == 0:            # heads 0: a tensor-parallel rank holding none
                 return o_lat
-            lse = torch.empty((batch * n, heads), dtype=torch.float32, device=q_lat.device)
             kernel(q_lat.reshape(batch * n, heads, kv_lora).contiguous(),
                    q_pe.reshape(batch * n, heads, q_pe.shape[3]).contiguous(), c_kv, k_pe, context, tree,
                    q_offsets, bits, scale, n, (o_lat.view(batch * n, heads, kv_lora), lse))

@@ -379,12 +379,14 @@ class Transformer:
         flat_real = real.reshape(rows)
         token_ids = tokens.where(real, 0).clamp(0, cfg.vocab_size - 1).reshape(rows)
         slots = (starts[:, None] + column[None, :]).remainder(cache.max_len)         # [B, N], distinct
-        attend = bind_attention(self.attention, starts, n_new, new_visibility, cache.max_len, cache.block_table)
+        fused = self.fused_forward is not None and self.capture is None
+        attend = bind_attention(self.attention, starts, n_new, new_visibility, cache.max_len, cache.block_table,
+                                reuse_out=fused)
         keep = self._keeper(batch, n)
         cos, sin = self._rows(self._rope, positions.where(real, 0).clamp(min=0).reshape(rows))
 
         x = self.embed[token_ids]                                                    # [M, D]
-        if self.fused_forward is not None and self.capture is None:
+        if fused:
             logits = self.fused_forward(x, cos, sin, cache.slot_rows(slots).reshape(rows),
                                         flat_real.view(torch.uint8), cache, attend, self.scale, batch)
             return logits.view(batch, n, -1)

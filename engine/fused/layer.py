@@ -11,7 +11,7 @@ Per layer (MODEL.md's math, default mode):
     o         = head_bmm(o_lat, W_uv^T)                        1 kernel
     a         = o W_o^T                                        1 GEMM
     x, h, h32 = add_rms_norm(x, a)                             1 kernel
-    experts, weights = route(h32 W_router^T)                   1 GEMM + 1 kernel (MoE layers)
+    experts, weights = route(h W_router^T)                     1 kernel (MoE layers; past 16 rows + 1 GEMM)
     y         = experts(h)                                     3 kernels (sort, gate-up, down)
 
 and after the last layer add_rms_norm with the final norm and the lm_head GEMM. The shared
@@ -97,6 +97,15 @@ class FusedForward:
         self.cfg = cfg
         self.layers = [fuse(cfg, block) for block in blocks]
         self.norm, self.lm_head = norm, lm_head
+        self._dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _dense_slots(self, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense layer's routing of m rows: expert 0 at weight 1 (made once per m: held, so a
+        CUDA graph may read them)."""
+        if m not in self._dense:
+            self._dense[m] = (torch.zeros(m, 1, device=device, dtype=torch.int32),
+                              torch.ones(m, 1, device=device, dtype=torch.float32))
+        return self._dense[m]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                  real: torch.Tensor, cache, attend, scale: float, batch: int) -> torch.Tensor:
@@ -107,8 +116,6 @@ class FusedForward:
         n = m // batch
         q_cols = cfg.q_lora_rank or cfg.num_attention_heads * cfg.qk_head_dim
         eps, latent_eps = cfg.rms_norm_eps, cfg.latent_norm_eps
-        dense_slots = (torch.zeros(m, 1, device=x.device, dtype=torch.int32),
-                       torch.ones(m, 1, device=x.device, dtype=torch.float32))
         y = None
         for layer, f in enumerate(self.layers):
             x, h, _ = norms.add_rms_norm(x, f.input_norm, eps, delta=y, real=real)
@@ -122,11 +129,12 @@ class FusedForward:
                            *cache.layer(layer), scale).view(q_lat.shape)          # [M, H, R]
             o, _ = heads.head_bmm(o_lat, f.w_uv, w_transposed=True)               # [M, H, d_v]
             a = o.view(m, -1) @ f.wo.T                                              # [M, D]
-            x, h, h32 = norms.add_rms_norm(x, f.post_norm, eps, delta=a, float32_copy=f.gate is not None)
+            x, h, h32 = norms.add_rms_norm(x, f.post_norm, eps, delta=a,
+                                           float32_copy=f.gate is not None and m > moe.ROUTER_ROWS)
             if f.gate is None:
-                idx, weight = dense_slots
+                idx, weight = self._dense_slots(m, x.device)
             else:
-                idx, weight = moe.route(cfg, h32 @ f.gate.T, f.bias)
+                idx, weight = moe.route(cfg, h, h32, f.gate, f.bias)
             y = moe.experts(h, idx, weight, real, f.w_gate, f.w_up, f.w_down)     # [M, S, D] float32
         _, h, _ = norms.add_rms_norm(x, self.norm, eps, delta=y, real=real)
         return (h @ self.lm_head.T).float()

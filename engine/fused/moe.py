@@ -36,16 +36,26 @@ from .tiles import cast, dot
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, idx_ptr, weight_ptr, E, scaling,
+def _route_kernel(logits_ptr, h_ptr, gate_ptr, bias_ptr, idx_ptr, weight_ptr, E, D, scaling,
                   EG: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
-                  SHARED: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_EG: tl.constexpr):
+                  SHARED: tl.constexpr, NORM: tl.constexpr, FROM_H: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_EG: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     e = tl.arange(0, BLOCK_EG)[None, :]
     expert = g * EG + e                                                   # [BG, BEG]
     inside = (g < G) & (e < EG)
-    scores = tl.sigmoid(tl.load(logits_ptr + row * E + expert, mask=inside, other=0.0))
+    if FROM_H:                                                            # logits = h W_router^T here
+        logits = tl.zeros([BLOCK_G, BLOCK_EG], dtype=tl.float32)
+        d = tl.arange(0, BLOCK_D)[None, None, :]
+        for d0 in range(0, D, BLOCK_D):
+            h = tl.load(h_ptr + row * D + d0 + d, mask=d0 + d < D, other=0.0).to(tl.float32)
+            w = tl.load(gate_ptr + expert[:, :, None].to(tl.int64) * D + d0 + d,
+                        mask=inside[:, :, None] & (d0 + d < D), other=0.0)
+            logits += tl.sum(h * w, axis=2)
+    else:
+        logits = tl.load(logits_ptr + row * E + expert, mask=inside, other=0.0)
+    scores = tl.sigmoid(logits)
     selection = tl.where(inside, scores + tl.load(bias_ptr + expert, mask=inside, other=0.0), float("-inf"))
     big = BLOCK_G * BLOCK_EG
     if G > 1:
@@ -79,19 +89,28 @@ def _route_kernel(logits_ptr, bias_ptr, idx_ptr, weight_ptr, E, scaling,
         tl.store(weight_ptr + row * (K + SHARED) + K + j, 1.0)
 
 
-def route(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits float32 [M, E] (h W_router^T), bias float32 [E] -> (experts int32 [M, S],
-    weights float32 [M, S]), S = k + n_shared (module docstring)."""
-    m, experts = logits.shape
+ROUTER_ROWS = 16     # up to this many rows `route` computes the logits itself; past it, one GEMM
+
+
+def route(cfg: ModelConfig, h: torch.Tensor, h32: torch.Tensor | None, gate: torch.Tensor,
+          bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, D] (normed), h32 its float32 copy (needed past ROUTER_ROWS rows), gate float32
+    [E, D], bias float32 [E] -> (experts int32 [M, S], weights float32 [M, S]), S = k +
+    n_shared (module docstring). The logits h W_router^T are float32."""
+    m = h.shape[0]
+    experts, width = gate.shape
     k, shared = cfg.num_experts_per_tok, cfg.n_shared_experts
-    idx = torch.empty(m, k + shared, device=logits.device, dtype=torch.int32)
-    weight = torch.empty(m, k + shared, device=logits.device, dtype=torch.float32)
+    idx = torch.empty(m, k + shared, device=h.device, dtype=torch.int32)
+    weight = torch.empty(m, k + shared, device=h.device, dtype=torch.float32)
     if m:
+        from_h = m <= ROUTER_ROWS
+        logits = weight if from_h else h32 @ gate.T                       # [M, E]
         per_group = experts // cfg.n_group
-        _route_kernel[(m,)](logits, bias, idx, weight, experts, float(cfg.routed_scaling_factor),
+        block_g, block_eg = triton.next_power_of_2(cfg.n_group), triton.next_power_of_2(per_group)
+        _route_kernel[(m,)](logits, h, gate, bias, idx, weight, experts, width, float(cfg.routed_scaling_factor),
                             EG=per_group, G=cfg.n_group, TOPK_GROUP=cfg.topk_group, K=k, SHARED=shared,
-                            NORM=bool(cfg.norm_topk_prob), BLOCK_G=triton.next_power_of_2(cfg.n_group),
-                            BLOCK_EG=triton.next_power_of_2(per_group), num_warps=4)
+                            NORM=bool(cfg.norm_topk_prob), FROM_H=from_h, BLOCK_G=block_g, BLOCK_EG=block_eg,
+                            BLOCK_D=max(16, min(256, 4096 // (block_g * block_eg))), num_warps=4)
     return idx, weight
 
 
@@ -199,11 +218,24 @@ def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_exper
                  acc * w[:, None], mask=out_mask)
 
 
+PROGRAMS = 264       # enough programs in flight to stream the weights (two per SM of an H100 / H200)
+
+
+def tiles(blocks: int, n: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of an expert product with `blocks` row blocks and n output columns:
+    the widest BLOCK_N of 64, 32, 16 that still gives PROGRAMS programs (16 if none does);
+    BLOCK_K 128 in bf16, 32 in float32 (exact float32 tiles are FMA loops: small ones)."""
+    block_n = next((b for b in (64, 32) if blocks * triton.cdiv(n, b) >= PROGRAMS), 16)
+    return block_n, 128 if dtype == torch.bfloat16 else 32
+
+
 def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torch.Tensor,
-            w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+            w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+            tiling: tuple[int, int] | None = None) -> torch.Tensor:
     """h [M, D], idx int32 [M, S], weight float32 [M, S], real uint8 [M], stacked experts
     w_gate, w_up [ET, I, D], w_down [ET, D, I] -> y float32 [M, S, D] (module docstring; the
-    pairs of padding rows are left unwritten)."""
+    pairs of padding rows are left unwritten). tiling: (BLOCK_N, BLOCK_K) for both products
+    instead of `tiles`' (the tiling benchmark)."""
     m, slots = idx.shape
     stacked, inner, width = w_gate.shape
     y = torch.empty(m, slots, width, device=h.device, dtype=torch.float32)
@@ -214,12 +246,10 @@ def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torc
     blocks = block_expert.shape[0]
     ieee = h.dtype == torch.float32
     hidden = torch.empty(sorted_pairs.shape[0], inner, device=h.device, dtype=h.dtype)
-    _expert_matmul_kernel[(blocks, triton.cdiv(inner, 64))](
-        h, w_gate, w_up, hidden, sorted_pairs, block_expert, count, weight, inner, width, slots,
-        w_gate.stride(0), w_gate.stride(1), GATED=True, IEEE=ieee, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64,
-        num_warps=4)
-    _expert_matmul_kernel[(blocks, triton.cdiv(width, 64))](
-        hidden, w_down, w_down, y, sorted_pairs, block_expert, count, weight, width, inner, slots,
-        w_down.stride(0), w_down.stride(1), GATED=False, IEEE=ieee, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64,
-        num_warps=4)
+    for a, w, w2, out, n, k, gated in ((h, w_gate, w_up, hidden, inner, width, True),
+                                       (hidden, w_down, w_down, y, width, inner, False)):
+        block_n, block_k = tiling or tiles(blocks, n, h.dtype)
+        _expert_matmul_kernel[(blocks, triton.cdiv(n, block_n))](
+            a, w, w2, out, sorted_pairs, block_expert, count, weight, n, k, slots, w.stride(0), w.stride(1),
+            GATED=gated, IEEE=ieee, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return y

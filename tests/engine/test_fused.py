@@ -107,27 +107,29 @@ def test_head_bmm_takes_w_uv_as_stored(dtype):
     close(o, torch.einsum("mhr,hvr->mhv", o_lat.float(), w_uv.float()), dtype, ulps=4)
 
 
+@pytest.mark.parametrize("rows", [5, 40])               # logits in the kernel, or from one GEMM
 @pytest.mark.parametrize("preset", ["tiny", "tiny2"])
-def test_route_matches_the_engine_router(preset):
+def test_route_matches_the_engine_router(preset, rows):
     cfg = PRESETS[preset]
     e = cfg.n_routed_experts
-    logits = randn(40, e)
-    logits[:8] = logits[:8].round()                      # ties: to the lower index, as engine.model.route
+    logits = randn(rows, e)
+    logits[:4] = logits[:4].round()                      # ties: to the lower index, as engine.model.route
     bias = 0.1 * randn(e, seed=1)
-    idx, weight = fused_moe.route(cfg, logits, bias)
+    idx, weight = fused_moe.route(cfg, logits, logits, torch.eye(e, device=DEVICE), bias)
     expected_idx, expected_weight = route(cfg, logits, torch.eye(e, device=DEVICE), bias)
     k = cfg.num_experts_per_tok
     assert torch.equal(idx[:, :k].long(), expected_idx)
     torch.testing.assert_close(weight[:, :k], expected_weight, rtol=1e-6, atol=0)
     shared = torch.arange(e, e + cfg.n_shared_experts, dtype=torch.int32, device=DEVICE)
-    assert torch.equal(idx[:, k:], shared.expand(40, -1)) and bool((weight[:, k:] == 1).all())
+    assert torch.equal(idx[:, k:], shared.expand(rows, -1)) and bool((weight[:, k:] == 1).all())
 
 
-def test_route_groups_and_normalizes_as_deepseek_v3():
+@pytest.mark.parametrize("rows", [7, 30])
+def test_route_groups_and_normalizes_as_deepseek_v3(rows):
     cfg = dataclasses.replace(PRESETS["tiny2"], n_routed_experts=32, n_group=8, topk_group=3,
                               num_experts_per_tok=6, norm_topk_prob=True)
-    logits, bias = randn(30, 32), 0.5 * randn(32, seed=1)
-    idx, weight = fused_moe.route(cfg, logits, bias)
+    logits, bias = randn(rows, 32), 0.5 * randn(32, seed=1)
+    idx, weight = fused_moe.route(cfg, logits, logits, torch.eye(32, device=DEVICE), bias)
     expected_idx, expected_weight = route(cfg, logits, torch.eye(32, device=DEVICE), bias)
     assert torch.equal(idx[:, :6].long(), expected_idx)
     torch.testing.assert_close(weight[:, :6], expected_weight, rtol=1e-6, atol=0)
@@ -157,19 +159,21 @@ def test_align_sorts_every_real_pair_by_expert_into_whole_blocks(rows, slots, ex
         assert bool((mine[1:] > mine[:-1]).all())
 
 
+@pytest.mark.parametrize("tiling", [None, (16, 32), (64, 128)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 8, 65])
-def test_experts_match_routed_and_shared_experts(dtype, rows):
+def test_experts_match_routed_and_shared_experts(dtype, rows, tiling):
     cfg = PRESETS["tiny2"]
     e, k, ns, inner, width = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts, 48, 64
     w_gate, w_up = (randn(e + ns, inner, width, dtype=dtype, seed=s) / 8 for s in (1, 2))
     w_down = randn(e + ns, width, inner, dtype=dtype, seed=3) / 8
     h = randn(rows, width, dtype=dtype, seed=4)
-    idx, weight = fused_moe.route(cfg, randn(rows, e, seed=5), torch.zeros(e, device=DEVICE))
+    logits = randn(rows, e, seed=5)
+    idx, weight = fused_moe.route(cfg, logits, logits, torch.eye(e, device=DEVICE), torch.zeros(e, device=DEVICE))
     real = torch.ones(rows, dtype=torch.uint8, device=DEVICE)
     if rows > 1:
         real[-1] = 0
-    y = fused_moe.experts(h, idx, weight, real, w_gate, w_up, w_down)
+    y = fused_moe.experts(h, idx, weight, real, w_gate, w_up, w_down, tiling)
     routed = RoutedExperts(w_gate[:e].float(), w_up[:e].float(), w_down[:e].float())
     expected = routed(h.float(), idx[:, :k].long(), weight[:, :k], real.bool(), "dense")
     for j in range(ns):
