@@ -7,10 +7,11 @@
 # stop the next):
 #   tests     the GPU tests of the forward: CUDA graphs (replay bitwise equal to eager, no host
 #             sync, graphed decoding), invariant mode on CUDA, the verify kernel's invariant plan,
-#             the model's CUDA variants, the paged cache (at most 200 s)  -> gpu_tests.log
+#             the model's CUDA variants, the paged cache, the fused layers (at most 200 s)
+#                                                 -> gpu_tests.log
 #   bench     tests/engine/test_bench_engine.py -k gpu: ceilings, AR and verify steps against
 #             their floors, the oracle accuracy sweep (tests/engine_bench.Plan: work not begun
-#             within Plan.seconds, 270, is recorded as skipped; the JSON is rewritten after every
+#             within Plan.seconds, 300, is recorded as skipped; the JSON is rewritten after every
 #             point, so a run cut short keeps its figures), then the table and the plot
 #                                                 -> engine_bench.log, engine-gpu-h200.{json,md,png}
 #   validate  `kdtree validate --device cuda` (not in all: about 3 minutes) -> validate_cuda.{txt,json}
@@ -29,8 +30,8 @@ build_kernels
 if [[ "$stage" == all || "$stage" == tests ]]; then
     echo "== GPU tests (graphs, invariant mode, the model's CUDA variants)"
     timeout 200 python3 -m pytest tests/engine/test_graphs.py tests/engine/test_invariant.py tests/engine/test_model.py \
-        tests/engine/test_paged.py \
-        -k "cuda or graph or replay or host or mla_invariant" -p no:cacheprovider -q -rfs --durations=10 \
+        tests/engine/test_paged.py tests/engine/test_fused.py \
+        -k "cuda or graph or replay or host or mla_invariant or fused" -p no:cacheprovider -q -rfs --durations=10 \
         >"$OUT/gpu_tests.log" 2>&1
     echo "exit $?"
     grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
@@ -39,7 +40,7 @@ fi
 
 if [[ "$stage" == all || "$stage" == bench ]]; then
     echo "== engine benchmark (k2-mid)"
-    KDTREE_BENCH_OUT="$OUT/engine-gpu-h200.json" timeout 360 python3 -m pytest tests/engine/test_bench_engine.py \
+    KDTREE_BENCH_OUT="$OUT/engine-gpu-h200.json" timeout 420 python3 -m pytest tests/engine/test_bench_engine.py \
         -k gpu -p no:cacheprovider -q -rs -s >"$OUT/engine_bench.log" 2>&1
     echo "exit $?"
     tail -3 "$OUT/engine_bench.log"

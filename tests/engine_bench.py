@@ -12,6 +12,15 @@
   the logits written; 2 flops per weight per token, and attention's 2 (R + dr) + 2 R per key
   per head per token. The floor is the larger of bytes / copy bandwidth and flops / the
   dtype's matrix rate, with both ceilings measured in the same run (`ceilings`).
+- `peaked_weights`: a benchmark model whose logit margins look like a trained model's. On the
+  random model the top-1 margin is a fraction of a logit, below the bf16 rounding spread (which
+  moves logits by up to ~4 there between row counts), so default-mode bf16 verify rejects every
+  draft (tau 1) whatever the drafter; here each token's embedding dominates the residual stream
+  and the lm_head row of one successor token (a fixed permutation) is that embedding's
+  direction, so the greedy successor leads by ~5 logits (median, measured and reported as
+  `margins`) over logits of std ~1.
+- `forward_profile`: torch's profiler on one eager forward: the launches per step and per
+  layer, their device time and the top kernels.
 - `replay_ms`: the median device time of a CUDA graph's replays (CUDA events around each).
 - `run_bench`: the whole sweep within a time budget, every figure into one JSON document
   (tests/engine_report.py writes the table and the plot from it).
@@ -139,6 +148,28 @@ def touched_experts(model, tokens: torch.Tensor, positions: torch.Tensor, visibi
     return [int(chosen[layer].numel()) if layer in chosen else 0 for layer in range(model.cfg.num_hidden_layers)]
 
 
+def peaked_weights(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """random_weights with trained-like logit margins (module docstring): embeddings of unit RMS,
+    lm_head[successor[v]] = embed[v] / |embed[v]| for a seeded permutation `successor`."""
+    from engine.validate import random_weights
+
+    weights = random_weights(cfg, seed=seed, device=device, dtype=torch.float32)
+    embed = weights["embed_tokens"]                                                  # [V, D]
+    successor = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed)).to(embed.device)
+    lm_head = torch.empty_like(weights["lm_head"])
+    lm_head[successor] = embed / embed.norm(dim=1, keepdim=True)
+    weights["embed_tokens"] = embed / embed.pow(2).mean().sqrt()
+    weights["lm_head"] = lm_head
+    return {name: value.to(dtype) for name, value in weights.items()}
+
+
+def margin_summary(result) -> dict:
+    """The top-1 / top-2 logit margins of a decode's tokens: median and 10th percentile."""
+    margins = np.array([m for r in result.requests for m in r.margins], dtype=np.float64)
+    return {"median": float(np.median(margins)), "p10": float(np.quantile(margins, 0.1)), "tokens": len(margins)}
+
+
 def cache_copy(cache):
     """A contiguous cache with the same contents (what a measuring forward may write into)."""
     return type(cache)(cache.c_kv.clone(), cache.k_pe.clone(), cache.lengths.clone())
@@ -223,7 +254,8 @@ class Plan:
     side_accuracies: tuple[float, ...] = (0.4, 0.82, 0.97)   # at the other budgets
     dtypes: tuple[str, ...] = ("bfloat16", "float32")
     modes: tuple[str, ...] = ("default", "invariant")
-    seconds: float = 270.0                             # work not begun by then is recorded as skipped
+    peaked_budgets: tuple[int, ...] = (64,)            # the peaked model: bf16, default mode
+    seconds: float = 300.0                             # work not begun by then is recorded as skipped
 
 
 def decode_seconds(metrics, without: Sequence[str] = ()) -> float:
@@ -276,22 +308,32 @@ class Bench:
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, self.cfg.vocab_size, (64 + 16 * b,), generator=generator).tolist()
                    for b in range(max(self.plan.batches))]
-        for dtype_name in self.plan.dtypes:
+        runs = [("random", d, m) for d in self.plan.dtypes for m in self.plan.modes]
+        if self.plan.peaked_budgets:
+            runs.insert(1, ("peaked", "bfloat16", "default"))
+        weights, made = None, None
+        for model_name, dtype_name, mode in runs:
             dtype = getattr(torch, dtype_name)
-            weights = self.part("weights", lambda: random_weights(self.cfg, seed=0, device=self.device, dtype=dtype))
-            for mode in self.plan.modes:
-                try:
-                    self.measure(weights, dtype_name, mode, attention, stages, prompts, ceilings_)
-                except Exception as exc:            # one broken combination must not cost the others
-                    self.doc["notes"].append(f"{dtype_name} {mode}: stopped by {type(exc).__name__}: "
-                                             f"{traceback.format_exc(limit=-3)}")
-                    self.log(self.doc["notes"][-1])
-                    torch.cuda.synchronize()
-                torch.cuda.empty_cache()                # the mode's graphs and caches are gone
+            if made != (model_name, dtype_name):
+                make = peaked_weights if model_name == "peaked" else random_weights
+                weights = None
+                weights = self.part("weights", lambda: make(self.cfg, seed=0, device=self.device, dtype=dtype))
+                made = (model_name, dtype_name)
+            try:
+                self.measure(weights, dtype_name, mode, attention, stages, prompts, ceilings_, model_name)
+            except Exception as exc:            # one broken combination must not cost the others
+                self.doc["notes"].append(f"{model_name} {dtype_name} {mode}: stopped by {type(exc).__name__}: "
+                                         f"{traceback.format_exc(limit=-3)}")
+                self.log(self.doc["notes"][-1])
+                torch.cuda.synchronize()
+            torch.cuda.empty_cache()                # the mode's graphs and caches are gone
         self.save()
         return self.doc
 
-    def measure(self, weights, dtype_name: str, mode: str, attention, stages, prompts, ceilings_) -> None:
+    def measure(self, weights, dtype_name: str, mode: str, attention, stages, prompts, ceilings_,
+                model_name: str) -> None:
+        """One (model, dtype, mode): AR decodes, the steps against their floors (the random model
+        only: a step's time does not depend on the weights' values) and the DDTree sweep."""
         from engine.decode import ar_decode, ddtree_decode
         from engine.graphs import GraphedModel
         from engine.model import Transformer
@@ -301,7 +343,8 @@ class Bench:
                             invariant=invariant)
         self.doc.setdefault("layers", {})[f"{dtype_name} {mode}"] = "fused" if model.fused_forward else "unfused"
         graphed = GraphedModel(model)
-        key = dict(dtype=dtype_name, mode=mode)
+        key = dict(model=model_name, dtype=dtype_name, mode=mode)
+        peaked = model_name == "peaked"
         element, rate = (2, ceilings_["bf16_TFLOPs"]) if dtype == torch.bfloat16 else (4, ceilings_["fp32_TFLOPs"])
         for batch in plan.batches:
             if self.elapsed() > plan.seconds:
@@ -313,10 +356,11 @@ class Bench:
             decoded = ar.metrics.tokens - batch
             ar_s = decode_seconds(ar.metrics)
             self.doc["ar"].append({**key, "batch": batch, "tokens_per_s": decoded / ar_s,
-                                   "ms_per_step": 1e3 * ar_s / ar.metrics.rounds})
-            self.part("steps", lambda: self.ar_step(graphed, model, batch, key, element, rate, ceilings_))
+                                   "ms_per_step": 1e3 * ar_s / ar.metrics.rounds, "margins": margin_summary(ar)})
+            if not peaked:
+                self.part("steps", lambda: self.ar_step(graphed, model, batch, key, element, rate, ceilings_))
             truth = [p + r.tokens for p, r in zip(batch_prompts, ar.requests)]
-            for budget in plan.budgets:
+            for budget in (plan.peaked_budgets if peaked else plan.budgets):
                 accuracies = plan.accuracies if budget == plan.budgets[0] else plan.side_accuracies
                 for accuracy in accuracies:
                     point = {**key, "batch": batch, "budget": budget, "accuracy": accuracy}
@@ -330,8 +374,9 @@ class Bench:
                         return ddtree_decode(graphed, drafter, batch_prompts, ddtree, tokens, stages=stages)
                     if accuracy == accuracies[0]:
                         self.part("DDTree", lambda: run(plan.tokens))                        # capture the graphs
-                        self.part("steps", lambda: self.verify_step(graphed, model, batch, budget, key, element,
-                                                                    rate, ceilings_))
+                        if not peaked:
+                            self.part("steps", lambda: self.verify_step(graphed, model, batch, budget, key,
+                                                                        element, rate, ceilings_))
                     dd = self.part("DDTree", lambda: run(plan.tokens))
                     self.sweep_point(point, ar, ar_s, dd)
 
@@ -342,7 +387,7 @@ class Bench:
         verify = m.stage_seconds["verify"]
         tau = m.mean_acceptance
         steps = [s for s in self.doc["steps"] if s["kind"] == "ar" and s["dtype"] == point["dtype"]
-                 and s["mode"] == point["mode"] and s["batch"] == point["batch"]]
+                 and s["mode"] == point["mode"] and s["batch"] == point["batch"]]        # the random model's
         verify_steps = [s for s in self.doc["steps"] if s["kind"] == "verify" and s["dtype"] == point["dtype"]
                         and s["mode"] == point["mode"] and s["batch"] == point["batch"]
                         and s["budget"] == point["budget"]]
@@ -355,7 +400,7 @@ class Bench:
         if steps and verify_steps:
             point["verify_over_ar_step"] = verify_steps[0]["ms"] / steps[0]["ms"]
         self.doc["sweep"].append(point)
-        self.log(f"{point['dtype']} {point['mode']} B{point['batch']} budget {point['budget']} acc "
+        self.log(f"{point['model']} {point['dtype']} {point['mode']} B{point['batch']} budget {point['budget']} acc "
                  f"{point['accuracy']}: tau {tau:.2f} speedup {point['speedup']:.2f} "
                  f"({point['speedup'] / tau:.2f} tau) tokens match {point['tokens_match']:.2f}")
 

@@ -110,7 +110,7 @@ def route(cfg: ModelConfig, h: torch.Tensor, h32: torch.Tensor | None, gate: tor
         _route_kernel[(m,)](logits, h, gate, bias, idx, weight, experts, width, float(cfg.routed_scaling_factor),
                             EG=per_group, G=cfg.n_group, TOPK_GROUP=cfg.topk_group, K=k, SHARED=shared,
                             NORM=bool(cfg.norm_topk_prob), FROM_H=from_h, BLOCK_G=block_g, BLOCK_EG=block_eg,
-                            BLOCK_D=max(16, min(256, 4096 // (block_g * block_eg))), num_warps=4)
+                            BLOCK_D=max(16, min(1024, 16384 // (block_g * block_eg))), num_warps=8)
     return idx, weight
 
 

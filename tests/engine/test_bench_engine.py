@@ -20,6 +20,7 @@ asserted about speed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -27,10 +28,12 @@ import numpy as np
 import pytest
 import torch
 
+import engine_bench
 import engine_report
 from bench_record import record as record_figures
 from engine.decode import DecodeResult, ar_decode, ddtree_decode
 from engine.drafters import LayerSkipDrafter, OracleDrafter
+from engine.model import Transformer
 from engine.weights import weight_shapes
 from engine_bench import BatchedOracle, Bench, Plan, forward_cost
 from kdtr_format import CONFIGS, PRESETS, DDTreeConfig
@@ -154,7 +157,8 @@ def sample_doc() -> dict:
             "ar": [dict(dtype="bfloat16", mode="default", batch=1, tokens_per_s=1600.0, ms_per_step=0.6)],
             "sweep": [point, {**point, "accuracy": 0.5, "tau": 2.0, "speedup": 1.2, "speedup_without_draft": 1.5,
                               "other_over_verify": 0.2},
-                      {**point, "dtype": "float32", "tokens_match": 0.5}]}
+                      {**point, "dtype": "float32", "tokens_match": 0.5},
+                      {**point, "model": "peaked", "batch": 8, "speedup_without_draft": 3.0}]}
 
 
 def test_report_states_every_target(tmp_path):
@@ -165,9 +169,11 @@ def test_report_states_every_target(tmp_path):
     assert found["tree verify step (bfloat16, batch 1, budget 64)"][1] is False    # 2.0x
     other = found["round work but draft and verify, worst point (default mode)"]
     assert other[1] is False and other[0].startswith("20.0%")
-    speedup = found["speedup / tau, budget 64, batch 1, bf16, default mode, without the draft"]
+    speedup = found["speedup / tau, budget 64, batch 1, bf16, default mode, random model, without the draft"]
     assert speedup == ("0.75 at worst (tau 2.00; taus 5.0, 2.0)", False)          # 1.5 / 2.0 < 0.8
-    assert found["speedup / tau, budget 64, batch 1, bf16, default mode, all in"][1] is False
+    assert found["speedup / tau, budget 64, batch 1, bf16, default mode, random model, all in"][1] is False
+    peaked = found["speedup / tau, budget 64, batch 8, bf16, default mode, peaked model, without the draft"]
+    assert peaked == ("0.60 at worst (tau 5.00; taus 5.0)", True)                 # 3.0 / 5.0 >= 0.5
     assert found["tokens identical to AR, float32 default"][1] is False
     path = tmp_path / "results.json"
     path.write_text(json.dumps(doc))
@@ -177,3 +183,26 @@ def test_report_states_every_target(tmp_path):
     assert "| `fused_moe_kernel` | 24 | 0.200 |" in text and "| 250 | 25.0 | 0.400 |" in text
     assert (tmp_path / "engine.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert engine_report.main([str(tmp_path / "missing.json"), str(tmp_path / "x")]) == 1
+
+
+def test_peaked_model_leads_with_a_trained_like_margin():
+    """The peaked benchmark model's greedy successor leads by logits, the random model's by a
+    fraction of one (engine_bench.peaked_weights); bf16 keeps the peaked model's argmax."""
+    from engine.validate import random_weights
+
+    cfg = dataclasses.replace(PRESETS["kimi-k2"], num_hidden_layers=4)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    args = (tokens, torch.arange(24)[None], torch.ones(24, 24, dtype=torch.bool).tril()[None],
+            torch.tensor([24]), torch.tensor([0]))
+
+    def logits(weights, dtype=torch.float32):
+        model = Transformer(cfg, weights, dtype=dtype)
+        return model(*args, model.new_cache(1, 32))[0]
+
+    def median_margin(x):
+        top = x.topk(2, dim=-1).values
+        return float((top[:, 0] - top[:, 1]).median())
+    peaked = engine_bench.peaked_weights(cfg)
+    exact = logits(peaked)
+    assert median_margin(exact) > 3.0 > median_margin(logits(random_weights(cfg)))
+    assert torch.equal(logits(peaked, torch.bfloat16).argmax(-1), exact.argmax(-1))
