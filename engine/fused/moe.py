@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kdtr_format import ModelConfig
 
-from .tiles import cast, dot
+from .tiles import INTERPRETED, cast, dot
 
 
 @triton.jit
@@ -225,6 +225,8 @@ def tiles(blocks: int, n: int, dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of an expert product with `blocks` row blocks and n output columns:
     the widest BLOCK_N of 64, 32, 16 that still gives PROGRAMS programs (16 if none does);
     BLOCK_K 128 in bf16, 32 in float32 (exact float32 tiles are FMA loops: small ones)."""
+    if INTERPRETED:              # the interpreter runs programs one by one: the fewest (any tiling is exact)
+        return 64, 64
     block_n = next((b for b in (64, 32) if blocks * triton.cdiv(n, b) >= PROGRAMS), 16)
     return block_n, 128 if dtype == torch.bfloat16 else 32
 
