@@ -303,7 +303,7 @@ class Transformer:
     page_size: `new_cache` hands out paged caches of this page size (engine/cache.py);
     None, contiguous ones. `forward` takes either layout. fused: the layers as the fused
     Triton launches (engine/fused; a forward with a capture hook takes the unfused layers);
-    None: on a CUDA device in default mode on one device, with no `moe` named.
+    None: in bf16 on a CUDA device in default mode on one device, with no `moe` named.
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor | np.ndarray],
@@ -338,7 +338,7 @@ class Transformer:
         self.embed, self.norm, self.lm_head = w["embed_tokens"], w["norm"], w["lm_head"]
         self.layers = [Block(cfg, w, i, first) for i in range(cfg.num_hidden_layers)]
         self.fused_forward = None
-        if _use_fused(fused, self.device, invariant, world, moe):
+        if _use_fused(fused, self.device, dtype, invariant, world, moe):
             from .fused import FusedForward
             self.fused_forward = FusedForward(cfg, self.layers, self.norm, self.lm_head)
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
@@ -503,13 +503,15 @@ class Transformer:
               "new_visibility must let every real token see itself (new_visibility[b, i, i])")
 
 
-def _use_fused(fused: bool | None, device: torch.device, invariant: bool, world: World | None,
-               moe: str | None) -> bool:
-    """Whether the forward takes the fused layers (engine/fused): asked for, or by default on a
-    CUDA device in default mode on one device with no MoE dispatch named, where Triton is."""
+def _use_fused(fused: bool | None, device: torch.device, dtype: torch.dtype, invariant: bool,
+               world: World | None, moe: str | None) -> bool:
+    """Whether the forward takes the fused layers (engine/fused): asked for, or by default in
+    bf16 on a CUDA device in default mode on one device with no MoE dispatch named, where Triton
+    is. float32 keeps the unfused layers by default: its fused experts (exact float32 Triton
+    tiles) are slower than cuBLAS (docs/engine-fused.md)."""
     if fused is None:
-        return (device.type == "cuda" and not invariant and world is None and moe is None
-                and importlib.util.find_spec("triton") is not None)
+        return (device.type == "cuda" and dtype == torch.bfloat16 and not invariant and world is None
+                and moe is None and importlib.util.find_spec("triton") is not None)
     if not fused:
         return False
     for ok, why in ((not invariant, "invariant mode keeps its own fixed-shape kernels"),

@@ -16,7 +16,8 @@ and as in CI (the variable CI set);
 the others are lines of what it prints (stdout and stderr), in order, adjacent where they are
 adjacent in the block; a line `...` stands for any lines left out. What legitimately differs
 from run to run or machine to machine is not compared (VARIES): times, the checkout's path,
-a measured float error (its rounding is the CPU's and BLAS's), and whether a float64 value
+a measured float error (its rounding is the CPU's and BLAS's) and the bound it is held to (atol +
+rtol |x| at the element of the worst error, which the rounding picks), and whether a float64 value
 came out exact or within tolerance (the same reason). Each distinct command runs
 once for all the blocks that show it.
 """
@@ -84,6 +85,7 @@ VARIES = [
     (re.compile(r"\b\d+(\.\d+)? ?s\b"), "<seconds>"),                                 # 0.3 s, in 10.58s
     (re.compile(r"\b(prefill|topk|build|compile|verify|accept|compact) \d+\.\d+"), r"\1 <ms>"),   # stage ms
     (re.compile(r"\b\d\.\d\de[-+]\d\d( <= | > )"), r"<error>\1"),                    # a measured error
+    (re.compile(r"( <= | > )\d\.\d\de[-+]\d\d\b"), r"\1<bound>"),      # its bound, atol + rtol|x| at the worst element
     (re.compile(re.escape(str(REPO) + os.sep)), ""),                                      # the checkout's path
     # a float64 value that the CPU's BLAS reproduces bit for bit or within 1e-14: exact or within
     # tolerance (their sum is compared, and every other status)
@@ -176,7 +178,9 @@ def test_an_example_output_is_what_its_command_prints(example):
     (("a", "...", "b"), ["a", "x", "b"], None),
     (("...", "c"), ["a", "b"], "c"),
     (("in 1.5s", "7.50e-06 <= 3.89e-04 x"), ["in 20.25s", "7.53e-06 <= 3.89e-04 x"], None),
-    (("7.50e-06 <= 3.89e-04",), ["7.50e-06 <= 3.90e-04"], "7.50e-06 <= 3.89e-04"),   # a tolerance is compared
+    (("7.50e-06 <= 3.89e-04",), ["7.50e-06 <= 3.90e-04"], None),       # the bound at the worst element varies
+    (("7.5e-06 <= 3.9e-04 [float32: atol 0.0003]",), ["7.5e-06 <= 3.9e-04 [float32: atol 0.0004]"],
+     "7.5e-06 <= 3.9e-04 [float32: atol 0.0003]"),                     # the tolerance's terms are compared
     (("got 5, expected 1",), ["got 4, expected 1"], "got 5, expected 1"),
     (("41 checks (25 exact, 4 within tolerance, 12 skipped)",), ["41 checks (27 exact, 2 within tolerance, 12 skipped)"],
      None),

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton", reason="the fused layers are Triton kernels; Triton is not installed")
 
 from engine.fused import heads, moe as fused_moe, norms  # noqa: E402
-from engine.model import Transformer, apply_rope, rms_norm, route  # noqa: E402
+from engine.model import Transformer, _use_fused, apply_rope, rms_norm, route  # noqa: E402
 from engine.moe import RoutedExperts, swiglu  # noqa: E402
 from kdtr_format import PRESETS  # noqa: E402
 
@@ -204,14 +204,14 @@ def test_fused_forward_matches_the_unfused_forward(model_zoo, name):
     """float32: the same math to rounding (logits and the cache); padding rows write nothing."""
     case = model_zoo.get(name)
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, case.cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
-    tree = torch.randint(0, case.cfg.vocab_size, (2, 5), generator=g).to(DEVICE)
+    prompts = torch.randint(0, case.cfg.vocab_size, (2, 2), generator=g).to(DEVICE)
+    tree = torch.randint(0, case.cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
     fused, fused_cache, n_new = forward_pair(case.cfg, case.weights, torch.float32, True, prompts, tree)
     plain, plain_cache, _ = forward_pair(case.cfg, case.weights, torch.float32, False, prompts, tree)
-    real = torch.arange(5, device=DEVICE)[None] < n_new[:, None]
+    real = torch.arange(4, device=DEVICE)[None] < n_new[:, None]
     close(fused[real], plain[real], torch.float32, ulps=64)
     close(fused_cache.c_kv, plain_cache.c_kv, torch.float32, ulps=64)
-    assert torch.equal(fused_cache.c_kv[:, 1, 4 + 3:], plain_cache.c_kv[:, 1, 4 + 3:])   # zeros: never written
+    assert torch.equal(fused_cache.c_kv[:, 1, 2 + 2:], plain_cache.c_kv[:, 1, 2 + 2:])   # zeros: never written
 
 
 def test_fused_forward_in_bfloat16_stays_near_the_float64_reference(model_zoo):
@@ -219,12 +219,12 @@ def test_fused_forward_in_bfloat16_stays_near_the_float64_reference(model_zoo):
     forward's own error, doubled)."""
     case = model_zoo.get("tiny")
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, case.cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
-    tree = torch.randint(0, case.cfg.vocab_size, (2, 5), generator=g).to(DEVICE)
+    prompts = torch.randint(0, case.cfg.vocab_size, (2, 2), generator=g).to(DEVICE)
+    tree = torch.randint(0, case.cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
     exact, _, n_new = forward_pair(case.cfg, case.weights, torch.float32, False, prompts, tree)
     fused, _, _ = forward_pair(case.cfg, case.weights, torch.bfloat16, True, prompts, tree)
     plain, _, _ = forward_pair(case.cfg, case.weights, torch.bfloat16, False, prompts, tree)
-    real = torch.arange(5, device=DEVICE)[None] < n_new[:, None]
+    real = torch.arange(4, device=DEVICE)[None] < n_new[:, None]
     plain_error = float((plain[real] - exact[real]).abs().max())
     fused_error = float((fused[real] - exact[real]).abs().max())
     assert fused_error <= 2 * plain_error, f"fused bf16 error {fused_error:.3g}, unfused {plain_error:.3g}"
@@ -237,3 +237,13 @@ def test_fused_is_refused_where_it_cannot_run(model_zoo):
     with pytest.raises(ValueError, match="moe='dense'"):
         Transformer(case.cfg, case.weights, device=DEVICE, moe="dense", fused=True)
     assert Transformer(case.cfg, case.weights, device="cpu").fused_forward is None
+
+
+def test_the_fused_layers_are_the_default_for_bf16_on_cuda_only():
+    cuda = torch.device("cuda")
+    assert _use_fused(None, cuda, torch.bfloat16, False, None, None)
+    assert not _use_fused(None, cuda, torch.float32, False, None, None)       # slower than cuBLAS there
+    assert not _use_fused(None, cuda, torch.bfloat16, True, None, None)       # invariant mode
+    assert not _use_fused(None, cuda, torch.bfloat16, False, None, "grouped")
+    assert not _use_fused(None, torch.device("cpu"), torch.bfloat16, False, None, None)
+    assert _use_fused(True, cuda, torch.float32, False, None, None)
