@@ -93,12 +93,13 @@ class CudaAttention:
         def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                    scale: float) -> torch.Tensor:
             heads, kv_lora = q_lat.shape[2:]
-            if kept and kept[0].shape[2:] == (heads, kv_lora) and kept[0].dtype == q_lat.dtype:
+            if kept:                                          # reuse_out: every layer's shapes are the first's
                 o_lat, lse = kept
             else:
                 o_lat = torch.zeros(batch, n, heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
                 lse = torch.empty((batch * n, heads), dtype=torch.float32, device=q_lat.device)
-                kept[:] = [o_lat, lse] if reuse_out else []
+                if reuse_out:
+                    kept[:] = [o_lat, lse]
             if batch == 0 or n == 0 or heads == 0:            # heads 0: a tensor-parallel rank holding none
                 return o_lat
             kernel(q_lat.reshape(batch * n, heads, kv_lora).contiguous(),

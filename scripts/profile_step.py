@@ -5,9 +5,8 @@
 For each dtype and batch (1, 8): the AR step's CUDA-graph replay time (after a 24-token decode
 captured the graph), and torch's profile of the eager forward it replays (launches, launches per
 layer, device time, top kernels); the fused forward's logits against the unfused one's on the same
-step; then the routed experts' launches (engine/fused/moe.py) of a k2-mid MoE layer at each
-tiling, against the bytes of the experts they read. A quick look before the whole benchmark
-(tests/engine/test_bench_engine.py); figures are not committed from here.
+step. A quick look before the whole benchmark (tests/engine/test_bench_engine.py); figures
+are not committed from here.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from engine.decode import ar_decode  # noqa: E402
 from engine.graphs import GraphedModel  # noqa: E402
 from engine.model import Transformer  # noqa: E402
 from engine.validate import random_weights  # noqa: E402
-from engine.fused import moe as fused_moe  # noqa: E402
-from engine_bench import cuda_ms, forward_profile, replay_ms  # noqa: E402
+from engine_bench import forward_profile, replay_ms  # noqa: E402
 from kdtr_format import CONFIGS  # noqa: E402
 
 
@@ -62,32 +60,9 @@ def main(out: str | None) -> None:
             diff = float((logits[True] - logits[False]).abs().max())
             print(f"{dtype} batch {batch}: fused vs unfused logits max |diff| {diff:.3g} "
                   f"(scale {float(logits[False].abs().max()):.3g})")
-        for rows in (1, 8, 65):
-            tilings(cfg, dtype, rows, doc)
     if out:
         with open(out, "w") as f:
             json.dump(doc, f, indent=1)
-
-
-def tilings(cfg, dtype: torch.dtype, rows: int, doc: list) -> None:
-    """The two expert launches of one k2-mid MoE layer for `rows` rows at each (BLOCK_N, BLOCK_K)."""
-    e, k, inner, width = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w_gate, w_up = (torch.randn(e + 1, inner, width, device="cuda", generator=g).to(dtype) for _ in range(2))
-    w_down = torch.randn(e + 1, width, inner, device="cuda", generator=g).to(dtype)
-    h = torch.randn(rows, width, device="cuda", generator=g).to(dtype)
-    idx, weight = fused_moe.route(cfg, h, h.float(), torch.randn(e, width, device="cuda", generator=g),
-                                  torch.zeros(e, device="cuda"))
-    real = torch.ones(rows, dtype=torch.uint8, device="cuda")
-    touched = len(set(idx.flatten().tolist()))
-    nbytes = touched * 3 * inner * width * w_gate.element_size()
-    for tiling in [None] + [(n, kk) for n in (16, 32, 64) for kk in (32, 64, 128)]:
-        ms = cuda_ms(lambda: fused_moe.experts(h, idx, weight, real, w_gate, w_up, w_down, tiling), reps=20)
-        row = {"dtype": str(dtype), "rows": rows, "tiling": tiling or "default", "ms": ms,
-               "TBps": nbytes / ms / 1e9, "experts": touched}
-        doc.append(row)
-        print(f"experts {dtype} rows {rows} tiling {tiling or 'default'}: {1e3 * ms:.1f} us, "
-              f"{nbytes / ms / 1e9:.2f} TB/s of {touched} experts' weights")
 
 
 if __name__ == "__main__":
