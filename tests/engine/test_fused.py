@@ -113,13 +113,13 @@ def test_route_matches_the_engine_router(preset, rows):
     cfg = PRESETS[preset]
     e = cfg.n_routed_experts
     logits = randn(rows, e)
-    logits[:4] = logits[:4].round()                      # ties: to the lower index, as engine.model.route
-    bias = 0.1 * randn(e, seed=1)
-    idx, weight = fused_moe.route(cfg, logits, logits, torch.eye(e, device=DEVICE), bias)
-    expected_idx, expected_weight = route(cfg, logits, torch.eye(e, device=DEVICE), bias)
+    logits[:4] = logits[:4].round()                      # ties (with no bias): to the lower index, as engine.model.route
     k = cfg.num_experts_per_tok
-    assert torch.equal(idx[:, :k].long(), expected_idx)
-    torch.testing.assert_close(weight[:, :k], expected_weight, rtol=1e-6, atol=0)
+    for bias in (0.1 * randn(e, seed=1), torch.zeros(e, device=DEVICE)):
+        idx, weight = fused_moe.route(cfg, logits, logits, torch.eye(e, device=DEVICE), bias)
+        expected_idx, expected_weight = route(cfg, logits, torch.eye(e, device=DEVICE), bias)
+        assert torch.equal(idx[:, :k].long(), expected_idx)
+        torch.testing.assert_close(weight[:, :k], expected_weight, rtol=1e-6, atol=0)
     shared = torch.arange(e, e + cfg.n_shared_experts, dtype=torch.int32, device=DEVICE)
     assert torch.equal(idx[:, k:], shared.expand(rows, -1)) and bool((weight[:, k:] == 1).all())
 
