@@ -27,7 +27,10 @@ from engine_bench import forward_profile, replay_ms  # noqa: E402
 from kdtr_format import CONFIGS  # noqa: E402
 
 
-def main(out: str | None) -> None:
+def main(out: str | None) -> int:
+    if not torch.cuda.is_available():
+        print("profile_step: needs a CUDA GPU; none is visible to torch", file=sys.stderr)
+        return 2
     cfg = CONFIGS["k2-mid"]
     stages, attention, backends = cuda_backends()
     print("backends", backends)
@@ -63,7 +66,8 @@ def main(out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(doc, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))
