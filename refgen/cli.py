@@ -600,15 +600,16 @@ def export_command(fixture: Path, out: Path, dtype: str, layers: int | None, fp8
         raise CliError(f"{fixture}: {exc}") from None
     except OSError as exc:
         raise CliError(f"cannot write {out}: {exc.strerror or exc}") from None
-    files = table("file", "MB", title=f"{dtype} checkpoint written to {out}", right=("MB",))
+    files = table("file", "MB", title=f"{dtype} checkpoint", right=("MB",))
     for name, size in sorted(written.files.items()):
         files.add_row(name, f"{size / 1e6:.2f}")
     out_console = console()
     out_console.print(files)
+    said = [f"written to {shown(out)}"]               # one line each, a path never broken: the terminal folds it
     if written.fixture is None:
-        out_console.print(f"a draft model of {layers} layer(s): no fixture; serve it as the draft of the full export",
-                          highlight=False, markup=False)
+        said.append(f"a draft model of {layers} layer(s): no fixture; serve it as the draft of the full export")
     else:
-        out_console.print(f"serve it (docs/serving.md), then: kdtree validate --server URL --fixtures {out}",
-                          highlight=False, markup=False)
+        said += ["serve it (docs/serving.md), then:", f"  kdtree validate --server URL --fixtures {shown(out)}"]
+    for line in said:
+        out_console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0

@@ -35,6 +35,9 @@ Weights by `dtype`:
   LayerSkip-style draft model for a serving engine's speculative decoding (the
   target's own early exit, as the engine's LayerSkipDrafter). No fixture, no prompts.
 
+A slim fixture (refgen/files.py: the seeded weights omitted, named by sha256) is
+materialized on the way (refgen.materialize); the export holds the full fixture.
+
 The directory is written all or nothing: into a staging directory beside it,
 renamed into place when complete (an FP8 export's fixture and manifest follow, generated
 from the final directory, which is removed again on a failure).
@@ -50,6 +53,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +69,9 @@ from kdtr_format.dequant import FP8
 from kdtr_format.hf_config import hf_config_dict
 
 from .checkpoint_names import _ATTENTION, _DENSE, _MOE, _NORMS, BODIES, HEADS
+from .files import omitted
 from .fixtures import DEFAULT_PLAN, FixtureError
+from .materialize import materialize
 
 DTYPES = ("float32", "bfloat16", "fp8")
 MANIFEST = "kdtree-export.json"
@@ -202,7 +208,9 @@ def source(reader: Any, dtype: str) -> Source:
         raise ExportError(f"no valid model config in its metadata ({exc})") from None
     prefix = "bf16/weights/" if dtype == "bfloat16" else "weights/"
     taken = CheckpointTensors(metadata)          # a checkpoint fixture's weights: from the checkpoint
-    missing = [name for name in weight_shapes(cfg) if prefix + name not in reader and prefix + name not in taken]
+    drawn = set(omitted(reader))                 # a slim fixture's: drawn again (`export` materializes it)
+    missing = [name for name in weight_shapes(cfg)
+               if prefix + name not in reader and prefix + name not in taken and prefix + name not in drawn]
     if missing:
         what = "bf16 cases (regenerate it with `refgen generate`)" if dtype == "bfloat16" else "weights"
         raise ExportError(f"{prefix}{missing[0]}: not in the fixture ({len(missing)} weight(s) missing: it holds "
@@ -221,13 +229,15 @@ def export(reader: Any, fixture_path: Path, out: Path, dtype: str = "float32", l
     (read from `fixture_path`); `out` must not exist, or be an empty directory. progress(1)
     after each weight (`steps`), and after the FP8 fixture's steps."""
     step = progress or (lambda steps: None)
-    src = source(reader, dtype)
-    cfg = _sliced(src.cfg, layers)
+    origin = source(reader, dtype)
+    cfg = _sliced(origin.cfg, layers)
     check_out(out, dtype, layers)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    fixture = fixture_path.name if layers is None and dtype != "fp8" else None
     try:
         staging.chmod(0o777 & ~_umask())
-        files = _write_weights(staging, cfg, src, dtype, block, shard_bytes, step)
+        with _full(reader, staging / (fixture or f".{fixture_path.name}")) as full:
+            files = _write_weights(staging, cfg, source(full, dtype), dtype, block, shard_bytes, step)
         config = hf_config_dict(cfg, "bfloat16" if dtype == "fp8" else dtype)
         if dtype == "fp8":
             config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
@@ -236,12 +246,14 @@ def export(reader: Any, fixture_path: Path, out: Path, dtype: str = "float32", l
                    **tokenizer_files(cfg.vocab_size, cfg.max_position_embeddings)}
         for name, data in written.items():
             files[name] = _write_json(staging / name, data)
-        fixture = fixture_path.name if layers is None and dtype != "fp8" else None
         if fixture is not None:
-            shutil.copyfile(fixture_path, staging / fixture)
+            if not (staging / fixture).exists():
+                shutil.copyfile(fixture_path, staging / fixture)
             files[fixture] = (staging / fixture).stat().st_size
+        else:
+            (staging / f".{fixture_path.name}").unlink(missing_ok=True)
         if dtype != "fp8" or layers is not None:
-            manifest = _manifest(fixture_path, src, dtype, layers, block, fixture, staging)
+            manifest = _manifest(fixture_path, origin, dtype, layers, block, fixture, staging)
             files[MANIFEST] = _write_json(staging / MANIFEST, manifest)
         if out.exists():
             out.rmdir()
@@ -253,13 +265,25 @@ def export(reader: Any, fixture_path: Path, out: Path, dtype: str = "float32", l
         return Written(out, files, fixture, manifest)
     try:                                 # FP8: the fixture of the model now in `out`, then the manifest
         fixture = f"{out.name}.kdtr"
-        files[fixture] = _fp8_fixture(out, fixture, src, step)
-        manifest = _manifest(fixture_path, src, dtype, layers, block, fixture, out)
+        files[fixture] = _fp8_fixture(out, fixture, origin, step)
+        manifest = _manifest(fixture_path, origin, dtype, layers, block, fixture, out)
         files[MANIFEST] = _write_json(out / MANIFEST, manifest)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     return Written(out, files, fixture, manifest)
+
+
+@contextmanager
+def _full(reader: Any, path: Path) -> Iterator[Any]:
+    """`reader` when it holds every tensor; a slim fixture's full fixture (refgen.materialize: the
+    seeded weights drawn again, each checked against its recorded sha256) written to `path`, open."""
+    if not omitted(reader):
+        yield reader
+        return
+    materialize(reader, path)
+    with kdtr_format.open(path) as full:
+        yield full
 
 
 def steps(cfg: ModelConfig, dtype: str, layers: int | None) -> int:
