@@ -286,6 +286,15 @@ PRESETS: dict[str, ModelConfig] = {
         num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
         intermediate_size=512, first_k_dense_replace=1, n_group=1, topk_group=1,
         routed_scaling_factor=2.827, rms_norm_eps=1e-6, **_kimi_k2_attention()),
+    # Real MLA widths (kv_lora_rank 512 + qk_rope_head_dim 64 = 576, the only latent width vLLM's CPU
+    # MLA backend takes; its GPU kernels take 320, 512 or 576) on a model that generates in seconds:
+    # K2's attention and rope dims with 4 heads, 2 layers, 8 experts, a small vocab.
+    "mla-small": ModelConfig(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=2, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
+        intermediate_size=384, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=2.827, rms_norm_eps=1e-6,
+        **{**_kimi_k2_attention(), "num_attention_heads": 4, "q_lora_rank": 128, "max_position_embeddings": 4096}),
 }
 
 # Shapes only (benchmarks, kernel dims); weights are never materialized.

@@ -28,6 +28,7 @@ from refgen import model as ref
 
 RTOL_F32 = 1e-5     # max |engine - reference| / max |reference|, float32 engine
 RTOL_BF16 = 2e-2    # the same for a bf16 engine (about 0.8e-2 seen on every preset)
+ROUTER_TIE = 2e-3   # a selection-score gap bf16 activations may reverse (scores in (0, 1), bf16 keeps 2^-8 of them)
 
 
 def assert_close_to_scale(actual: np.ndarray, expected: np.ndarray, rtol: float) -> None:
@@ -346,12 +347,23 @@ def test_torch_attention_on_golden_verify_cases(golden):
 
 
 def test_bf16_engine_is_close_to_reference(model_zoo, model_name, device):
+    """Rows with a router near-tie (a selection margin below ROUTER_TIE at some MoE layer: bf16's
+    rounding of the scores may pick another expert there, rightly) are left out."""
     case = model_zoo.get(model_name)
     tokens = np.random.default_rng(12).integers(0, case.cfg.vocab_size, 10)
-    expected = case.reference.prefill(tokens, ref.KVCache.new(case.cfg, 10))
+    ffn_in = {}
+    reference = ref.Model(case.cfg, case.weights, capture=lambda point, i, y: ffn_in.setdefault(i, y))
+    expected = reference.prefill(tokens, ref.KVCache.new(case.cfg, 10))
+    clear = np.ones(len(tokens), bool)
+    for i, y in ffn_in.items():
+        if not case.cfg.is_dense_layer(i):
+            p = f"layers.{i}.moe."
+            clear &= ref.router_margins(case.cfg, y, case.weights[p + "gate"],
+                                        case.weights[p + "e_score_correction_bias"]) > ROUTER_TIE
+    assert clear.sum() >= len(tokens) // 2, "too few rows without a router near-tie to judge"
     engine = case.engine(device, torch.bfloat16)
     (actual,) = engine_forward(engine, engine.new_cache(1, 10), [causal_request(tokens, 0)])
-    assert_close_to_scale(actual, expected, RTOL_BF16)
+    assert_close_to_scale(actual[clear], expected[clear], RTOL_BF16)
 
 
 def test_allocate_shapes_and_zero_lengths():
