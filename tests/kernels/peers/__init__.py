@@ -9,6 +9,11 @@ the ignored folder `.peers/`. The two modules of sglang they import and we do no
 our own stand-ins beside this file (`sglang_srt_utils`, `sglang_srt_environ`); `load_sglang()`
 registers them, and package modules over `.peers/`, under sglang's names, so the wheel's
 `sglang/__init__.py` (which imports all of SGLang) never runs.
+
+FlashMLA's sm_90a dense MLA decode kernel (deepseek-ai/FlashMLA, as SGLang packages it in the
+sgl-flash-mla wheel): `scripts/fetch_peers.sh` extracts the compiled extension
+`.peers/flash_mla/_C_legacy.abi3.so` (checksummed); `load_flashmla()` loads it into torch, which
+registers `torch.ops.flash_mla_legacy` (its Python wrapper is not carried: the op is called as is).
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 from . import sglang_srt_environ, sglang_srt_utils
 
 PEERS = Path(__file__).resolve().parents[3] / ".peers"
 ATTENTION = PEERS / "sglang" / "kernels" / "ops" / "attention"
+FLASHMLA_LIB = PEERS / "flash_mla" / "_C_legacy.abi3.so"
 
 
 class PeerUnavailable(RuntimeError):
@@ -58,3 +66,23 @@ def load_sglang() -> SimpleNamespace:
                            decode_attention_fwd=decode.decode_attention_fwd,
                            get_num_kv_splits_triton=metadata.get_num_kv_splits_triton,
                            version=(PEERS / "VERSION").read_text().strip())
+
+
+def load_flashmla() -> SimpleNamespace:
+    """-> namespace(dense_decode_fwd, version): FlashMLA's dense decode op,
+    dense_decode_fwd(q [B, s_q, H, 576], kcache [pages, page, 1, 576], head_size_v, seqlens_k [B],
+    block_table [B, W], softmax_scale, is_causal, tile_scheduler_metadata | None, num_splits | None)
+    -> (out [B, s_q, H, 512], lse [B, H, s_q], tile_scheduler_metadata, num_splits).
+    Raises PeerUnavailable naming the reason (not fetched, no CUDA torch, or the library does not load)."""
+    if not FLASHMLA_LIB.is_file():
+        raise PeerUnavailable(f"FlashMLA's library is not at {FLASHMLA_LIB} (run scripts/fetch_peers.sh)")
+    if not torch.cuda.is_available():
+        raise PeerUnavailable("FlashMLA needs torch with CUDA and a GPU: none visible")
+    if not hasattr(torch.ops.flash_mla_legacy, "dense_decode_fwd"):
+        try:
+            torch.ops.load_library(str(FLASHMLA_LIB))
+        except (OSError, RuntimeError) as exc:
+            raise PeerUnavailable(f"FlashMLA's library does not load in torch {torch.__version__}: "
+                                  f"{str(exc).splitlines()[0][:200]}") from exc
+    return SimpleNamespace(dense_decode_fwd=torch.ops.flash_mla_legacy.dense_decode_fwd,
+                           version=(FLASHMLA_LIB.parent / "VERSION").read_text().strip())

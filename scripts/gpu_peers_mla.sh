@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The MLA tree-verify kernel beside FlashMLA and SGLang in one GPU run (issue 34): run on the GPU
+# machine from the repository root, with .peers/ carried (scripts/fetch_peers.sh fills it) and,
+# optionally, a library built elsewhere (KDTREE_KERNELS_LIB; built here otherwise).
+#
+#   bash scripts/gpu_peers_mla.sh [all|bench|profile]
+#
+# bench: tests/kernels/test_bench_mla_peers.py over its full grids (KDTREE_BENCH=1), the JSON in
+# $OUT/mla_peers.json and the tables with the targets judged in $OUT/mla-peers.md
+# (python3 -m peers.report). profile: ncu (clocks left alone) on one launch each of FlashMLA's
+# decode kernel and kdtree's, at ctx 32k / 1 token / batch 32 and ctx 8k / chain of 16 / batch 32,
+# into $OUT/ncu.txt. DEADLINE (seconds, default 520) bounds the whole script.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage="${1:-all}"
+DEADLINE="${DEADLINE:-520}"
+source scripts/gpu_env.sh
+export PYTHONPATH="$PYTHONPATH:tests:tests/kernels"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+if [[ -n "${KDTREE_KERNELS_LIB:-}" ]] && ! python3 -c "from kernels_cuda import _lib; _lib.library()" >>"$OUT/build.log" 2>&1; then
+    echo "the carried library $KDTREE_KERNELS_LIB does not load here: building" | tee -a "$OUT/gpu.txt"
+    unset KDTREE_KERNELS_LIB
+fi
+build_kernels || exit 1
+python3 -c "
+from peers import load_flashmla, PeerUnavailable
+try:
+    print('FlashMLA:', load_flashmla().version)
+except PeerUnavailable as exc:
+    print('FlashMLA unavailable:', exc)
+" 2>&1 | tee -a "$OUT/gpu.txt"
+
+if want bench; then
+    echo "== tests/kernels/test_bench_mla_peers.py, full grids"
+    KDTREE_BENCH=1 KDTREE_BENCH_OUT="$OUT/mla_peers.json" timeout "$(left 420)" python3 -m pytest \
+        tests/kernels/test_bench_mla_peers.py -q -rfs -p no:cacheprovider >"$OUT/bench.log" 2>&1
+    tail -3 "$OUT/bench.log"
+    python3 -m peers.report "$OUT/mla_peers.json" | tee "$OUT/mla-peers.md" | sed -n '1,14p'
+fi
+
+if want profile; then
+    echo "== ncu: FlashMLA's decode kernel and kdtree's, one launch each per case"
+    cat >/tmp/one_case.py <<'PY'
+import sys
+from test_bench_mla_peers import flashmla, flashmla_call, kdtree_call, make_case
+fm = flashmla()
+for context, tokens, batch in ((32768, 1, 32), (8192, 16, 32)):
+    x = make_case(context, tokens, batch, chain=True, seed=1)
+    for call in (kdtree_call(x, context, tokens, batch), flashmla_call(fm, x, context, tokens, batch)):
+        call()
+PY
+    timeout "$(left 100)" ncu --clock-control none --kernel-name "regex:mla_k2_wgmma|flash_fwd_splitkv_mla_kernel" \
+        --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+        --metrics dram__bytes_read.sum.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
+        python3 /tmp/one_case.py >"$OUT/ncu.txt" 2>&1
+    grep -E "mla_k2_wgmma|flash_fwd_splitkv|Duration|DRAM Throughput|Compute \(SM\)|dram__bytes|gmma|Registers Per|Grid Size|Achieved Occ" \
+        "$OUT/ncu.txt" | head -60
+fi
+echo "== done in ${SECONDS}s"

@@ -1,0 +1,137 @@
+"""The tables and the issue-34 targets from tests/kernels/test_bench_mla_peers.py's JSON.
+
+    python3 -m peers.report RUN.json [--gpu-note TEXT]  > docs/results/mla-peers-<gpu>.md
+
+(with tests/kernels on PYTHONPATH). Each target is judged over the rows it names: met, not met
+(with the worst case), or not measured (no row of that shape carries the figure, e.g. a peer
+void in every case). Exit 2 with one line for a file that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    """At least `at_least` of `figure` in every row of `grid` that `where` picks."""
+
+    text: str
+    grid: str                                   # "chain" or "tree"
+    figure: str                                 # a row key
+    at_least: float
+    where: Callable[[dict], bool]
+    percent: bool = False                       # shown as a percentage
+
+
+TARGETS = (
+    Target("decode, batch >= 8, context >= 8k: >= 1.0x FlashMLA", "chain", "flashmla_ratio", 1.0,
+           lambda r: r["tokens"] == 1 and r["batch"] >= 8 and r["context"] >= 8192),
+    Target("decode, batch >= 8, context >= 8k: >= 85% of the copy bandwidth", "chain", "bw_fraction", 0.85,
+           lambda r: r["tokens"] == 1 and r["batch"] >= 8 and r["context"] >= 8192, percent=True),
+    Target("decode, batch 1, context >= 8k: >= 0.8x FlashMLA", "chain", "flashmla_ratio", 0.8,
+           lambda r: r["tokens"] == 1 and r["batch"] == 1 and r["context"] >= 8192),
+    Target("causal chains of 2-16 tokens: >= 0.9x FlashMLA at every shape", "chain", "flashmla_ratio", 0.9,
+           lambda r: 2 <= r["tokens"] <= 16),
+    Target("trees of 16-128 tokens, context >= 8k: >= 65% of the bf16 rate", "tree", "mma_fraction", 0.65,
+           lambda r: 16 <= r["tokens"] <= 128 and r["context"] >= 8192, percent=True),
+    Target("trees of 16-128 tokens: >= 10x SGLang's extend kernel at every case", "tree", "sglang_extend_ratio",
+           10.0, lambda r: 16 <= r["tokens"] <= 128),
+    Target("mma.sync kernel, context >= 8k, 16+ tokens: >= 40% of the bf16 rate", "tree", "mma_fraction_mma", 0.40,
+           lambda r: r["tokens"] >= 16 and r["context"] >= 8192, percent=True),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: Target
+    measured: int                               # rows of the target's shape that carry the figure
+    expected: int                               # rows of the target's shape
+    worst: dict | None                          # the row with the lowest figure
+
+    @property
+    def status(self) -> str:
+        if self.worst is None:
+            return "not measured"
+        return "met" if self.worst[self.target.figure] >= self.target.at_least else "NOT MET"
+
+
+def judge(data: dict) -> list[Verdict]:
+    """Each target over the run's rows."""
+    verdicts = []
+    for target in TARGETS:
+        rows = [r for r in data.get(target.grid, []) if target.where(r)]
+        have = [r for r in rows if isinstance(r.get(target.figure), (int, float))]
+        worst = min(have, key=lambda r: r[target.figure]) if have else None
+        verdicts.append(Verdict(target, len(have), len(rows), worst))
+    return verdicts
+
+
+def _num(value, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+
+
+def _pct(value) -> str:
+    return f"{100 * value:.1f}" if isinstance(value, (int, float)) else "-"
+
+
+def _case(r: dict) -> str:
+    return f"ctx {r['context']} / {r['tokens']} tokens / batch {r['batch']}"
+
+
+def render(data: dict) -> str:
+    c = data["ceilings"]
+    out = [f"GPU: {c['gpu']}; ceilings measured in the run: copy {c['copy_TBps']:.2f} TB/s, "
+           f"bf16 {c['bf16_TFLOPs']:.0f} TFLOP/s; pages of {data.get('page_size', '?')} slots.", ""]
+    out += ["## Targets", "", "| target | status | worst case | figure | rows measured |", "|---|---|---|---:|---:|"]
+    for v in judge(data):
+        t = v.target
+        figure = "-" if v.worst is None else (_pct(v.worst[t.figure]) + " %" if t.percent
+                                              else _num(v.worst[t.figure], 2) + "x")
+        out.append(f"| {t.text} | {v.status} | {_case(v.worst) if v.worst else '-'} | {figure} | "
+                   f"{v.measured} / {v.expected} |")
+    out += ["", "## Decode and causal chains: kdtree beside FlashMLA", "",
+            "FlashMLA / kdtree > 1: kdtree faster. Error: relative Frobenius difference of the two bf16 outputs.", "",
+            "| ctx | tokens | batch | kdtree ms | FlashMLA ms | FlashMLA / kdtree | kdtree % copy | FlashMLA % copy "
+            "| kdtree % bf16 | error |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data.get("chain", []):
+        note = f" ({r['flashmla_void']})" if "flashmla_void" in r else ""
+        out.append(f"| {r['context']} | {r['tokens']} | {r['batch']} | {_num(r['kernel_ms'])} | "
+                   f"{_num(r.get('flashmla_ms'))}{note} | {_num(r.get('flashmla_ratio'), 2)} | {_pct(r['bw_fraction'])} | "
+                   f"{_pct(r.get('flashmla_bw_fraction'))} | {_pct(r['mma_fraction'])} | "
+                   f"{_num(r.get('flashmla_error'), 4) if 'flashmla_error' in r else '-'} |")
+    out += ["", "## Trees: kdtree (wgmma and mma.sync) beside SGLang's extend kernel", "",
+            "| ctx | tokens | batch | kdtree ms | kdtree % bf16 | mma ms | mma % bf16 | SGLang extend ms "
+            "| SGLang / kdtree | error |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data.get("tree", []):
+        note = f" ({r['sglang_extend_void']})" if "sglang_extend_void" in r else ""
+        out.append(f"| {r['context']} | {r['tokens']} | {r['batch']} | {_num(r['kernel_ms'])} | "
+                   f"{_pct(r['mma_fraction'])} | {_num(r.get('mma_ms'))} | {_pct(r.get('mma_fraction_mma'))} | "
+                   f"{_num(r.get('sglang_extend_ms'))}{note} | {_num(r.get('sglang_extend_ratio'), 2)} | "
+                   f"{_num(r.get('sglang_extend_error'), 4) if 'sglang_extend_error' in r else '-'} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m peers.report", description=__doc__.splitlines()[0])
+    parser.add_argument("json", help="the JSON test_bench_mla_peers.py wrote ($KDTREE_BENCH_OUT)")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.json) as f:
+            data = json.load(f)
+        text = render(data)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"peers.report: cannot read {args.json}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

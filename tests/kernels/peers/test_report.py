@@ -1,0 +1,68 @@
+"""peers.report judges each issue-34 target by the worst row of its shape, and says when none was measured."""
+
+from __future__ import annotations
+
+import json
+
+from peers.report import judge, main
+
+
+def chain(context: int, tokens: int, batch: int, ratio: float | None, bw: float = 0.9) -> dict:
+    row = dict(context=context, tokens=tokens, batch=batch, kernel_ms=1.0, bw_fraction=bw, mma_fraction=0.5)
+    if ratio is None:
+        row["flashmla_void"] = "output differs from ours: relative error 5.00e-01 > 0.01"
+    else:
+        row.update(flashmla_ms=ratio, flashmla_ratio=ratio, flashmla_error=3e-3, flashmla_bw_fraction=0.8)
+    return row
+
+
+def tree(context: int, tokens: int, batch: int, rate: float, sglang: float | None, mma: float = 0.45) -> dict:
+    row = dict(context=context, tokens=tokens, batch=batch, kernel_ms=1.0, bw_fraction=0.1, mma_fraction=rate,
+               mma_ms=2.0, mma_fraction_mma=mma)
+    if sglang is None:
+        row["sglang_extend_void"] = "not timed"
+    else:
+        row.update(sglang_extend_ms=sglang, sglang_extend_ratio=sglang, sglang_extend_error=2e-3)
+    return row
+
+
+RUN = {"ceilings": {"gpu": "NVIDIA H100 80GB HBM3", "copy_TBps": 3.0, "bf16_TFLOPs": 780.0}, "page_size": 64,
+       "chain": [chain(8192, 1, 8, 1.2), chain(32768, 1, 32, 0.95), chain(1024, 1, 8, 0.1, bw=0.2),
+                 chain(8192, 1, 1, 0.85), chain(8192, 4, 8, 0.92), chain(1024, 16, 1, None)],
+       "tree": [tree(8192, 64, 8, 0.70, 12.0), tree(32768, 128, 8, 0.66, None), tree(1024, 16, 8, 0.30, 9.5, mma=0.2)]}
+
+
+def test_each_target_takes_its_worst_row() -> None:
+    got = {v.target.text: (v.status, v.worst and (v.worst["context"], v.worst["tokens"], v.worst["batch"]),
+                           v.measured, v.expected) for v in judge(RUN)}
+    assert got == {
+        # ctx 1k and batch 1 rows are outside this target's shape: 0.95x at ctx 32k / batch 32 is the worst
+        "decode, batch >= 8, context >= 8k: >= 1.0x FlashMLA": ("NOT MET", (32768, 1, 32), 2, 2),
+        "decode, batch >= 8, context >= 8k: >= 85% of the copy bandwidth": ("met", (8192, 1, 8), 2, 2),
+        "decode, batch 1, context >= 8k: >= 0.8x FlashMLA": ("met", (8192, 1, 1), 1, 1),
+        # the void chain is counted as expected but not measured
+        "causal chains of 2-16 tokens: >= 0.9x FlashMLA at every shape": ("met", (8192, 4, 8), 1, 2),
+        "trees of 16-128 tokens, context >= 8k: >= 65% of the bf16 rate": ("met", (32768, 128, 8), 2, 2),
+        "trees of 16-128 tokens: >= 10x SGLang's extend kernel at every case": ("NOT MET", (1024, 16, 8), 2, 3),
+        "mma.sync kernel, context >= 8k, 16+ tokens: >= 40% of the bf16 rate": ("met", (8192, 64, 8), 2, 2),
+    }
+
+
+def test_a_target_with_no_measured_row_is_not_measured() -> None:
+    run = {**RUN, "chain": [chain(8192, 2, 8, None)]}
+    verdict = next(v for v in judge(run) if v.target.text.startswith("causal chains"))
+    assert (verdict.status, verdict.measured, verdict.expected) == ("not measured", 0, 1)
+
+
+def test_main_writes_the_tables_and_refuses_a_bad_file(tmp_path, capsys) -> None:
+    good = tmp_path / "run.json"
+    good.write_text(json.dumps(RUN))
+    assert main([str(good)]) == 0
+    text = capsys.readouterr().out
+    assert "| decode, batch >= 8, context >= 8k: >= 1.0x FlashMLA | NOT MET | ctx 32768 / 1 tokens / batch 32 | 0.95x |" in text
+    assert "output differs from ours" in text and "NVIDIA H100 80GB HBM3" in text
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"chain\": []}")
+    assert main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read" in err and "ceilings" in err
