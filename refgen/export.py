@@ -34,6 +34,7 @@ Weights by `dtype`:
 - `layers` K (any dtype): the first K layers, the final norm and the head: a
   LayerSkip-style draft model for a serving engine's speculative decoding (the
   target's own early exit, as the engine's LayerSkipDrafter). No fixture, no prompts.
+  Labelled DeepseekV2ForCausalLM (`DRAFT_LABEL`), the label vLLM and SGLang take as a draft.
 
 A slim fixture (refgen/files.py: the seeded weights omitted, named by sha256) is
 materialized on the way (refgen.materialize); the export holds the full fixture.
@@ -77,6 +78,12 @@ DTYPES = ("float32", "bfloat16", "fp8")
 MANIFEST = "kdtree-export.json"
 EXPORT_FORMAT = 1
 FP8_MAX = 448.0                            # the largest finite e4m3fn value
+# A draft model's label. Serving engines turn a DeepseekV3 draft into their MTP module: vLLM's
+# SpeculativeConfig.hf_config_override rewrites model_type deepseek_v3 to deepseek_mtp with n_predict =
+# num_nextn_predict_layers (0 here: ZeroDivisionError), SGLang's ModelConfig._config_draft_model
+# rewrites architecture DeepseekV3ForCausalLM to DeepseekV3ForCausalLMNextN (one MTP layer asserted).
+# Both serve DeepseekV2 with the same class as V3, reading scoring_func and topk_method.
+DRAFT_LABEL = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
 SHARD_BYTES = 4 << 30
 INDEX = "model.safetensors.index.json"
 
@@ -238,7 +245,7 @@ def export(reader: Any, fixture_path: Path, out: Path, dtype: str = "float32", l
         staging.chmod(0o777 & ~_umask())
         with _full(reader, staging / (fixture or f".{fixture_path.name}")) as full:
             files = _write_weights(staging, cfg, source(full, dtype), dtype, block, shard_bytes, step)
-        config = hf_config_dict(cfg, "bfloat16" if dtype == "fp8" else dtype)
+        config = hf_config_dict(cfg, "bfloat16" if dtype == "fp8" else dtype) | (DRAFT_LABEL if layers else {})
         if dtype == "fp8":
             config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
                                              "activation_scheme": "dynamic"}
