@@ -13,5 +13,6 @@ __version__ = "0.1.0"
 from .errors import ChecksumError, FormatError, KdtrError, TensorNotFoundError, VersionError, WriterError
 from .reader import Reader, TensorInfo, open
 from .schema import CONFIGS, PRESETS, ConfigError, DDTreeConfig, ModelConfig, YarnScaling
+from .hf_config import HFConfig, hf_config_dict, read_hf_config
 from .weights import weight_bytes, weight_shapes
 from .writer import Writer, write

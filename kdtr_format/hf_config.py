@@ -1,6 +1,6 @@
 """Reading an HF ``config.json`` (DeepseekV3 / Kimi K2) into a `ModelConfig`, and writing one.
 
-    config, notes = ModelConfig.from_hf_dict(json.load(open("config.json")))
+    config, notes = read_hf_config(json.load(open("config.json")))
     data = hf_config_dict(config, "bfloat16")          # what `refgen export` writes; read back exactly
 
 The dict is the text model's own config: a caller reading a vision-language
@@ -64,7 +64,7 @@ INERT = frozenset({
 CHECKED = {"moe_layer_freq": 1, "hidden_act": "silu", "attention_bias": False, "pretraining_tp": 1}
 REFUSED = {
     "quantization_config": "quantized weights are a checkpoint's storage format; the reader of the "
-                           "checkpoint's weights handles this key and removes it before calling from_hf_dict",
+                           "checkpoint's weights handles this key and removes it before calling read_hf_config",
     "text_config": "a wrapper config (vision-language); pass its text_config",
 }
 ROPE_FORMS = ("rope_theta", "rope_scaling", "rope_parameters")
@@ -76,7 +76,7 @@ OPTIONAL = ("rope_theta", "rope_scaling", "rope_style", "scoring_func", "topk_me
 
 
 class HFConfig(NamedTuple):
-    """What `ModelConfig.from_hf_dict` returns."""
+    """What `read_hf_config` returns."""
 
     config: ModelConfig
     notes: list[str]   # one line per decision worth telling the user (default taken, key not run)
@@ -98,7 +98,7 @@ def _refuse(key: str, message: str) -> None:
 
 
 def read_hf_config(data: Mapping[str, Any]) -> HFConfig:
-    """`ModelConfig.from_hf_dict`: an HF config.json dict -> HFConfig(config, notes)."""
+    """An HF config.json dict -> HFConfig(config, notes)."""
     if not isinstance(data, Mapping):
         _refuse("config", f"expected a JSON object, got {type(data).__name__}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -10,7 +10,7 @@ official layout; ``neox`` = pairs (x[i], x[i + d/2])) and `latent_norm_eps`
 ``docs/model.md``.
 
 `ModelConfig.to_dict` / `from_dict` are kdtree's own form (what fixtures
-record); `ModelConfig.from_hf_dict` reads an HF ``config.json``
+record); `kdtr_format.read_hf_config` reads an HF ``config.json``
 (kdtr_format/hf_config.py). An impossible config raises `ConfigError` naming
 the field.
 """
@@ -20,12 +20,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from .errors import KdtrError
-
-if TYPE_CHECKING:
-    from .hf_config import HFConfig
 
 ROPE_STYLES = ("interleave", "neox")
 
@@ -186,21 +183,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
         """The inverse of `to_dict`: every field present and no other key (a fixture's
-        ``config``). An HF ``config.json`` goes through `from_hf_dict`."""
+        ``config``). An HF ``config.json`` goes through `read_hf_config`."""
         _require(isinstance(data, Mapping), "config", f"expected a JSON object, got {type(data).__name__}")
         kwargs = _exact_fields(cls, data, "")
         kwargs["rope_scaling"] = YarnScaling.from_dict(kwargs["rope_scaling"])
         return cls(**kwargs)
-
-    @classmethod
-    def from_hf_dict(cls, data: Mapping[str, Any]) -> "HFConfig":
-        """An HF ``config.json`` dict (DeepseekV3 / Kimi K2, transformers 4.x or 5.x
-        rope forms) -> ``HFConfig(config, notes)``: the config, and one line for each
-        decision a user may want to know about. A key whose meaning kdtree does not
-        implement raises `ConfigError` naming it. The rules: kdtr_format/hf_config.py."""
-        from .hf_config import read_hf_config
-
-        return read_hf_config(data)
 
 
 def _exact_fields(cls: type, data: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -213,7 +200,7 @@ def _exact_fields(cls: type, data: Mapping[str, Any], prefix: str) -> dict[str, 
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise ConfigError(f"{prefix}{unknown[0]}: not a field of {cls.__name__} "
-                          "(an HF config.json goes through ModelConfig.from_hf_dict)")
+                          "(an HF config.json goes through kdtr_format.read_hf_config)")
     return dict(data)
 
 

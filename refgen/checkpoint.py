@@ -42,11 +42,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from kdtr_format import PRESETS, KdtrError, ModelConfig
+from kdtr_format import PRESETS, KdtrError, ModelConfig, read_hf_config
 from kdtr_format.checkpoint_tensors import KEY as CHECKPOINT_TENSORS
 from kdtr_format.checkpoint_tensors import CheckpointTensorError, decode_checkpoint
 
-from .checkpoint_names import (BODIES, HEADS, PLAIN, ExpertSlice, Param, ShapeTemplates, check_storage, classify,
+from .checkpoint_names import (BODIES, HEADS, PLAIN, Checkpoint, ExpertSlice, Param, ShapeTemplates, check_storage, classify,
                                expected_shape, mtp_layers, param_and_role)
 from .fixtures import DEFAULT_PLAN, Fixture, FixturePlan, model_fixture
 from .model import rope_inv_freq
@@ -66,25 +66,6 @@ WEIGHT_PREFIXES = ("weights/", "bf16/weights/")   # a checkpoint fixture's, take
 
 
 # ---------------------------------------------------------------------------- the directory
-
-@dataclass
-class Checkpoint:
-    """An opened checkpoint directory: its language-model config (``text_config`` unwrapped),
-    quantization, tensor headers, and where its language model lives."""
-
-    directory: Path
-    hf_config: dict[str, Any]           # the language model's config.json object, quantization_config removed
-    quantization_config: dict[str, Any] | None
-    quant: Quantization
-    cfg: ModelConfig                    # the whole model
-    config_notes: list[str]             # what ModelConfig.from_hf_dict decided (defaults taken, keys noted)
-    mtp_declared: int                   # num_nextn_predict_layers
-    mtp_held: tuple[int, ...]           # the MTP layers the files hold (beyond num_hidden_layers)
-    multimodal: bool                    # config.json nests the language model in text_config
-    files: SafetensorsDir
-    body: str                           # "model." or a multimodal prefix
-    head: str
-
 
 def open_checkpoint(directory: str | Path) -> Checkpoint:
     """Read config.json and every safetensors header of `directory` (no tensor data), and check
@@ -109,7 +90,7 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
     quantization_config = found[0] if found else None
     try:
         quant = parse_quantization(quantization_config)
-        cfg, config_notes = ModelConfig.from_hf_dict(text)
+        cfg, config_notes = read_hf_config(text)
     except (QuantError, KdtrError) as exc:
         raise CheckpointError(f"config.json: {exc}") from None
     mtp = text.get("num_nextn_predict_layers") or 0

@@ -17,18 +17,16 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from kdtr_format import ModelConfig
 
-from .quant import WeightScheme
-from .safetensors_dir import CheckpointError, StoredTensor
+from .quant import Quantization, WeightScheme
+from .safetensors_dir import CheckpointError, SafetensorsDir, StoredTensor
 from .weights import weight_shapes
-
-if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
 
 BODIES = ("model.", "language_model.model.", "model.language_model.")
 HEADS = ("lm_head.weight", "language_model.lm_head.weight")
@@ -55,6 +53,25 @@ _ROUTER = ("moe.gate", "moe.e_score_correction_bias")
 # a tensor name's quantization suffix -> its role in the parameter (the name without the suffix)
 _ROLES = (("_scale_inv", "scale_inv"), ("_packed", "packed"), ("_scale", "scale"), ("_shape", "shape"),
           ("_zero_point", "zero_point"))
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint directory: its language-model config (``text_config`` unwrapped),
+    quantization, tensor headers, and where its language model lives."""
+
+    directory: Path
+    hf_config: dict[str, Any]           # the language model's config.json object, quantization_config removed
+    quantization_config: dict[str, Any] | None
+    quant: Quantization
+    cfg: ModelConfig                    # the whole model
+    config_notes: list[str]             # what read_hf_config decided (defaults taken, keys noted)
+    mtp_declared: int                   # num_nextn_predict_layers
+    mtp_held: tuple[int, ...]           # the MTP layers the files hold (beyond num_hidden_layers)
+    multimodal: bool                    # config.json nests the language model in text_config
+    files: SafetensorsDir
+    body: str                           # "model." or a multimodal prefix
+    head: str
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.text import Text  # noqa: E402
 
 import kdtr_format  # noqa: E402
-from kdtr_format import PRESETS, KdtrError, ModelConfig  # noqa: E402
+from kdtr_format import PRESETS, KdtrError, ModelConfig, read_hf_config  # noqa: E402
 from kdtr_format.clikit import Cli, CliError, OutputDirectory, console, records, shown, table  # noqa: E402
 
 from . import __version__  # noqa: E402
@@ -156,7 +156,7 @@ def _config_from_file(path: Path) -> tuple[ModelConfig, str]:
     except json.JSONDecodeError as exc:
         raise CliError(f"config file {path}: not valid JSON ({exc})") from None
     try:
-        cfg, notes = ModelConfig.from_hf_dict(data)
+        cfg, notes = read_hf_config(data)
     except KdtrError as exc:
         raise CliError(f"config file {path}: {exc}") from None
     for note in notes:

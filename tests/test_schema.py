@@ -8,7 +8,7 @@ import math
 import pytest
 
 from engine.adapters.hf_mapping import TRANSFORMERS_MIN, deepseek_v3_kwargs
-from kdtr_format import CONFIGS, PRESETS, ConfigError, DDTreeConfig, ModelConfig, YarnScaling
+from kdtr_format import CONFIGS, PRESETS, ConfigError, DDTreeConfig, ModelConfig, YarnScaling, read_hf_config
 
 ALL_CONFIGS = {**PRESETS, **CONFIGS}
 
@@ -40,8 +40,8 @@ KIMI_K2_HF5 = {**{k: v for k, v in KIMI_K2_HF.items() if k not in ("rope_theta",
 
 
 def hf_config(data):
-    """from_hf_dict's config alone."""
-    return ModelConfig.from_hf_dict(data).config
+    """read_hf_config's config alone."""
+    return read_hf_config(data).config
 
 
 @pytest.mark.parametrize("name", sorted(ALL_CONFIGS))
@@ -51,7 +51,7 @@ def test_config_round_trips_through_json(name):
 
 
 def test_hf_config_loads_as_the_full_k2_config():
-    cfg, notes = ModelConfig.from_hf_dict(KIMI_K2_HF)
+    cfg, notes = read_hf_config(KIMI_K2_HF)
     assert cfg == CONFIGS["kimi-k2-full"]
     assert cfg.rope_style == "interleave" and cfg.latent_norm_eps == 1e-6
     assert cfg.rope_scaling == YarnScaling(factor=32.0, original_max_position_embeddings=4096,
@@ -62,7 +62,7 @@ def test_hf_config_loads_as_the_full_k2_config():
 
 def test_hf_rope_interleave_flag_selects_the_style():
     assert hf_config({**KIMI_K2_HF, "rope_interleave": False}).rope_style == "neox"
-    loaded = ModelConfig.from_hf_dict({**KIMI_K2_HF, "rope_interleave": True})
+    loaded = read_hf_config({**KIMI_K2_HF, "rope_interleave": True})
     assert loaded.config.rope_style == "interleave" and loaded.notes == []
     assert hf_config({**KIMI_K2_HF, "rope_interleave": False, "rope_style": "neox"}).rope_style == "neox"
 
@@ -90,7 +90,7 @@ def test_hf_rope_parameters_form_reads_like_the_rope_scaling_form():
 def test_hf_rope_forms_that_disagree_are_refused(change, key):
     data = {**KIMI_K2_HF, "rope_parameters": K2_ROPE_PARAMETERS, **change}
     with pytest.raises(ConfigError) as info:
-        ModelConfig.from_hf_dict(data)
+        read_hf_config(data)
     assert str(info.value).startswith(f"{key}:") and "disagrees" in str(info.value)
 
 
@@ -131,7 +131,7 @@ def test_hf_keys_kdtree_does_not_implement_are_refused_by_name(change, key):
     if any(k.startswith("rope_parameters") for k in change):
         data = {**KIMI_K2_HF5, **change}
     with pytest.raises(ConfigError) as info:
-        ModelConfig.from_hf_dict(data)
+        read_hf_config(data)
     assert str(info.value).startswith(f"{key}:")
 
 
@@ -139,9 +139,9 @@ def test_hf_keys_that_keep_the_math_are_accepted_with_notes():
     inert = {"num_key_value_heads": 64, "head_dim": 64, "qk_head_dim": 192, "moe_layer_freq": 1,
              "hidden_act": "silu", "attention_bias": False, "ep_size": 1, "aux_loss_alpha": 0.001,
              "seq_aux": True, "auto_map": {"AutoConfig": "x"}, "rope_interleave": True}
-    cfg, notes = ModelConfig.from_hf_dict({**KIMI_K2_HF, **inert})
+    cfg, notes = read_hf_config({**KIMI_K2_HF, **inert})
     assert cfg == CONFIGS["kimi-k2-full"] and notes == []
-    cfg, notes = ModelConfig.from_hf_dict({**KIMI_K2_HF, **inert, "num_nextn_predict_layers": 1})
+    cfg, notes = read_hf_config({**KIMI_K2_HF, **inert, "num_nextn_predict_layers": 1})
     assert cfg == CONFIGS["kimi-k2-full"]
     assert len(notes) == 1 and notes[0].startswith("num_nextn_predict_layers: 1 multi-token-prediction")
     # mscale 1 without mscale_all_dim: HF's gain get_m(factor, 1) is kdtree's too.
@@ -151,10 +151,10 @@ def test_hf_keys_that_keep_the_math_are_accepted_with_notes():
 
 def test_hf_latent_norm_eps_defaults_to_the_reference_and_is_selectable():
     k25 = {**KIMI_K2_HF, "rms_norm_eps": 1e-5, "rope_interleave": True}
-    cfg, notes = ModelConfig.from_hf_dict(k25)
+    cfg, notes = read_hf_config(k25)
     assert (cfg.rms_norm_eps, cfg.latent_norm_eps) == (1e-5, 1e-6)
     assert len(notes) == 1 and notes[0].startswith("latent_norm_eps: absent; the q_a / kv_a latent norms use 1e-06")
-    cfg, notes = ModelConfig.from_hf_dict({**k25, "latent_norm_eps": 1e-5})   # vLLM / SGLang's convention
+    cfg, notes = read_hf_config({**k25, "latent_norm_eps": 1e-5})   # vLLM / SGLang's convention
     assert (cfg.rms_norm_eps, cfg.latent_norm_eps) == (1e-5, 1e-5) and notes == []
 
 
@@ -164,7 +164,7 @@ HOSTILE_VALUES = ([1], {"a": 1}, None, "x", -1, 1.5, True, float("nan"), float("
 @pytest.mark.parametrize("base", ["hf4", "hf5", "kdtree"])
 def test_hostile_values_are_config_errors_never_crashes(base):
     """Every key (rope sub-keys too) set to each hostile value: a config or a ConfigError."""
-    data, load = {"hf4": (KIMI_K2_HF, ModelConfig.from_hf_dict), "hf5": (KIMI_K2_HF5, ModelConfig.from_hf_dict),
+    data, load = {"hf4": (KIMI_K2_HF, read_hf_config), "hf5": (KIMI_K2_HF5, read_hf_config),
                   "kdtree": (PRESETS["tiny"].to_dict(), ModelConfig.from_dict)}[base]
     rope = next(key for key in ("rope_parameters", "rope_scaling") if key in data)
     variants = [{**data, key: value} for key in [*data, "rope_interleave", "rope_style", "num_nextn_predict_layers"]
@@ -197,7 +197,7 @@ def test_transformers_own_deepseek_v3_config_round_trips(name, how, tmp_path):
     else:
         data = hf_cfg.to_dict()
     assert "rope_parameters" in data and "rope_scaling" not in data
-    loaded, notes = ModelConfig.from_hf_dict(data)
+    loaded, notes = read_hf_config(data)
     assert loaded == cfg
     assert all(note.startswith(("num_nextn_predict_layers", "latent_norm_eps")) for note in notes)
 
@@ -244,7 +244,7 @@ def test_presets_really_differ():
 ])
 def test_impossible_configs_are_refused_naming_the_field(change, field):
     with pytest.raises(ConfigError) as info:
-        ModelConfig.from_hf_dict({**KIMI_K2_HF, **change})
+        read_hf_config({**KIMI_K2_HF, **change})
     assert str(info.value).startswith(f"{field}:")
 
 
@@ -253,11 +253,11 @@ def test_missing_hf_field_is_named(name):
     # HF's defaults are DeepSeek-V3's (n_group 8, q_lora_rank 1536): an absent field is refused.
     data = {k: v for k, v in KIMI_K2_HF.items() if k != name}
     with pytest.raises(ConfigError, match=f"^{name}: required field is missing"):
-        ModelConfig.from_hf_dict(data)
+        read_hf_config(data)
 
 
 def test_non_object_config_is_refused():
-    for load in (ModelConfig.from_dict, ModelConfig.from_hf_dict):
+    for load in (ModelConfig.from_dict, read_hf_config):
         with pytest.raises(ConfigError, match="expected a JSON object"):
             load([1, 2, 3])
 

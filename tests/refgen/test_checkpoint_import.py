@@ -210,7 +210,7 @@ def test_slice_keeps_the_first_layers_and_experts(checkpoints):
     assert imported.metadata["kept_experts"] == KEPT == [0, 1, 4, 5]
     mtp = [n for n in written.names if ".layers.3." in n]
     assert imported.metadata["mtp"] == {"layers": [3], "declared": 1, "tensors": len(mtp), "kept": False}
-    assert ckpt.config_notes and set(ckpt.config_notes) < set(plan.notes)     # from_hf_dict's, then the import's
+    assert ckpt.config_notes and set(ckpt.config_notes) < set(plan.notes)     # read_hf_config's, then the import's
     assert [n.split()[0] for n in plan.notes[len(ckpt.config_notes):]] == ["layers", "routed", "MTP"]
     full = plan_import(ckpt)                               # no slice: every layer and expert, MTP still out
     assert full.cfg == SMALL and full.counts["sliced"] == 0 and full.counts["mtp"] == len(mtp)
