@@ -26,8 +26,12 @@ imports the other (docs/fixtures.md, "Checkpoint tensors"). Its vocabulary is th
           "ranges": [[begin, end], ...] absolute byte offsets in the file, concatenated along
           axis 0 (the kept experts of a fused tensor or a router), "sha256": hex of those bytes}
 
-    decode: "bf16", of: "<tensor name>" another checkpoint tensor of the fixture rounded to bfloat16,
-                                        to nearest, ties to even (ml_dtypes), as a bf16 engine holds it
+    decode: "bf16", of: "<tensor name>" another checkpoint tensor of the fixture, one decoded from the
+                                        checkpoint (not itself a rounding), rounded to bfloat16, to
+                                        nearest, ties to even (ml_dtypes), as a bf16 engine holds it
+
+Shapes are lists of integers >= 0; a stack is allocated only once its first part has decoded to the
+entry's part shape, so an entry's word alone never sizes an allocation.
 
 Every referenced byte range is hashed the first time `CheckpointTensors` reads it and compared
 with its ``sha256``, so a checkpoint that moved or whose bytes changed is a `CheckpointTensorError`
@@ -73,32 +77,43 @@ def decode_checkpoint(name: str, entry: Mapping[str, Any], read: Read, dtype: np
     referenced array; in `dtype`, or with None a single plain part as stored (a view of `read`'s
     array: refgen keeps bf16 weights memory-mapped). CheckpointTensorError naming `name` for an
     entry that does not decode to its shape."""
-    how, shape = entry.get("decode"), tuple(entry.get("shape", ()))
+    how, shape = entry.get("decode"), checked_shape(name, "its entry", entry.get("shape", ()))
     if how not in DECODES:
         raise CheckpointTensorError(f"{name}: decode {how!r} is not one of {', '.join(DECODES)}, bf16")
     stacked = "experts" in entry
     parts = entry["experts"] if stacked else [entry.get("tensors")]
-    if not parts or not all(isinstance(p, Mapping) for p in parts) or (stacked and len(parts) != shape[0]):
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, Mapping) for p in parts) or \
+            (stacked and (not shape or len(parts) != shape[0])):
         raise CheckpointTensorError(f"{name}: expected 'tensors' (one part) or 'experts' (one part per slot of "
                                     f"its shape {list(shape)})")
     part_shape = shape[1:] if stacked else shape
-    out = np.empty(shape, np.float32) if stacked else None
+    out = None      # the stack, allocated once a part has decoded to its shape (never from the entry's word alone)
     for slot, part in enumerate(parts):
         arrays = {role: read(name, ref) for role, ref in part.items()}
         try:
-            value = _decode_part(how, arrays, part_shape, entry, dtype if out is None else np.float32)
+            value = _decode_part(how, arrays, part_shape, entry, np.float32 if stacked else dtype)
         except QuantError as exc:
             raise CheckpointTensorError(f"{name}: {exc}") from None
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ArithmeticError, IndexError) as exc:
             raise CheckpointTensorError(f"{name}: its {how} part {slot} does not decode "
                                         f"({type(exc).__name__}: {exc})") from None
         if value.shape != part_shape:
             raise CheckpointTensorError(f"{name}: part {slot} decodes to shape {list(value.shape)}, the entry "
                                         f"says {list(part_shape)}")
-        if out is None:
+        if not stacked:
             return value
+        if out is None:
+            out = np.empty(shape, np.float32)
         out[slot] = value
     return out
+
+
+def checked_shape(name: str, what: str, shape: Any) -> tuple[int, ...]:
+    """`shape` as a tuple when it is a list of integers >= 0; else CheckpointTensorError naming `name`."""
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                       for n in shape):
+        raise CheckpointTensorError(f"{name}: {what} has shape {shape!r}, not a list of integers >= 0")
+    return tuple(shape)
 
 
 def _decode_part(how: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, ...], entry: Mapping[str, Any],
@@ -135,7 +150,7 @@ class _Ref:
     def of(cls, name: str, ref: Mapping[str, Any]) -> "_Ref":
         try:
             file, tensor, code = str(ref["file"]), str(ref["tensor"]), str(ref["dtype"])
-            shape, sha256 = tuple(int(n) for n in ref["shape"]), str(ref["sha256"])
+            shape, sha256 = ref["shape"], str(ref["sha256"])
             ranges = [(int(b), int(e)) for b, e in ref["ranges"]]
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointTensorError(f"{name}: a malformed checkpoint reference ({type(exc).__name__}: "
@@ -145,7 +160,7 @@ class _Ref:
                                         "directory")
         if code not in SAFETENSORS_DTYPES:
             raise CheckpointTensorError(f"{name}: {tensor} has dtype {code!r}, not a safetensors dtype kdtree reads")
-        return cls(file, tensor, SAFETENSORS_DTYPES[code], shape, ranges, sha256)
+        return cls(file, tensor, SAFETENSORS_DTYPES[code], checked_shape(name, tensor, shape), ranges, sha256)
 
 
 class CheckpointTensors:
@@ -178,9 +193,12 @@ class CheckpointTensors:
             raise CheckpointTensorError(f"{name}: its {KEY} entry is not an object")
         if entry.get("decode") == "bf16":
             of = entry.get("of")
-            if of not in self.entries or of == name:
+            if not isinstance(of, str) or of not in self.entries or of == name:
                 raise CheckpointTensorError(f"{name}: rounds {of!r}, which is not another checkpoint tensor of "
                                             "this fixture")
+            if not isinstance(self.entries[of], Mapping) or self.entries[of].get("decode") not in DECODES:
+                raise CheckpointTensorError(f"{name}: rounds {of!r}, which is not decoded from the checkpoint "
+                                            f"(decode one of {', '.join(DECODES)}); a rounding rounds such a tensor")
             value = self.array(of, as_stored=True)
             return value if value.dtype == BF16 else np.asarray(value, np.float32).astype(BF16)
         keep = as_stored and entry.get("decode") == "plain" and "experts" not in entry
@@ -190,11 +208,14 @@ class CheckpointTensors:
         """The array a reference names (of tensor `name`), verified once against its sha256."""
         ref = _Ref.of(name, entry_ref)
         mapped, path = self._map(name, ref), self.checkpoint / ref.file
-        if any(not 0 <= b <= e <= mapped.size for b, e in ref.ranges) or \
-                sum(e - b for b, e in ref.ranges) != math.prod(ref.shape) * ref.dtype.itemsize:
+        if any(not 0 <= b <= e <= mapped.size for b, e in ref.ranges):
             raise CheckpointTensorError(f"{name}: {ref.tensor} in {path}: the referenced bytes {ref.ranges} do not "
-                                        f"fit the file ({mapped.size} bytes) or its shape {list(ref.shape)}; the "
-                                        "checkpoint changed")
+                                        f"fit the file ({mapped.size} bytes); the checkpoint changed")
+        held, needed = sum(e - b for b, e in ref.ranges), math.prod(ref.shape) * ref.dtype.itemsize
+        if held != needed:
+            raise CheckpointTensorError(f"{name}: {ref.tensor} in {path}: the referenced bytes {ref.ranges} hold "
+                                        f"{held} bytes, its shape {list(ref.shape)} of {ref.dtype} needs {needed}; "
+                                        "the fixture's reference is malformed")
         pieces = [mapped[b:e] for b, e in ref.ranges]
         if (ref.file, ref.tensor) not in self._verified:
             sha = hashlib.sha256()
@@ -219,7 +240,14 @@ class CheckpointTensors:
                 raise CheckpointTensorError(f"{name}: references {ref.tensor} in {path}, which does not exist (the "
                                             "fixture holds no copy of the checkpoint's weights: keep the checkpoint "
                                             "where it was made, or regenerate the fixture)")
-            self._maps[ref.file] = np.memmap(path, dtype=np.uint8, mode="r")
+            if path.stat().st_size == 0:        # numpy cannot map an empty file
+                raise CheckpointTensorError(f"{name}: references {ref.tensor} in {path}, which is empty (0 bytes); "
+                                            "the checkpoint changed")
+            try:
+                self._maps[ref.file] = np.memmap(path, dtype=np.uint8, mode="r")
+            except (OSError, ValueError) as exc:
+                raise CheckpointTensorError(f"{name}: references {ref.tensor} in {path}, which cannot be read "
+                                            f"({type(exc).__name__}: {exc})") from None
         return self._maps[ref.file]
 
 

@@ -119,6 +119,11 @@ def test_a_moved_checkpoint_is_named_with_the_path(checkpoint, tmp_path):
     (lambda e: e["tensors"]["data"].pop("sha256"), "a malformed checkpoint reference"),
     (lambda e: e.update(decode="fp4"), "decode 'fp4' is not one of"),
     (lambda e: e.update(shape=[6, 9]), "decodes to shape"),
+    (lambda e: e["tensors"]["data"].update(shape=[3, 8]),           # the bytes fit the file, not this shape
+     r"embed.weight in .*/model.safetensors: the referenced bytes \[\(\d+, \d+\)\] hold 96 bytes, its shape "
+     r"\[3, 8\] of bfloat16 needs 48"),
+    (lambda e: e.update(shape=[-6, 8]), r"its entry has shape \[-6, 8\], not a list of integers >= 0"),
+    (lambda e: e["tensors"]["data"].update(shape=[-6, -8]), r"embed.weight has shape \[-6, -8\], not a list"),
     (lambda e: e.update(decode="bf16", of="weights/nothing"), "rounds 'weights/nothing', which is not another"),
     (lambda e: e.pop("tensors"), "expected 'tensors'"),
 ])
@@ -135,3 +140,37 @@ def test_rounding_needs_another_checkpoint_tensor(checkpoint):
     metadata["checkpoint_tensors"]["bf16/weights/proj"]["of"] = "bf16/weights/proj"
     with pytest.raises(CheckpointTensorError, match=r"^bf16/weights/proj: rounds 'bf16/weights/proj', which is not"):
         CheckpointTensors(metadata).array("bf16/weights/proj")
+
+
+def test_a_stacked_shape_beyond_its_parts_is_refused_before_anything_is_allocated(checkpoint):
+    """2^41 float32 elements (8 TiB) declared over two parts of 48 elements."""
+    metadata, _ = checkpoint
+    entries = metadata["checkpoint_tensors"]
+    part = entries["weights/embed"]["tensors"]
+    entries["weights/stacked"] = {"dtype": "float32", "shape": [2, 2 ** 20, 2 ** 20], "decode": "plain",
+                                  "experts": [part, part]}
+    with pytest.raises(CheckpointTensorError, match=r"^weights/stacked: part 0 decodes to shape \[6, 8\], the entry "
+                                                    r"says \[1048576, 1048576\]$"):
+        CheckpointTensors(metadata).array("weights/stacked")
+    entries["weights/stacked"]["shape"] = [2, 6, 8]
+    np.testing.assert_array_equal(CheckpointTensors(metadata).array("weights/stacked")[1],
+                                  CheckpointTensors(metadata).array("weights/embed"))
+
+
+def test_a_rounding_of_a_rounding_is_refused_not_followed(checkpoint):
+    """Two roundings naming each other were a RecursionError."""
+    metadata, _ = checkpoint
+    entries = metadata["checkpoint_tensors"]
+    entries["bf16/weights/embed"] = {"dtype": "bfloat16", "shape": [6, 8], "decode": "bf16", "of": "bf16/weights/proj"}
+    entries["bf16/weights/proj"]["of"] = "bf16/weights/embed"
+    with pytest.raises(CheckpointTensorError, match=r"^bf16/weights/proj: rounds 'bf16/weights/embed', which is not "
+                                                    r"decoded from the checkpoint"):
+        CheckpointTensors(metadata).array("bf16/weights/proj")
+
+
+def test_an_emptied_checkpoint_file_is_named(checkpoint, tmp_path):
+    metadata, _ = checkpoint
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointTensorError, match=rf"^weights/proj: references proj.weight in "
+                                                    rf"{tmp_path}/model.safetensors, which is empty \(0 bytes\)"):
+        CheckpointTensors(metadata).array("weights/proj")
