@@ -1,5 +1,5 @@
 """The built-in torch engine as an adapter of the validation protocol, version 2
-(engine/validate/protocol_v2.py: batched, ragged, on torch tensors on its device), with
+(engine/validate/door/protocol_v2.py: batched, ragged, on torch tensors on its device), with
 the CUDA stages and attention kernels on CUDA devices when they load. Paged KV (verify
 attention and compaction through a block table) goes through the same attention backend
 and stages as the engine's own paged cache (engine/cache.py).

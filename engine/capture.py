@@ -3,7 +3,7 @@
 `capturing(model, n_new, request)` sets `model.capture` for one forward and
 collects request `request`'s real rows of every capture point (engine/model.py
 CAPTURE_POINTS, each [B, N, ...]) as numpy arrays keyed as the adapter protocol's
-`intermediates` keys them (engine/validate/protocol.py):
+`intermediates` keys them (engine/validate/door/protocol.py):
 
     "layers.{i}.{point}"  [n, ...]   n = n_new[request], one row per new token
     "logits"              [n, V]     in the model's dtype (its bits: the head rounds to it)

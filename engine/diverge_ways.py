@@ -12,7 +12,7 @@ call, teacher-forced after the same prompt, every capture point of every compare
   with other requests (prefill included).
 
 Implementations come through the validation protocol: `model` plus the optional
-`intermediates` capability (engine/validate/protocol.py), one request at a time (a protocol 2
+`intermediates` capability (engine/validate/door/protocol.py), one request at a time (a protocol 2
 adapter through its per-request view); the built-in engine is `TorchAdapter`, whose
 `intermediates` reads `Transformer.capture`.
 """
@@ -27,7 +27,7 @@ import torch
 
 from .capture import capturing
 from .model import Transformer
-from .validate.protocol_v2 import per_request
+from .validate.door.protocol_v2 import per_request
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Installing kdtree registers it (the `pytest11` entry point named `engine.pytest_plugin`,
 the module's own name, so `-p engine.pytest_plugin` or `pytest_plugins = [...]` in a
 checkout without the install loads it once, and never twice beside the install). A test
-that takes `kdtree_case` runs once per case of engine.validate.runner.plan, with the id
+that takes `kdtree_case` runs once per case of engine.validate.run.runner.plan, with the id
 `<fixture section>::<check>` (e.g. `tiny.kdtr::prefill logits`):
 
     from engine.pytest_plugin import assert_passes
@@ -15,12 +15,12 @@ that takes `kdtree_case` runs once per case of engine.validate.runner.plan, with
   session-wide `Validation`: a fixture's checks run once, when the first of its cases runs
   (pytest's terminal shows `kdtree: checking <fixture>` as they start). From the first case
   to the end of the session torch runs on the CPU with the thread policy of `kdtree
-  validate` (engine.validate.runner.prepare_device: one intra-op thread).
+  validate` (engine.validate.run.runner.prepare_device: one intra-op thread).
 - `kdtree_adapter` (session scope): the adapter under test. The plugin's own reads
   `--kdtree-impl module:factory` (or path/to/file.py:factory), else `BUILT_IN`, kdtree's
   built-in engine; a conftest that overrides it (session scope) decides for itself. None
   (a fixture without its `return`) is an error, never the built-in engine.
-- An adapter's calls pass the door of engine/validate/guard.py: an exception, sys.exit, a
+- An adapter's calls pass the door of engine/validate/door/guard.py: an exception, sys.exit, a
   GeneratorExit or any BaseException but Ctrl-C fails the case naming the method. What
   pytest cannot survive, the adapter cannot either: os._exit, a crash or a call that never
   returns ends or stalls the session (`kdtree validate` runs the adapter in a child process
@@ -115,7 +115,7 @@ def kdtree_validation(pytestconfig: pytest.Config, kdtree_adapter: Any) -> Itera
     import torch
 
     from .validate import ValidateError, Validation
-    from .validate.runner import prepare_device
+    from .validate.run.runner import prepare_device
 
     if kdtree_adapter is None:
         raise _failure("the kdtree_adapter fixture returned None, expected the adapter under test (is its "

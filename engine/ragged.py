@@ -1,6 +1,6 @@
 """Ragged batches: request b's rows are rows offsets[b] .. offsets[b+1] of flat tensors.
 
-The validation protocol v2 (engine/validate/protocol_v2.py) passes batches this way; the
+The validation protocol v2 (engine/validate/door/protocol_v2.py) passes batches this way; the
 engine computes on a padded layout ([B, width] with a count per request). These convert
 between the two on the tensors' device, and pack and unpack bit-packed visibility rows
 (bit j % 32 of word j // 32 of a row: the row sees token j; uint32 words held as int32).

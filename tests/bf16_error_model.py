@@ -10,7 +10,7 @@ scaled to change the logit scale), seed and prompt, one causal prefill:
 - routing-gap error of a (row, MoE layer): how far the engine's gap between the two
   experts at the reference's selection boundary (k-th and (k+1)-th) is from the reference's;
 - a row counts (its rounding is measured, not a routing flip's consequence) when no routing
-  decision within CLEAN of a tie reaches it (engine.validate.regime.reached_rows, every such
+  decision within CLEAN of a tie reaches it (engine.validate.judging.regime.reached_rows, every such
   decision a suspect), and its routing gap at a layer when none at an earlier MoE layer does.
 
 docs/precision.md gives the fit (kdtr_format.precision: logits b sqrt(layers), routing a
@@ -33,7 +33,7 @@ from kdtr_format import PRESETS, ModelConfig
 from kdtr_format.precision import BF16_UNIT_ROUNDOFF
 from engine.capture import capturing
 from engine.model import Transformer
-from engine.validate.regime import reached_rows
+from engine.validate.judging.regime import reached_rows
 from refgen.bf16 import RoutingRecorder, bf16_weights
 from refgen.model import KVCache, Model, _selection, causal_visibility
 from refgen.weights import init_weights

@@ -21,14 +21,14 @@ import torch
 
 import engine.attention
 import engine.decode
-import engine.validate.engine_rows as engine_rows
-import engine.validate.invariant as invariant
+import engine.validate.rows.engine as engine_rows
+import engine.validate.rows.invariant as invariant
 from engine.adapter import TorchAdapter
 from engine.cache import KVCache
 from engine.stages import TorchStages
-from engine.validate.protocol import CAPABILITIES as V1_CAPABILITIES
-from engine.validate.protocol import protocol_version
-from engine.validate.protocol_v2 import CAPABILITIES_V2, PerRequest, sizes
+from engine.validate.door.protocol import CAPABILITIES as V1_CAPABILITIES
+from engine.validate.door.protocol import protocol_version
+from engine.validate.door.protocol_v2 import CAPABILITIES_V2, PerRequest, sizes
 
 SHIFT = 1e-2                       # a constant added to logits: every decision the same, every value off
 

@@ -1,4 +1,4 @@
-"""Adapters of the validation protocol (engine/validate/protocol.py) for third-party engines.
+"""Adapters of the validation protocol (engine/validate/door/protocol.py) for third-party engines.
 
 - `engine.adapters.hf`: HF transformers' `DeepseekV3ForCausalLM` (the model
   capability), importable only where transformers >= 5.6 is installed.

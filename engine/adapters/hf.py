@@ -55,7 +55,7 @@ if Version(transformers.__version__) < Version(TRANSFORMERS_MIN):
 from kdtr_format import ModelConfig
 
 from ..model import rope_inv_freq, rope_mscale
-from ..validate.deviations import Deviation
+from ..validate.judging.deviations import Deviation
 from ..weights import check_weights
 
 LOGIT_ROWS = ("prefill logits", "verify logits")

@@ -16,7 +16,7 @@ and --plot are written all or nothing, with the user's umask. A validate report 
 goes to stdout (one of them at most), and the terminal report to stderr.
 
 validate runs its checking, the adapter's code included, in a child process
-(engine/supervise.py): an adapter that exits, dies or outlives --timeout in one call FAILs
+(engine/validate/door/supervise.py): an adapter that exits, dies or outlives --timeout in one call FAILs
 the row in flight, the report is still written, and the exit status is 1. With --tp the
 built-in engine's ranks run unwatched, as below.
 

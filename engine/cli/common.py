@@ -101,8 +101,8 @@ def _rank_console(world: Any, stderr: bool = False) -> Console:
 
 
 def _check_device(device: str) -> None:
-    """The device is there; on the CPU, the runner's thread policy (engine.validate.runner.prepare_device)."""
-    from ..validate.runner import prepare_device
+    """The device is there; on the CPU, the runner's thread policy (engine.validate.run.runner.prepare_device)."""
+    from ..validate.run.runner import prepare_device
 
     prepare_device(device)
 

@@ -22,7 +22,7 @@ from rich.text import Text
 
 from kdtr_format.clikit import CliError, FiniteFloat, OutputFile, console, shown
 
-from ..supervise import CALL_TIMEOUT_S, ValidateJob, supervise
+from ..validate.door.supervise import CALL_TIMEOUT_S, ValidateJob, supervise
 from .common import (
     DTYPES, Device, _check_device, _check_tp, _engine_layout_options, _on_ranks,
     _rank_console, _require_matplotlib, _version, _wrote, cli,
@@ -73,7 +73,7 @@ NOT_FOR_SERVER = ("device", "impl", "require", "invariant", "tp", "page_size")
 
 
 def _server_options(command: Callable) -> Callable:
-    """--server and the options of a served model's validation (engine/validate/server.py)."""
+    """--server and the options of a served model's validation (engine/validate/run/server.py)."""
     options = [
         click.option("--server", type=ServerUrl(), default=None,
                      help="Validate a running serving engine (SGLang, vLLM) at this URL instead of an adapter: "
@@ -177,11 +177,11 @@ def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: 
 
 
 def _validate_child(send: Callable[[tuple], None], job: ValidateJob) -> tuple[int, str, str, bytes]:
-    """A supervised validate's child (engine/supervise.py): the checking, the report written to
+    """A supervised validate's child (engine/validate/door/supervise.py): the checking, the report written to
     its files -> (the exit status, the report drawn for the parent's console, the notes for its
     stderr (the files written), the report named -). The parent prints the log as it comes,
     then what this returns."""
-    from ..validate.isolated import serve
+    from ..validate.run.isolated import serve
 
     drawn, notes, stdout = io.StringIO(), io.StringIO(), io.BytesIO()
     steps = _Steps(lambda line: None)
@@ -237,7 +237,7 @@ def _given(*names: str) -> list[str]:
 
 def _validate_server(fixtures: Path | None, dtype: str, reports: tuple, server: str | None, samples: int | None,
                      **options: Any) -> int:
-    """validate --server: a serving engine's tokens against a fixture (engine/validate/server.py)."""
+    """validate --server: a serving engine's tokens against a fixture (engine/validate/run/server.py)."""
     if server is None:
         raise CliError(f"{_given(*SERVER_ONLY)[0]} applies to --server URL")
     if _given(*NOT_FOR_SERVER):
@@ -246,7 +246,7 @@ def _validate_server(fixtures: Path | None, dtype: str, reports: tuple, server: 
         raise CliError(f"{_given('samples', 'seed')[0]} applies to sampled runs: give --temperature T > 0")
     if reports[2] is not None:
         _require_matplotlib("--html")
-    from ..validate.server import SAMPLES, ServerRun, validate_server
+    from ..validate.run.server import SAMPLES, ServerRun, validate_server
 
     out = console(stderr=STDOUT in reports)
     steps = _log_steps(out)
@@ -260,9 +260,9 @@ def _write_report(report: Report, form: str, path: Path | str, stdout: BinaryIO)
     if form == "json":
         from ..validate import write_json as write
     elif form == "junit":
-        from ..validate.junit import write_junit as write
+        from ..validate.reports.junit import write_junit as write
     else:
-        from ..validate.html import write_html as write
+        from ..validate.reports.html import write_html as write
     if path != STDOUT:
         write(report, path)
         return

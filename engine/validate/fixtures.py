@@ -28,7 +28,7 @@ import numpy as np
 import kdtr_format
 from kdtr_format import PRESETS, KdtrError, ModelConfig, checkpoint_tensors
 
-from .report import ValidateError
+from .reports.report import ValidateError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = REPO_ROOT / "tests" / "golden"
@@ -52,13 +52,13 @@ def find_fixtures(fixtures: str | os.PathLike | None, generate: bool = True) -> 
             return full_fixtures(path)
         if not path.is_dir():
             raise ValidateError(f"fixture directory or file {path} does not exist")
-        if not _kdtr_files(path):
+        if not kdtr_files(path):
             raise ValidateError(f"no .kdtr fixtures in {path}")
         return full_fixtures(path)
-    if _kdtr_files(GOLDEN_DIR):
+    if kdtr_files(GOLDEN_DIR):
         return full_fixtures(GOLDEN_DIR)
     cache = cache_root() / "fixtures"
-    if _kdtr_files(cache):
+    if kdtr_files(cache):
         return cache
     if not generate:
         raise ValidateError(f"no fixtures in {GOLDEN_DIR} or {cache}")
@@ -73,7 +73,7 @@ def full_fixtures(path: Path) -> Path:
     """`path` (a fixture file, or a directory of them) when every fixture there is full, else
     its materialized copy in the cache: the file of the same name, or the directory of the
     same layout."""
-    files = _kdtr_files(path)
+    files = kdtr_files(path)
     if not any(_is_slim(file) for file in files):
         return path
     target = cache_root() / f"golden-{_content_key(path, files)}"
@@ -123,14 +123,14 @@ def _refgen_into(parent: Path, *command: str, what: str) -> Path:
     staging.chmod(0o755)
     run = subprocess.run([sys.executable, "-m", "refgen", *command, "--out", str(staging)],
                          cwd=REPO_ROOT, capture_output=True, text=True)
-    if run.returncode != 0 or not _kdtr_files(staging):
+    if run.returncode != 0 or not kdtr_files(staging):
         shutil.rmtree(staging, ignore_errors=True)
         last = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
         raise ValidateError(f"{what} failed: {last[0]}")
     return staging
 
 
-def _kdtr_files(path: Path) -> list[Path]:
+def kdtr_files(path: Path) -> list[Path]:
     """The fixture files of a directory (its *.kdtr and kernels/*.kdtr), or [path] for a file."""
     if path.is_file():
         return [path]

@@ -121,8 +121,8 @@ def small_model_fixture(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def builtin_decode_only(monkeypatch: pytest.MonkeyPatch) -> Callable:
-    import engine.validate.model_checks
-    import engine.validate.runner
+    import engine.validate.rows.model
+    import engine.validate.run.runner
     from engine.adapter import TorchAdapter
 
     def use(stages=None) -> None:
@@ -131,7 +131,7 @@ def builtin_decode_only(monkeypatch: pytest.MonkeyPatch) -> Callable:
                 super().__init__(device, **kwargs)
                 self.stages = stages or self.stages
 
-        monkeypatch.setattr(engine.validate.runner, "TorchAdapter", Engine)
-        monkeypatch.setattr(engine.validate.runner, "preset_invariant_checks", lambda adapter, preset: [])
-        monkeypatch.setattr(engine.validate.model_checks, "invariant_checks", lambda *args: [])
+        monkeypatch.setattr(engine.validate.run.runner, "TorchAdapter", Engine)
+        monkeypatch.setattr(engine.validate.run.runner, "preset_invariant_checks", lambda adapter, preset: [])
+        monkeypatch.setattr(engine.validate.rows.model, "invariant_checks", lambda *args: [])
     return use

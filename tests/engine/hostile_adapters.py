@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.adapter import TorchAdapter
-from engine.validate.protocol_v2 import METHODS_V2, PerRequest
+from engine.validate.door.protocol_v2 import METHODS_V2, PerRequest
 
 
 class Stages(PerRequest):

@@ -1,4 +1,4 @@
-"""engine.validate.acceptance: main-path vs sibling acceptance per depth, on hand-made rounds
+"""engine.validate.judging.acceptance: main-path vs sibling acceptance per depth, on hand-made rounds
 with hand-counted tables, and on the rows that carry it (checked against the fixture's own
 recorded ranks)."""
 
@@ -9,10 +9,10 @@ import json
 import numpy as np
 
 import kdtr_format
-import engine.validate.runner as runner
+import engine.validate.run.runner as runner
 from engine.metrics import STAGES
 from engine.validate import validate, write_json
-from engine.validate.acceptance import account
+from engine.validate.judging.acceptance import account
 
 #   0 ── 1 ── 3 ── 5        node 1 is the root's rank-0 child, node 2 its rank-1 sibling
 #    └── 2 ── 4

@@ -1,7 +1,7 @@
 """Adapters that return None, exit, die, hang or misbehave at the door (hostile_adapters.py): each
 is that adapter's failure, named in one line or one FAIL row, never a false pass, a traceback,
 kdtree blamed, or a report left unwritten. The in-process checks are what the pytest plugin
-runs; the CLI runs the adapter in a child process it watches (engine/validate/supervised.py)."""
+runs; the CLI runs the adapter in a child process it watches (engine/validate/door/supervise.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.supervise
+import engine.validate.door.supervise
 from cli_run import run_main
 from engine.validate import GOLDEN_DIR, Status, ValidateError, Validation, load_impl, validate
 from terminal import in_terminal
@@ -95,7 +95,7 @@ def test_a_correct_engine_that_reuses_its_output_buffers_passes(name):
 
 @pytest.mark.parametrize("start", ["fork", "spawn"])           # spawn: where CUDA is initialized already
 def test_the_cli_fails_an_adapter_that_exits_and_the_json_goes_to_stdout(tmp_path, capsys, monkeypatch, start):
-    monkeypatch.setattr(engine.supervise, "_start_method", lambda: start)
+    monkeypatch.setattr(engine.validate.door.supervise, "_start_method", lambda: start)
     junit = tmp_path / "r.xml"
     code, out, err = run_main(["validate", "--fixtures", str(fixtures(tmp_path, "tree_build.kdtr", "accept_compact.kdtr")),
                                "--impl", spec("ExitsFourWays"), "--require", "none", "--json", "-",

@@ -30,7 +30,7 @@ from engine.cli import main
 from engine.model import Transformer
 from engine.validate import Status, validate
 from engine.validate import fixtures as fixtures_module
-from engine.validate.regime import Regime
+from engine.validate.judging.regime import Regime
 from engine.weights import ROUTER_WEIGHTS, load_fixture_weights
 from refgen.checkpoint import checkpoint_fixture, load, open_checkpoint, plan_import
 from refgen.files import write_fixture

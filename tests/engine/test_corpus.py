@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from engine.adapter import TorchAdapter
-from engine.validate.protocol_v2 import PerRequest
+from engine.validate.door.protocol_v2 import PerRequest
 from engine.validate import Status, load_impl, validate
-from engine.validate.corpus_checks import tree_problems
+from engine.validate.rows.corpus import tree_problems
 
 BROKEN_MODULE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "corpus" / "broken_adapters.py"
 # What the failing row must say, per case: the stage and what differs there.

@@ -28,7 +28,7 @@ from engine.diverge import OPS, Noise, compare_ways, ulps_at_scale
 from engine.diverge_run import from_fixture, memory_needed, run
 from engine.diverge_ways import Way, batch_way, chunk_way, decode_way, tree_visibility, tree_way
 from engine.validate import random_weights
-from engine.validate.protocol_v2 import PerRequest
+from engine.validate.door.protocol_v2 import PerRequest
 from engine.weights import load_fixture_weights
 from kdtr_format.precision import FLOAT32_LOGIT_ATOL, FLOAT32_LOGIT_RTOL, bf16_bounds
 from kdtr_format import CONFIGS, PRESETS

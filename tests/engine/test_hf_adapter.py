@@ -1,5 +1,5 @@
 """engine.adapters.hf: HF transformers' DeepseekV3ForCausalLM through `kdtree validate`,
-and the declared-deviations mechanism it reports through (engine/validate/deviations.py).
+and the declared-deviations mechanism it reports through (engine/validate/judging/deviations.py).
 
 The adapter passes on the committed tiny and tiny2 fixtures in float64 with HF's real
 differences from the reference declared and measured; lifting exactly the declared
@@ -24,8 +24,8 @@ import pytest
 import kdtr_format
 from kdtr_format import PRESETS, ModelConfig
 from engine.validate import Check, Deviation, Report, Status, validate
-from engine.validate.compare import unpack_bits
-from engine.validate.deviations import declared_deviations, with_deviations
+from engine.validate.judging.compare import unpack_bits
+from engine.validate.judging.deviations import declared_deviations, with_deviations
 from engine.adapters.hf_mapping import TRANSFORMERS_MIN
 from refgen.model import KVCache, Model
 from refgen.weights import init_weights

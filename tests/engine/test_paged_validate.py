@@ -1,4 +1,4 @@
-"""Paged KV in `kdtree validate` (engine/validate/paged_checks.py): the built-in engine's
+"""Paged KV in `kdtree validate` (engine/validate/rows/paged.py): the built-in engine's
 paged_attention and paged_compact pass the committed paged_kv cases in float32 and
 bfloat16; an adapter per paging bug fails the row that names it; a v1 adapter sees the
 rows skipped, saying why; a required paged capability no fixture checks is a FAIL."""
@@ -17,9 +17,9 @@ from engine.adapter import TorchAdapter
 from engine.attention import bind_attention, torch_attention
 from engine.stages import TorchStages
 from engine.validate import Status, ValidateError, validate
-from engine.validate.checked import CheckedV2
-from engine.validate.paged_checks import ATTENTION, COMPACTION, NEEDS_V2, PAGED_ROWS, paged_checks
-from engine.validate.protocol_v2 import PerRequest, offsets_of, sizes
+from engine.validate.door.checked import CheckedV2
+from engine.validate.rows.paged import ATTENTION, COMPACTION, NEEDS_V2, PAGED_ROWS, paged_checks
+from engine.validate.door.protocol_v2 import PerRequest, offsets_of, sizes
 
 CAPS = {cap for needs in PAGED_ROWS.values() for cap in needs}
 

@@ -38,7 +38,7 @@ from engine.drafters import OracleDrafter
 from engine.model import Transformer
 from engine.parallel import Gang, World, shard_weights, weight_split
 from engine.stages import TorchStages, top2_margins
-from engine.validate.engine_rows import ENGINE_TIES
+from engine.validate.rows.engine import ENGINE_TIES
 from kdtr_format import PRESETS, DDTreeConfig
 from refgen.files import write_fixture
 from refgen.fixtures import FixturePlan, TraceSpec, model_fixture
@@ -334,7 +334,7 @@ def job_tie_rows(world: World) -> list[tuple[str, str]]:
     """validate's greedy-ties row on this rank's shard of tiny2: with the engine's stages, then with
     an argmax whose ties go to the larger id -> [(status, detail)] of both."""
     from engine.adapter import TorchAdapter
-    from engine.validate.engine_rows import ties_check
+    from engine.validate.rows.engine import ties_check
 
     adapter = TorchAdapter(world=world)
     adapter.model = engine(world, "tiny2")

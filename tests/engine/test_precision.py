@@ -21,10 +21,10 @@ from kdtr_format import PRESETS
 from kdtr_format.precision import BF16_LOGIT_ERROR, BF16_ROUTING_GAP_ERROR, bf16_bounds
 from engine.adapter import TorchAdapter
 from engine.validate import Check, Status, capabilities, validate
-from engine.validate.model_checks import _model_fixture
-from engine.validate.runner import _stamped
-from engine.validate.regime import Regime, RoutingWatch, reached_rows
-from engine.validate.protocol_v2 import PerRequest, sizes
+from engine.validate.rows.model import model_fixture_checks
+from engine.validate.run.runner import stamped
+from engine.validate.judging.regime import Regime, RoutingWatch, reached_rows
+from engine.validate.door.protocol_v2 import PerRequest, sizes
 from refgen.files import write_fixture
 from refgen.fixtures import FixturePlan, model_fixture
 from refgen.regen import LOGITS, tensor_drift, tolerance_of
@@ -41,8 +41,8 @@ def bf16_checks(golden: Path, adapter, name: str = "tiny2.kdtr", builtin: bool =
     adapter.set_dtype("bfloat16")
     path = golden / name
     with kdtr_format.open(path) as reader:
-        checks = _model_fixture(adapter, capabilities(adapter), reader, path.name, builtin, "bfloat16")
-    return {c.name: c for c in _stamped(checks, "exact")}
+        checks = model_fixture_checks(adapter, capabilities(adapter), reader, path.name, builtin, "bfloat16")
+    return {c.name: c for c in stamped(checks, "exact")}
 
 
 # ---------------------------------------------------------------------------- the error model
@@ -175,7 +175,7 @@ def test_a_fixture_without_bf16_cases_is_skipped_not_failed(tmp_path):
     adapter = PerRequest(TorchAdapter())
     adapter.set_dtype("bfloat16")
     with kdtr_format.open(path) as reader:
-        (row,) = _model_fixture(adapter, capabilities(adapter), reader, path.name, False, "bfloat16")
+        (row,) = model_fixture_checks(adapter, capabilities(adapter), reader, path.name, False, "bfloat16")
     assert row.status is Status.SKIPPED and "no bfloat16 cases" in row.detail
 
 

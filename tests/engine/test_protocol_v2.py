@@ -1,4 +1,4 @@
-"""Protocol v2 (engine/validate/protocol_v2.py): the checked v2 proxy, the v1 view of a v2
+"""Protocol v2 (engine/validate/door/protocol_v2.py): the checked v2 proxy, the v1 view of a v2
 adapter, the batched checks and their timing. The worked example passes; a broken v2
 adapter per class of bug that a batch of one hides (a leak between the requests of a batch,
 wrong ragged offsets, compaction that leaves rejected KV visible or moves nothing) fails
@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 
 import kdtr_format
 from engine.adapter import TorchAdapter
-from engine.validate import batched_model
+from engine.validate.rows import batched_model
 from engine.validate import REPO_ROOT, AdapterFault, Status, ValidateError, validate, write_json
-from engine.validate.batched import Request, build_rows
-from engine.validate.batched_model import STAGES
-from engine.validate.checked import CheckedV2
-from engine.validate.protocol_v2 import PerRequest, offsets_of, sizes, to_padded, to_ragged
+from engine.validate.rows.batched import Request, build_rows
+from engine.validate.rows.batched_model import STAGES
+from engine.validate.door.checked import CheckedV2
+from engine.validate.door.protocol_v2 import PerRequest, offsets_of, sizes, to_padded, to_ragged
 from refgen.ddtree import build_tree as refgen_build, topk_logprobs as refgen_topk
 
 EXAMPLE = REPO_ROOT / "docs" / "examples" / "torch_v2_adapter.py"

@@ -27,14 +27,14 @@ from engine.adapter import TorchAdapter
 from cli_run import run_main
 from engine.validate import Check, Report, Status, ValidateError, Validation, plan
 from engine.cli.validate_cmd import render
-from engine.validate.protocol_v2 import PerRequest
-from engine.validate.junit import to_junit, write_junit
+from engine.validate.door.protocol_v2 import PerRequest
+from engine.validate.reports.junit import to_junit, write_junit
 
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install -e '.[test]' from a checkout): the HTML "
                     "report draws its plots with it")
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 
-from engine.validate.html import _stage_figure, _tree_figure, acceptance_lengths, to_html, write_html  # noqa: E402
+from engine.validate.reports.html import _stage_figure, _tree_figure, acceptance_lengths, to_html, write_html  # noqa: E402
 
 SCHEMA = Path(__file__).parent / "data" / "junit.xsd"
 BROKEN = Path(__file__).resolve().parents[2] / "docs" / "examples" / "broken_adapter.py"

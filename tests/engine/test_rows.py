@@ -36,12 +36,12 @@ import kdtr_format
 from kdtr_format import PRESETS, DDTreeConfig
 from engine.adapter import TorchAdapter
 from engine.validate import CAPABILITIES, GOLDEN_DIR, REPO_ROOT, Status, Validation, load_impl, plan, validate
-from engine.validate.corpus_checks import row_name
-from engine.validate.engine_rows import ENGINE_AR, ENGINE_BITWISE, ENGINE_REPLAY, ENGINE_SAMPLING, ENGINE_TIES
-from engine.validate.invariant import INVARIANT_ROWS
-from engine.validate.protocol import CAPABILITIES as V1_CAPABILITIES
-from engine.validate.regime import DTYPES
-from engine.validate.runner import REQUIREMENTS
+from engine.validate.rows.corpus import row_name
+from engine.validate.rows.engine import ENGINE_AR, ENGINE_BITWISE, ENGINE_REPLAY, ENGINE_SAMPLING, ENGINE_TIES
+from engine.validate.rows.invariant import INVARIANT_ROWS
+from engine.validate.door.protocol import CAPABILITIES as V1_CAPABILITIES
+from engine.validate.judging.regime import DTYPES
+from engine.validate.reports.report import REQUIREMENTS
 from planted_adapters import (Engine, IndexPositions, LaterAttention, LaterNextRoot, LaterPagedAttention,
                               LaterPagedSlotTooMany, LaterPathIgnored, LaterPositions, LaterPrefillShifted,
                               LaterScores, LaterSharedUniforms, LaterSlotTooMany, LaterTopk, LaterVerifyShifted,

@@ -30,7 +30,7 @@ import torch
 
 from kdtr_format import PRESETS, DDTreeConfig
 from engine.adapter import TorchAdapter
-from engine.validate.protocol_v2 import PerRequest
+from engine.validate.door.protocol_v2 import PerRequest
 from engine.decode import ddtree_decode
 from engine.drafters import RandomDrafter
 from engine.model import Transformer
@@ -41,7 +41,7 @@ from refgen.weights import init_weights
 
 pytest.importorskip("scipy", reason="scipy is not installed (pip install -e '.[test]' from a checkout): the sampling tests' "
                     "chi-square laws need it")
-from engine.validate.distribution import (chi_square_power, distribution_test,  # noqa: E402
+from engine.validate.judging.distribution import (chi_square_power, distribution_test,  # noqa: E402
                                           sequence_probabilities, tv_bound)
 
 CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=8, hidden_size=32, num_hidden_layers=1,

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import kdtr_format
-from engine.validate.prefixes import KnownPrefixes
-from engine.validate.regime import CasesView, Regime
-from engine.validate.report import Status
-from engine.validate.served import Served, tokens_row
-from engine.validate.server import ServerRun, validate_server
+from engine.validate.judging.prefixes import KnownPrefixes
+from engine.validate.judging.regime import CasesView, Regime
+from engine.validate.reports.report import Status
+from engine.validate.rows.served import Served, tokens_row
+from engine.validate.run.server import ServerRun, validate_server
 from fake_servers import Engine, FakeServer
 
 PROMPTS = ("p0", "p1", "p2")

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import kdtr_format
-from engine.validate.prefixes import KnownPrefixes
-from engine.validate.regime import CasesView, Regime
-from engine.validate.report import Status
-from engine.validate.served import ALPHA, MIN_REACH, sampling_family
-from engine.validate.server import ServerRun, validate_server
+from engine.validate.judging.prefixes import KnownPrefixes
+from engine.validate.judging.regime import CasesView, Regime
+from engine.validate.reports.report import Status
+from engine.validate.rows.served import ALPHA, MIN_REACH, sampling_family
+from engine.validate.run.server import ServerRun, validate_server
 from fake_servers import Engine, FakeServer
 
 pytest.importorskip("scipy", reason="the law test needs scipy (the test extra)")
@@ -54,7 +54,7 @@ def test_faithful_sampling_passes(engine, tiny, api, ids, form):
 def test_a_sampler_at_the_wrong_temperature_fails_the_law(engine, tiny):
     """HOT runs: enough that the chi-square part sees temperature 1 for 0.6 at every prompt's first token
     (its power, from the fixture's logits, checked here first)."""
-    from engine.validate.distribution import chi_square_power
+    from engine.validate.judging.distribution import chi_square_power
 
     with kdtr_format.open(tiny) as reader:
         regime = Regime.of(reader.metadata, "float32")

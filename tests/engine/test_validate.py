@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import engine.decode
-import engine.validate.engine_rows
+import engine.validate.rows.engine
 import kdtr_format
 from kdtr_format import PRESETS
 from engine.adapter import TorchAdapter
@@ -25,7 +25,7 @@ from engine.validate import (CAPABILITIES, METHODS, SKIPPED_DETAIL, AdapterFault
                              CheckedAdapter, Status, ValidateError, capabilities, compare_close, compare_exact,
                              compare_tokens, find_fixtures, load_impl, merge, replayed_round,
                              resolve_capabilities, unpack_bits, validate)
-from engine.validate.protocol_v2 import PerRequest
+from engine.validate.door.protocol_v2 import PerRequest
 
 
 class Engine(PerRequest):
@@ -479,7 +479,7 @@ def test_the_engine_replay_batches_requests_that_a_leak_reaches(small_model_fixt
         batches.append({len(p) for p in prompts})
         return ddtree_decode(model, drafter, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(engine.validate.engine_rows, "ddtree_decode", spy)
+    monkeypatch.setattr(engine.validate.rows.engine, "ddtree_decode", spy)
     builtin_decode_only(LeakyStages())
     report = validate(None, small_model_fixture, require="none")
     assert batches and all(len(lengths) >= 2 for lengths in batches), batches

@@ -325,7 +325,7 @@ def test_sampling_has_the_ar_sampling_distribution() -> None:
     assert chi2 < 45.0, f"chi-square {chi2:.1f} over 15 degrees of freedom (p < 1e-4)"
     pytest.importorskip("scipy", reason="scipy is not installed (pip install -e '.[test]' from a checkout): the "
                         "independence check's chi-square law needs it")
-    from engine.validate.distribution import distribution_test
+    from engine.validate.judging.distribution import distribution_test
 
     independence = distribution_test(within, {(a, b): within_law[a, b] for a in range(V) for b in range(V)})
     assert independence.passed, str(independence)

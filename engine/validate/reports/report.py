@@ -29,7 +29,9 @@ class Status(str, Enum):
     FAIL = "FAIL"
 
 
-_SEVERITY = {Status.SKIPPED: 0, Status.EXACT: 1, Status.WITHIN: 2, Status.NEAR_TIE: 3, Status.FAIL: 4}
+REQUIREMENTS = "validate"                 # the section of the run's own requirement rows
+ANY_CHECK_RAN = "any check ran"
+SEVERITY = {Status.SKIPPED: 0, Status.EXACT: 1, Status.WITHIN: 2, Status.NEAR_TIE: 3, Status.FAIL: 4}
 
 
 @dataclass
@@ -39,8 +41,8 @@ class Check:
     reports; margin: the reference's margin at the decision the row reports (a token
     divergence), shown only here, never in the detail; needs: the adapter capabilities
     the row exercises (empty for the built-in engine's own rows); tables: JSON-ready
-    detail too large for the row's text (acceptance.py's tables); regime: the tolerance
-    regime that judged it and its numbers (regime.py)."""
+    detail too large for the row's text (judging/acceptance.py's tables); regime: the tolerance
+    regime that judged it and its numbers (judging/regime.py)."""
 
     section: str
     name: str
@@ -101,7 +103,7 @@ class Report:
     commit: str | None = None
     device_name: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
-    deviations: dict[str, list[Any]] = field(default_factory=dict)   # fixture -> [Deviation] (deviations.py)
+    deviations: dict[str, list[Any]] = field(default_factory=dict)   # fixture -> [Deviation] (judging/deviations.py)
     section_seconds: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -1,8 +1,8 @@
 """Paged-KV rows (protocol v2 only): the `paged_kv` kernel cases through an adapter's
-`paged_attention` and `paged_compact` (protocol_v2.py), one call per case with every
+`paged_attention` and `paged_compact` (door/protocol_v2.py), one call per case with every
 request of the case in it.
 
-- "paged verify attention": each request's o_lat by kernel_checks.AttentionRule: float32
+- "paged verify attention": each request's o_lat by kernel.AttentionRule: float32
   inputs against `o_lat` by the fixture's tolerance, or under `--dtype bfloat16` the inputs
   rounded to bf16 against `o_lat_bf16` by its `tolerances_bf16`. A failure names the case
   and the request.
@@ -23,11 +23,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..door.checked import CheckedV2, fault_into
+from ..judging.compare import row
+from ..reports.report import Check, Status
 from .batched import Request, host, put, split, words32
-from .checked import CheckedV2, fault_into
-from .compare import row
-from .kernel_checks import AttentionRule
-from .report import Check, Status
+from .kernel import AttentionRule
 
 PAGED_KIND = "paged_kv"
 ATTENTION, COMPACTION = "paged verify attention", "paged KV compaction"

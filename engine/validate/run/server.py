@@ -36,12 +36,12 @@ from typing import Callable, Mapping
 import kdtr_format
 from kdtr_format import KdtrError
 
-from ..serving import Ask, Client, ServerError, client
-from .fixtures import model_fixture_config
-from .prefixes import KnownPrefixes
-from .regime import DTYPES, CasesView, Regime
-from .report import Check, Report, Status, ValidateError
-from .served import MIN_REACH, Served, logprobs_row, sampling_family, sampling_row, tokens_row
+from ...serving import Ask, Client, ServerError, client
+from ..fixtures import model_fixture_config
+from ..judging.prefixes import KnownPrefixes
+from ..judging.regime import DTYPES, CasesView, Regime
+from ..reports.report import Check, Report, Status, ValidateError
+from ..rows.served import MIN_REACH, Served, logprobs_row, sampling_family, sampling_row, tokens_row
 
 MANIFEST = "kdtree-export.json"          # refgen/export.py writes it
 SAMPLES = 400                            # runs per prompt at temperature > 0

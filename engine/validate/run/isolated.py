@@ -1,6 +1,6 @@
-"""`kdtree validate`'s checking in a watched child process (engine/supervise.py): the run, told
-to the parent as it goes (`serve`), and the report the parent makes of a run that ended early
-(`stopped_report`).
+"""`kdtree validate`'s checking in a watched child process (the supervisor, door/supervise.py):
+the run, told to the parent as it goes (`serve`); the parent makes the report of a run that
+ended early (supervise.stopped_report).
 
 What the child tells the parent, in order (send, a multiprocessing connection's):
 
@@ -20,18 +20,17 @@ report a run that ended early.
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 import time
 from typing import TYPE_CHECKING, Callable
 
-from . import guard
-from .protocol import load_impl
-from .report import Check, Report, Status, ValidateError
+from ..door import guard
+from ..door.load import load_impl
+from ..reports.report import Report, ValidateError
 from .runner import Validation, prepare_device
 
 if TYPE_CHECKING:
-    from ..supervise import Send, ValidateJob
+    from ..door.supervise import Send, ValidateJob
 
 
 def serve(send: Send, job: ValidateJob, log: Callable[[str], None]) -> Report:
@@ -61,26 +60,3 @@ def serve(send: Send, job: ValidateJob, log: Callable[[str], None]) -> Report:
             send(("section", name))
             send(("rows", name, pickle.dumps((validation.rows(name), validation.header()))))
         return validation.report()
-
-
-def stopped_report(header: Report, cases: dict[str, list[str]], rows: dict[str, list[Check]], section: str | None,
-                   label: str | None, row: tuple[str, str, str] | None, how: str) -> Report:
-    """The report of a run that ended early: the rows of the sections that finished, a FAIL row
-    for the row in flight (row: its section, name and where; None: the section's "fixture" row)
-    naming the adapter's code that was running (label; None: none was) and `how` it ended, and
-    every other row of the plan skipped as not run."""
-    section, name, where = row if row is not None else (section or "validate", "fixture", "")
-    what = f"{label} {how}" if label is not None else f"the run {how}, outside the adapter's calls"
-    stop = Check(section, name, Status.FAIL, detail=f"{what}{f' ({where})' if where else ''}; nothing after it ran")
-    not_run = f"not run: the run stopped at {section}::{name}"
-    checks: list[Check] = []
-    for part, names in cases.items():
-        if part in rows:
-            checks += rows[part]
-            continue
-        if part == section:
-            checks.append(stop)
-        checks += [Check(part, n, Status.SKIPPED, detail=not_run) for n in names if (part, n) != (section, name)]
-    if stop not in checks:                    # stopped after the last section's rows
-        checks.append(stop)
-    return dataclasses.replace(header, checks=checks)

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .report import Check, Report, Status
+from ..reports.report import Check, Report, Status
 
 
 @dataclass(frozen=True)

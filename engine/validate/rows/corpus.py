@@ -20,9 +20,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .checked import AdapterFault
-from .compare import _int, _words, compare_close, compare_exact, compare_tree, merge
-from .report import Check, Status
+from ..door.checked import AdapterFault
+from ..judging.compare import as_int, as_words, compare_close, compare_exact, compare_tree, merge
+from ..reports.report import Check, Status
 
 STAGE_CAPABILITIES = {"topk": {"topk"}, "topk_error": {"topk"}, "own_tree": {"topk", "tree"}, "tree": {"tree"},
                       "compile": {"compile"}, "accept": {"accept"}, "compact": {"compact"}}
@@ -132,14 +132,14 @@ def _compile(adapter, case: _Case) -> list[Check]:
     positions, bits, first_child, next_sibling = adapter.compile_tree(case["parents"], case["depths"],
                                                                       int(case.meta["start"]))
     return [case.exact("positions", positions),
-            compare_exact(case.section, "visibility_bits", _words(bits), _words(case["visibility_bits"]), case.where),
+            compare_exact(case.section, "visibility_bits", as_words(bits), as_words(case["visibility_bits"]), case.where),
             case.exact("first_child", first_child), case.exact("next_sibling", next_sibling)]
 
 
 def _accept(adapter, case: _Case) -> list[Check]:
     accepted, next_root = adapter.accept(case["parents"], case["tokens"], case["choices"])
     rows = [case.exact("accepted", accepted),
-            compare_exact(case.section, "next root", next_root, _int(case["next_root"]), case.where)]
+            compare_exact(case.section, "next root", next_root, as_int(case["next_root"]), case.where)]
     chain = int(case.meta["chain"])
     if len(np.asarray(accepted)) < chain:
         rows.append(case.fail(f"accepted {len(np.asarray(accepted))} tokens, fewer than the {chain} the tree's "

@@ -31,11 +31,11 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from ..reports.report import Check
 from . import guard
 from .guard import AdapterFault, describe
 from .protocol import METHODS, Method, Output, protocol_version
 from .protocol_v2 import METHODS_V2, Offsets, PerRequest, adapter_device
-from .report import Check
 
 UNCHECKED = ("intermediates", "deviations")     # optional methods: through the door, outputs unchecked
 _ABSENT = object()

@@ -6,8 +6,8 @@ the built-in engine's invariant on a preset without a fixture; "validate" for th
 own requirements), its check name and the capabilities it exercises. Its id,
 `section::name`, is the same in every run and for every adapter, because the plan depends
 on the fixture files and the dtype's regime alone: the built-in engine's own rows are
-cases of every plan, skipped for any other adapter; the batched rows (batched.py) are
-cases, skipped for a protocol v1 adapter; a paged_kv fixture's rows (paged_checks.py) are
+cases of every plan, skipped for any other adapter; the batched rows (rows/batched.py) are
+cases, skipped for a protocol v1 adapter; a paged_kv fixture's rows (rows/paged.py) are
 its cases, skipped rows in a v1 adapter's report too; and bf16's routing row is a case,
 skipped where the adapter's model did not run.
 
@@ -41,28 +41,27 @@ import torch
 import kdtr_format
 from kdtr_format import PRESETS, KdtrError
 
-from ..adapter import TorchAdapter
-from ..parallel import World
-from .acceptance import with_trace_acceptance
-from .batched import BATCHED_KERNEL_ROWS, batched_checks
-from .batched_model import ROWS as BATCHED_MODEL_ROWS
-from .checked import checked_views
-from .guard import AdapterFault, adapter_name, attribute, call, describe
-from .corpus_checks import corpus_rows
-from .deviations import with_deviations
-from .fixtures import _kdtr_files, find_fixtures
-from .invariant import INVARIANT_ROWS, preset_invariant_checks
-from .kernel_checks import KERNEL_KINDS, KERNEL_ROWS, kernel_checks
-from .engine_rows import ENGINE_ROWS
-from .model_checks import ROWS, _model_fixture
-from .paged_checks import PAGED_KIND, PAGED_ROWS, paged_checks
-from .protocol import CAPABILITIES, resolve_capabilities
-from .protocol_v2 import CAPABILITIES_V2
-from .regime import DTYPES, CasesView, Regime
-from .report import Check, Report, Status, ValidateError
+from ...adapter import TorchAdapter
+from ...parallel import World
+from ..door.capabilities import resolve_capabilities
+from ..door.checked import checked_views
+from ..door.guard import AdapterFault, adapter_name, attribute, call, describe
+from ..door.protocol import CAPABILITIES
+from ..door.protocol_v2 import CAPABILITIES_V2
+from ..fixtures import kdtr_files, find_fixtures
+from ..judging.acceptance import with_trace_acceptance
+from ..judging.deviations import with_deviations
+from ..judging.regime import DTYPES, CasesView, Regime
+from ..reports.report import ANY_CHECK_RAN, REQUIREMENTS, Check, Report, Status, ValidateError
+from ..rows.batched import BATCHED_KERNEL_ROWS, batched_kernel_checks
+from ..rows.batched_model import ROWS as BATCHED_MODEL_ROWS, batched_model_checks
+from ..rows.corpus import corpus_rows
+from ..rows.engine import ENGINE_ROWS
+from ..rows.invariant import INVARIANT_ROWS, preset_invariant_checks
+from ..rows.kernel import KERNEL_KINDS, KERNEL_ROWS, kernel_checks
+from ..rows.model import ROWS, model_fixture_checks
+from ..rows.paged import PAGED_KIND, PAGED_ROWS, paged_checks
 
-REQUIREMENTS = "validate"                 # the section of the run's own requirement cases
-ANY_CHECK_RAN = "any check ran"
 BUILTIN_ONLY = "skipped (the built-in engine's own check: not run for an adapter)"
 V2_ONLY = "skipped (a batched check: protocol v2 adapters only)"
 NO_ROUTING = "skipped (the model did not run: no routing to watch)"
@@ -73,7 +72,7 @@ CPU_THREADS = 1          # torch's intra-op threads on the CPU: tiny models gain
 class Case:
     """One row of the report, before it runs. builtin_only: a check of the built-in engine's
     own decode loops or invariant, skipped for any other adapter; v2_only: a batched check
-    (batched.py), skipped for a protocol v1 adapter; absent: the detail of its
+    (rows/batched.py), skipped for a protocol v1 adapter; absent: the detail of its
     skipped row when its section's checks return no such row (a row that exists only when
     the adapter's model ran; empty: they always return it)."""
 
@@ -110,11 +109,11 @@ def plan(fixtures: str | os.PathLike | None = None, dtype: str = "float32") -> l
 def _sections(directory: Path, dtype: str) -> list[_Section]:
     root = directory if directory.is_dir() else directory.parent       # one fixture file: just that file
     sections = []
-    for path in _kdtr_files(directory):
+    for path in kdtr_files(directory):
         name = str(path.relative_to(root))
         sections.append(_Section(name, _fixture_cases(path, name, dtype), path=path))
     if directory.is_dir():
-        for preset in sorted(set(PRESETS) - {p.stem for p in _kdtr_files(directory)}):
+        for preset in sorted(set(PRESETS) - {p.stem for p in kdtr_files(directory)}):
             name = f"{preset} (random weights)"
             sections.append(_Section(name, tuple(Case(name, row, (), True) for row in INVARIANT_ROWS), preset=preset))
     return sections
@@ -136,7 +135,7 @@ def _per_request_cases(reader, section: str, dtype: str) -> tuple[Case, ...]:
     kind = reader.metadata.get("kind")
     if kind == "model":
         regime = Regime.of(reader.metadata, dtype)
-        if regime is None:                   # _model_fixture's one skipped row
+        if regime is None:                   # model_fixture_checks's one skipped row
             return (Case(section, f"{dtype} cases"),)
         cases = [Case(section, name, tuple(sorted(needs))) for name, needs in ROWS.items()]
         if regime.routing_threshold is not None:
@@ -162,7 +161,7 @@ class Validation:
     declares, else what it implements; under the declaration, only those of them that the
     fixtures have checks for: a declared capability without any is a skipped "validate" row);
     invariant: the built-in engine in batch-invariant mode; dtype: the compute dtype the
-    adapter is told (`set_dtype`) and judged in (regime.py); world: the built-in engine
+    adapter is told (`set_dtype`) and judged in (judging/regime.py); world: the built-in engine
     sharded over it (engine.parallel); page_size: the built-in engine's KV cache paged
     (engine/cache.py); log: told each section as it starts. ValidateError for an adapter or
     fixtures that cannot be checked."""
@@ -176,7 +175,7 @@ class Validation:
         self.adapter = (TorchAdapter(device, invariant=invariant, world=world, page_size=page_size) if self.builtin
                         else adapter)
         _set_dtype(self.adapter, dtype)
-        self._checked, self._batched = checked_views(self.adapter)   # protocol v2: also batched (batched.py)
+        self._checked, self._batched = checked_views(self.adapter)   # protocol v2: also batched (rows/batched.py)
         self.dtype = dtype
         self.caps, self.required = resolve_capabilities(self.adapter, require)
         directory = find_fixtures(fixtures)
@@ -252,8 +251,7 @@ class Validation:
         self.log(f"checking {section.name}")
         try:
             with kdtr_format.open(section.path) as reader:
-                return self._per_request(reader, section.name) + \
-                    batched_checks(self._batched, self.caps, reader, section.name, self.dtype)
+                return self._per_request(reader, section.name) + self._batched_checks(reader, section.name)
         except KdtrError as exc:
             raise ValidateError(f"{section.path}: {exc}") from None
         except ValidateError:
@@ -263,18 +261,25 @@ class Validation:
         except Exception as exc:        # a malformed fixture (adapter faults are rows of their own checks)
             return [Check(section.name, "fixture", Status.FAIL, detail=f"checking stopped: {describe(exc)}")]
 
+
+    def _batched_checks(self, reader, section: str) -> list[Check]:
+        """The batched rows of one fixture (none for a v1 adapter); model fixtures in the run's dtype."""
+        if self._batched is None:
+            return []
+        rows = batched_model_checks if reader.metadata.get("kind") == "model" else batched_kernel_checks
+        return rows(self._batched, self.caps, reader, section, self.dtype)
     def _per_request(self, reader, section: str) -> list[Check]:
         kind = reader.metadata.get("kind")
         if kind == "model":
-            checks = _model_fixture(self._checked, self.caps, reader, section, self.builtin, self.dtype)
+            checks = model_fixture_checks(self._checked, self.caps, reader, section, self.builtin, self.dtype)
             regime = Regime.of(reader.metadata, self.dtype)
             if regime is not None:
                 checks = with_trace_acceptance(checks, CasesView(reader, regime))
-            return _stamped(with_deviations(self._report, self._checked, checks, section), "exact")
+            return stamped(with_deviations(self._report, self._checked, checks, section), "exact")
         if kind == PAGED_KIND:            # protocol 2 only: the v2 view (None for a v1 adapter)
-            return _stamped(paged_checks(self._batched, self.caps, reader, section, self.dtype), "")
+            return stamped(paged_checks(self._batched, self.caps, reader, section, self.dtype), "")
         if kind in KERNEL_KINDS:
-            return _stamped(kernel_checks(kind, self._checked, self.caps, reader, section, self.dtype),
+            return stamped(kernel_checks(kind, self._checked, self.caps, reader, section, self.dtype),
                             "float32: the kernel case's tolerance (float32 inputs)")
         return [Check(section, "fixture", Status.FAIL, detail=f"unknown fixture kind {kind!r}")]
 
@@ -384,7 +389,7 @@ def _set_dtype(adapter: Any, dtype: str) -> None:
                             else f"--dtype {dtype}: {fault}") from None
 
 
-def _stamped(checks: list[Check], default: str) -> list[Check]:
+def stamped(checks: list[Check], default: str) -> list[Check]:
     """Rows without a regime get `default` for float comparisons, "exact" for exact ones."""
     for check in checks:
         if not check.regime and check.status is not Status.SKIPPED:

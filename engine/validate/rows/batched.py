@@ -33,10 +33,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..ragged import pack_visibility
-from .checked import CheckedV2, fault_into
-from .compare import _int, _words, compare_close, compare_exact, compare_tree, row
-from .report import Check
+from ...ragged import pack_visibility
+from ..door.checked import CheckedV2, fault_into
+from ..judging.compare import as_int, as_words, compare_close, compare_exact, compare_tree, row
+from ..reports.report import Check
+from .kernel import AttentionRule
 
 Close = Callable[[str, str, Any, Any, str], Check]       # (section, name, actual, expected, where) -> row
 
@@ -95,7 +96,7 @@ def split(values: np.ndarray, bounds: np.ndarray) -> Iterator[np.ndarray]:
 
 def words32(bits: Any) -> np.ndarray:
     """Visibility words (uint32 or int32) as int32 holding the same bits."""
-    return _words(bits).astype(np.uint32).view(np.int32)
+    return as_words(bits).astype(np.uint32).view(np.int32)
 
 
 def packed_rows(visibility: Sequence[np.ndarray], adapter: CheckedV2) -> torch.Tensor:
@@ -179,11 +180,11 @@ def compile_rows(adapter: CheckedV2, section: str, requests: Sequence[Request], 
         positions, bits, first_child, next_sibling = (list(split(host(t), bounds)) for t in compiled)
         for b, r in enumerate(requests):
             where = at(r, b, len(requests))
-            want = _words(r["visibility_bits"])
+            want = as_words(r["visibility_bits"])
             want = np.pad(want, ((0, 0), (0, bits[b].shape[1] - want.shape[1]))) if want.shape[1] < bits[b].shape[1] \
                 else want
             rows += [compare_exact(section, "positions", positions[b], r["positions"], where),
-                     compare_exact(section, "visibility bits", _words(bits[b]), want, where)]
+                     compare_exact(section, "visibility bits", as_words(bits[b]), want, where)]
             rows += [compare_exact(section, link, got[b], r[link], where)
                      for link, got in (("first_child", first_child), ("next_sibling", next_sibling)) if r.has(link)]
 
@@ -200,7 +201,7 @@ def accept_rows(adapter: CheckedV2, section: str, requests: Sequence[Request], r
         for b, (r, path) in enumerate(zip(requests, split(host(accepted), host(bounds)))):
             where = at(r, b, len(requests))
             rows += [compare_exact(section, "accepted", path, r["accepted"], where),
-                     compare_exact(section, "next root", int(next_roots[b]), _int(r["next_root"]), where)]
+                     compare_exact(section, "next root", int(next_roots[b]), as_int(r["next_root"]), where)]
 
 
 def sample_accept_rows(adapter: CheckedV2, section: str, requests: Sequence[Request], temperature: float,
@@ -221,7 +222,7 @@ def sample_accept_rows(adapter: CheckedV2, section: str, requests: Sequence[Requ
             where = at(r, b, len(requests))
             rows += [compare_exact(section, "choices", own, r["choices"], where),
                      compare_exact(section, "accepted", path, r["accepted"], where),
-                     compare_exact(section, "next root", int(next_roots[b]), _int(r["next_root"]), where)]
+                     compare_exact(section, "next root", int(next_roots[b]), as_int(r["next_root"]), where)]
 
 
 # ---- kernel cases ----
@@ -231,7 +232,7 @@ def _cases(reader) -> list[Request]:
     for case in reader.metadata.get("cases", []):
         prefix = f"cases/{case['name']}/"
         start = int(case["start"]) if "start" in case else \
-            (_int(reader[prefix + "start"]) if prefix + "start" in reader else 0)
+            (as_int(reader[prefix + "start"]) if prefix + "start" in reader else 0)
         requests.append(Request(f"case {case['name']}", reader, prefix, int(case.get("budget", 0)), -1, start, case))
     return requests
 
@@ -285,8 +286,6 @@ def _padded(rows: np.ndarray, slots: int) -> np.ndarray:
 
 def _verify_attention_cases(adapter: CheckedV2, caps: set[str], reader, section: str,
                             dtype: str = "float32") -> list[Check]:
-    from .kernel_checks import AttentionRule
-
     rows: list[Check] = []
     for case in _cases(reader) if "attention" in caps else []:
         rule = AttentionRule.of(reader.metadata, case.has("o_lat_bf16"), dtype)
@@ -302,7 +301,7 @@ def _verify_attention_cases(adapter: CheckedV2, caps: set[str], reader, section:
     return [row(section, "batched verify attention", {"attention"}, caps, rows)]
 
 
-# The rows batched_checks returns for each kernel kind, in order, with their capabilities (the plan's).
+# The rows batched_kernel_checks returns for each kernel kind, in order, with their capabilities (the plan's).
 BATCHED_KERNEL_ROWS: dict[str, dict[str, set[str]]] = {
     "tree_build": {"batched top-k log-probs": {"topk"}, "batched tree build": {"tree"},
                    "batched tree compile": {"compile"}},
@@ -311,19 +310,11 @@ BATCHED_KERNEL_ROWS: dict[str, dict[str, set[str]]] = {
 }
 
 
-def batched_checks(adapter: CheckedV2 | None, caps: set[str], reader, section: str,
-                   dtype: str = "float32") -> list[Check]:
-    """The batched rows of one fixture (none for a v1 adapter, None here, or a corpus file);
-    model fixtures in the regime of `dtype`."""
-    if adapter is None:
-        return []
-    from .batched_model import batched_model_checks
-
+def batched_kernel_checks(adapter: CheckedV2, caps: set[str], reader, section: str,
+                          dtype: str = "float32") -> list[Check]:
+    """The batched rows of one kernel fixture (none for a kind without batched rows: the corpus)."""
     kind = reader.metadata.get("kind")
-    if kind == "model":
-        return batched_model_checks(adapter, caps, reader, section, dtype)
     if kind == "verify_attention":
         return _verify_attention_cases(adapter, caps, reader, section, dtype)
     checks = {"tree_build": _tree_build_cases, "accept_compact": _accept_compact_cases}.get(kind)
     return checks(adapter, caps, reader, section) if checks else []
-

@@ -33,23 +33,21 @@ bits. An exception in one is that row's FAIL.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
 from kdtr_format import DDTreeConfig
 
-from ..adapter import TorchAdapter
-from ..decode import DecodeResult, ar_decode, ddtree_decode
-from ..drafters import RandomDrafter, ReplayDrafter
-from ..stages import top2_margins
-from .acceptance import engine_acceptance, with_acceptance
-from .compare import _int, compare_exact, merge
-from .report import Check, Status
-
-if TYPE_CHECKING:
-    from .model_checks import _Fixture
+from ...adapter import TorchAdapter
+from ...decode import DecodeResult, ar_decode, ddtree_decode
+from ...drafters import RandomDrafter, ReplayDrafter
+from ...stages import top2_margins
+from ..judging.acceptance import engine_acceptance, with_acceptance
+from ..judging.compare import as_int, compare_exact, merge
+from ..reports.report import Check, Status
+from .cases import ModelCases
 
 ENGINE_AR, ENGINE_REPLAY = "engine AR decode (batched)", "engine DDTree replay (batched)"
 ENGINE_SAMPLING = "engine sampling: fresh uniforms every round"
@@ -64,7 +62,7 @@ SAMPLING_TOKENS, SAMPLING_REQUESTS, SAMPLING_SEED = 12, 4, 2026
 CORRELATION_Z = 6.0
 
 
-def engine_checks(adapter: TorchAdapter, fixture: _Fixture, section: str) -> list[Check]:
+def engine_checks(adapter: TorchAdapter, fixture: ModelCases, section: str) -> list[Check]:
     """The rows of ENGINE_ROWS, in that order, on the adapter's loaded weights (the bitwise
     row in invariant mode only)."""
     model, stages = adapter.model, adapter.stages
@@ -239,14 +237,14 @@ def _prompts(n: int) -> str:
 
 # ---- the batched decode loops ----
 
-def _replay(fixture: _Fixture, model, stages, section: str, traces: list[Mapping[str, Any]],
+def _replay(fixture: ModelCases, model, stages, section: str, traces: list[Mapping[str, Any]],
             companions: list[str]) -> tuple[list[Check], DecodeResult]:
     """Traces of one block size and temperature in one batch, each with its own prompt, budget,
     length and (sampled) uniforms, beside companion requests: the fixture's prompts with flat
     drafts, whose tokens must be their AR tokens (DDTree greedy == AR greedy), so that a leak
     between requests has other requests to leak into. Whole sequences are compared."""
     ddtree = DDTreeConfig.from_dict(traces[0]["ddtree"])
-    recorded = [{_int(fixture[f"traces/{t['name']}/rounds/{r}/start"]):
+    recorded = [{as_int(fixture[f"traces/{t['name']}/rounds/{r}/start"]):
                  fixture[f"traces/{t['name']}/rounds/{r}/draft_logits"] for r in range(t["rounds"])}
                 for t in traces] + [{} for _ in companions]
     prompts = [fixture[f"prompts/{t['prompt']}/tokens"] for t in traces] + \
@@ -281,7 +279,7 @@ def _replay(fixture: _Fixture, model, stages, section: str, traces: list[Mapping
                 fixture.close(section, "scores", got.scores.numpy(), fixture[f"{rp}/scores"], "logprobs", where),
                 fixture.tokens(section, "choices", got.choices.numpy(), fixture[f"{rp}/choices"],
                             fixture[f"{rp}/margins"], where, reached=fixture.tree_reached(rp, taints)),
-                compare_exact(section, "next root", got.next_root, _int(fixture[f"{rp}/next_root"]), where)]
+                compare_exact(section, "next root", got.next_root, as_int(fixture[f"{rp}/next_root"]), where)]
             round_rows = replayed_round(round_rows, tree_rows=3,
                                         same_topk=np.array_equal(got.topk_lp.numpy(), fixture[f"{rp}/topk_lp"]))
             choices_tied = any(row.name == "choices" and row.status is Status.NEAR_TIE for row in round_rows)
@@ -299,7 +297,7 @@ def _replay(fixture: _Fixture, model, stages, section: str, traces: list[Mapping
     return rows, result
 
 
-def _recorded_uniforms(fixture: _Fixture, traces: list[Mapping[str, Any]], width: int) -> list[torch.Tensor]:
+def _recorded_uniforms(fixture: ModelCases, traces: list[Mapping[str, Any]], width: int) -> list[torch.Tensor]:
     """The traces' recorded uniforms as ddtree_decode takes them: [B, 1] for the prefill, then
     [B, width] per round, as many rounds as an engine that commits one token a round needs
     (0.5 where a request has no recorded round or node)."""

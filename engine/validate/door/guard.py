@@ -10,7 +10,7 @@ import, its factory, its methods, its attributes) only through here.
 - `watching(watch)`: while on, `watch(label, row)` is told each time the adapter's code starts
   running (label "forward()", "importing x.py"; row: the report row in flight, `in_row`) and
   `watch(None, None)` when it is done. `kdtree validate` streams that to the parent process,
-  which times each call and names the one in flight when the child dies (engine/supervise.py).
+  which times each call and names the one in flight when the child dies (supervise.py).
 - `describe(exc)`: an exception in one line, even when its own str() raises.
 """
 
@@ -21,7 +21,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
-from .report import Check, Status, ValidateError
+from ..reports.report import Check, Status, ValidateError
 
 T = TypeVar("T")
 

@@ -23,8 +23,7 @@ from typing import Iterable
 
 from kdtr_format.clikit import atomic_output
 
-from .report import Check, Report, Status
-from .runner import ANY_CHECK_RAN, REQUIREMENTS
+from .report import ANY_CHECK_RAN, REQUIREMENTS, Check, Report, Status
 
 _NOT_XML = re.compile("[^\t\n\r\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 

@@ -2,7 +2,7 @@
 logits within tolerance; AR tokens, tree build, target choices, accept, sampled choices
 and committed tokens exact, every trace (greedy and sampled) replayed teacher-forced; the
 fixture's adversarial sampling cases exact. For the built-in engine also its own rows
-(engine_rows.py) and the invariant (invariant.py) on the fixture's weights.
+(engine.py) and the invariant (invariant.py) on the fixture's weights.
 
 A FAIL in verify logits, target choices or sampled choices names the first wrong node
 (trace, round, node index, its depth and position) and points to `kdtree diverge`.
@@ -16,15 +16,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from kdtr_format import ModelConfig
-
-from .checked import fault_into
-from .compare import _int, _words, compare_exact, compare_tree, row, unpack_bits
-from .engine_rows import engine_checks
-from .fixtures import fixture_weights, model_fixture_config
+from ..door.checked import fault_into
+from ..fixtures import fixture_weights, model_fixture_config
+from ..judging.compare import as_int, as_words, compare_exact, compare_tree, row, unpack_bits
+from ..judging.regime import Regime
+from ..reports.report import Check, Status
+from .cases import ModelCases
+from .engine import engine_checks
 from .invariant import invariant_checks
-from .regime import Regime, RoutingWatch, reached_rows, sequence_reached
-from .report import Check, Status
 
 # The report's rows for a model fixture, and the adapter capabilities each needs.
 ROWS: dict[str, set[str]] = {
@@ -44,15 +43,17 @@ ROWS: dict[str, set[str]] = {
 DIVERGE_HINT = "`kdtree diverge` finds the first op where verify and decode differ"
 
 
-def _model_fixture(adapter: Any, caps: set[str], reader, section: str, builtin: bool,
-                   dtype: str = "float32") -> list[Check]:
+def model_fixture_checks(adapter: Any, caps: set[str], reader, section: str, builtin: bool,
+                         dtype: str = "float32") -> list[Check]:
+    """The rows of ROWS for one model fixture in the regime of `dtype` (one skipped row when the
+    fixture holds no such cases); for the built-in engine (builtin), its decode and invariant rows too."""
     cfg = model_fixture_config(reader, Path(section))
     regime = Regime.of(reader.metadata, dtype)
     if regime is None:
         return [Check(section, f"{dtype} cases", Status.SKIPPED,
                       detail=f"the fixture holds no {dtype} cases (regenerate it with `refgen generate`)")]
     metadata = regime.metadata
-    fixture = _Fixture(reader, cfg, regime, exact=callable(getattr(adapter, "intermediates", None)))
+    fixture = _Checks(reader, cfg, regime, exact=callable(getattr(adapter, "intermediates", None)))
     found: dict[str, list[Check]] = {name: [] for name in ROWS}
     model = "model" in caps
     if model:
@@ -81,58 +82,8 @@ def _model_fixture(adapter: Any, caps: set[str], reader, section: str, builtin: 
     return checks
 
 
-class _Fixture:
-    """A model fixture's cases for one regime (its tensors, read lazily) and the checks over them."""
-
-    def __init__(self, reader, cfg: ModelConfig, regime: Regime, exact: bool) -> None:
-        self.reader, self.cfg, self.regime = reader, cfg, regime
-        self.threshold = regime.margin_threshold
-        self.prompts, self.traces = regime.metadata["prompts"], regime.metadata["traces"]
-        self.routing = RoutingWatch(regime, cfg, exact)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return np.asarray(self.reader[self.regime.prefix + name])
-
-    def close(self, section: str, name: str, actual, expected, kind: str, where: str, locate=None,
-              reached: np.ndarray | None = None) -> Check:
-        return self.regime.close(section, name, actual, expected, kind, where, locate, reached)
-
-    def tokens(self, section: str, name: str, actual, expected, margins, where: str, locate=None,
-               reached: np.ndarray | None = None, sequence: bool = False) -> Check:
-        return self.regime.tokens(section, name, actual, expected, margins, where, locate, reached, sequence)
-
-    def route(self, where: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """The reference's routing of the rows at `where` (bf16 cases), else None."""
-        if self.regime.routing_threshold is None:
-            return None
-        return self[f"{where}/router_experts"], self[f"{where}/router_margins"]
-
-    def ar_reached(self, prompt: str) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """The prompt's AR decisions a possible routing flip reaches [N], and the cached keys it
-        moved [m + N - 1] (every near-tie a suspect: the engine's own loops report no experts);
-        (None, None) outside bf16."""
-        if self.regime.routing_threshold is None:
-            return None, None
-        margins = np.concatenate([self[f"prompts/{prompt}/router_margins"][:-1],
-                                  self[f"prompts/{prompt}/ar/router_margins"]])
-        reached, taints = sequence_reached(margins, self.regime.routing_threshold, self.routing.reach)
-        return reached[len(self[f"prompts/{prompt}/tokens"]) - 1:], taints
-
-    def tree_reached(self, rp: str, taints: np.ndarray | None) -> np.ndarray | None:
-        """A round's nodes a possible routing flip reaches (bf16 cases), from the round's own routing and
-        the prompt's AR keys cached before it (`taints` of ar_reached)."""
-        if taints is None:
-            return None
-        visibility = unpack_bits(self[f"{rp}/visibility_bits"], len(self[f"{rp}/parents"]))
-        suspects = self[f"{rp}/router_margins"] < self.regime.routing_threshold
-        return reached_rows(suspects, self.routing.reach, visibility, bool(taints[:_int(self[f"{rp}/start"])].any()))[0]
-
-    def max_len(self) -> int:
-        longest = max(p["length"] for p in self.prompts)
-        most = max((t["max_new_tokens"] for t in self.traces), default=0)
-        ar_tokens = max(len(self[f"prompts/{p['name']}/ar/tokens"]) for p in self.prompts)
-        budget = max((t["ddtree"]["budget"] for t in self.traces), default=0)
-        return longest + max(most, ar_tokens) + budget + 2
+class _Checks(ModelCases):
+    """A model fixture's cases and the checks over them."""
 
     def prompt_checks(self, adapter, section: str, name: str, found: dict[str, list[Check]]) -> None:
         """Prefill logits and the adapter's own AR greedy loop (stops at the first divergence)."""
@@ -246,15 +197,15 @@ class _Fixture:
                                              self.close(section, "top-k lp", lp, topk_lp, "logprobs", where)]
         if "tree" in caps:
             with fault_into(found["tree build"], section, "tree build", where):
-                built = adapter.build_tree(topk_lp, topk_id, budget, _int(self[f"{rp}/root"]))
+                built = adapter.build_tree(topk_lp, topk_id, budget, as_int(self[f"{rp}/root"]))
                 found["tree build"] += compare_tree(section, built, (parents, tokens, depths, self[f"{rp}/scores"]),
                                                     where)
         if "compile" in caps:
             with fault_into(found["tree compile"], section, "tree compile", where):
-                positions, bits, _, _ = adapter.compile_tree(parents, depths, _int(self[f"{rp}/start"]))
+                positions, bits, _, _ = adapter.compile_tree(parents, depths, as_int(self[f"{rp}/start"]))
                 found["tree compile"] += [
                     compare_exact(section, "positions", positions, self[f"{rp}/positions"], where),
-                    compare_exact(section, "visibility bits", _words(bits), _words(self[f"{rp}/visibility_bits"]),
+                    compare_exact(section, "visibility bits", as_words(bits), as_words(self[f"{rp}/visibility_bits"]),
                                   where)]
         if "accept" in caps:
             with fault_into(found["accept"], section, "accept", where):
@@ -269,7 +220,7 @@ class _Fixture:
 
     def _accepted(self, section: str, rp: str, where: str, accepted, next_root: int) -> list[Check]:
         return [compare_exact(section, "accepted", accepted, self[f"{rp}/accepted"], where),
-                compare_exact(section, "next root", next_root, _int(self[f"{rp}/next_root"]), where)]
+                compare_exact(section, "next root", next_root, as_int(self[f"{rp}/next_root"]), where)]
 
     def _verify(self, adapter, section: str, rp: str, where: str,
                 found: dict[str, list[Check]]) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -277,7 +228,7 @@ class _Fixture:
         causally at slots start .. start + a - 1; both against the fixture's verify logits.
         -> (the verify logits [n+1, V], None when the forward faulted; the nodes a routing flip
         reached [n+1], bf16 only)."""
-        start, tokens, accepted = _int(self[f"{rp}/start"]), self[f"{rp}/tokens"], self[f"{rp}/accepted"]
+        start, tokens, accepted = as_int(self[f"{rp}/start"]), self[f"{rp}/tokens"], self[f"{rp}/accepted"]
         expected = self[f"{rp}/verify_logits"]
         n, a = len(tokens), len(accepted)
         with fault_into(found["verify logits"], section, "verify logits", where) as verify:
@@ -347,14 +298,14 @@ class _Fixture:
                     case(p + "uniforms"))
                 rows += [compare_exact(section, "choices", choices, case(p + "choices"), where),
                          compare_exact(section, "accepted", accepted, case(p + "accepted"), where),
-                         compare_exact(section, "next root", next_root, _int(case(p + "next_root")), where)]
+                         compare_exact(section, "next root", next_root, as_int(case(p + "next_root")), where)]
 
 class _Nodes:
     """A round's nodes in words for one comparison's detail ('node i (depth d, position p)'),
     keeping the node it named: a FAIL row carries it as tables["first_wrong_node"] (trace,
     round, node, depth, position, and the round's parents and accepted path)."""
 
-    def __init__(self, fixture: _Fixture, rp: str) -> None:
+    def __init__(self, fixture: ModelCases, rp: str) -> None:
         self.fixture, self.rp, self.named = fixture, rp, None
 
     def __call__(self, i: int) -> str:

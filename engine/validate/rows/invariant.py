@@ -9,13 +9,13 @@ import torch
 from kdtr_format import PRESETS, DDTreeConfig, ModelConfig
 from kdtr_format.precision import bf16_bounds
 
-from ..adapter import TorchAdapter
-from ..decode import ar_decode, ddtree_decode
-from ..drafters import LayerSkipDrafter, OracleDrafter, RandomDrafter
-from ..weights import weight_shapes
-from .acceptance import engine_acceptance, with_acceptance
-from .compare import compare_tokens, merge
-from .report import Check
+from ...adapter import TorchAdapter
+from ...decode import ar_decode, ddtree_decode
+from ...drafters import LayerSkipDrafter, OracleDrafter, RandomDrafter
+from ...weights import weight_shapes
+from ..judging.acceptance import engine_acceptance, with_acceptance
+from ..judging.compare import compare_tokens, merge
+from ..reports.report import Check
 
 # The invariant's DDTree setting and drafters (small: it runs on every fixture's weights).
 INVARIANT_DDTREE = DDTreeConfig(block_size=5, budget=12)

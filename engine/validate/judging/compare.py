@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .report import _SEVERITY, Check, Status
+from ..reports.report import SEVERITY, Check, Status
 
 SKIPPED_DETAIL = "skipped (not implemented by adapter)"
 
@@ -119,7 +119,7 @@ def compare_tokens(section: str, name: str, actual: Any, expected: Any, margins:
     tied = np.zeros(len(margins), dtype=bool) if tied is None else np.asarray(tied, dtype=bool).reshape(-1)
     judged = differ[:1] if sequence else differ
     statuses = [Status.NEAR_TIE if tied[i] else classify_divergence(float(margins[i]), threshold) for i in judged]
-    worst = max(range(len(judged)), key=lambda k: _SEVERITY[statuses[k]])
+    worst = max(range(len(judged)), key=lambda k: SEVERITY[statuses[k]])
     i = int(judged[worst])
     first = locate(int(differ[0])) if locate else f"at {int(differ[0])}"
     routing = ", reached by a routing flip" if tied[i] else ""
@@ -133,7 +133,7 @@ def merge(section: str, name: str, checks: Iterable[Check], needs: Iterable[str]
     checks, needs = list(checks), tuple(sorted(needs))
     if not checks:
         return Check(section, name, Status.SKIPPED, detail="nothing to compare", needs=needs)
-    status = max((c.status for c in checks), key=_SEVERITY.get)
+    status = max((c.status for c in checks), key=SEVERITY.get)
     if status in (Status.FAIL, Status.NEAR_TIE):
         telling = next(c for c in checks if c.status is status)
     else:
@@ -159,7 +159,7 @@ def compare_tree(section: str, built: tuple, expected: tuple, where: str) -> lis
     return [compare_exact(section, what, got, want, where) for what, got, want in zip(names, built, expected)]
 
 
-def _words(bits: Any) -> np.ndarray:
+def as_words(bits: Any) -> np.ndarray:
     """Visibility words as unsigned 32-bit values, whether stored as int32 or uint32."""
     return np.asarray(bits).astype(np.int64) & 0xFFFFFFFF
 
@@ -170,5 +170,6 @@ def unpack_bits(words: np.ndarray, width: int) -> np.ndarray:
     return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width].astype(bool)
 
 
-def _int(x: Any) -> int:
+def as_int(x: Any) -> int:
+    """A 0-d or one-element array (or a scalar) as a Python int."""
     return int(np.asarray(x).reshape(()))

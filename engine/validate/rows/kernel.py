@@ -4,7 +4,7 @@ given top-k, accept and compaction exact (the whole cache, every slot past the c
 ones included), verify attention within tolerance (every request of a case's batch). Every
 adapter call goes through the checked adapter; a fault is the FAIL row of its check.
 `KERNEL_ROWS` names each kind's rows and the capabilities each needs (the corpus: one row
-per case, corpus_checks.corpus_rows).
+per case, corpus.corpus_rows).
 
 Verify attention in a regime (`AttentionRule`, shared by the per-request, batched and
 paged rows): float32 hands the case's float32 inputs and compares with `o_lat` by the
@@ -22,10 +22,10 @@ from typing import Any, Callable, Mapping
 import ml_dtypes
 import numpy as np
 
-from .checked import fault_into
-from .compare import _int, _words, compare_close, compare_exact, compare_tree, row, unpack_bits
-from .corpus_checks import corpus_cases
-from .report import Check
+from ..door.checked import fault_into
+from ..judging.compare import as_int, as_words, compare_close, compare_exact, compare_tree, row, unpack_bits
+from ..reports.report import Check
+from .corpus import corpus_cases
 
 DEFAULT_ATTENTION_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 Found = dict[str, list[Check]]           # row name -> the comparisons merged into that row
@@ -94,8 +94,8 @@ def _tree_build_cases(adapter, caps: set[str], reader, section: str, found: Foun
             with fault_into(compile_rows, section, "tree compile", where):
                 compiled = adapter.compile_tree(parents, depths, int(case["start"]))
                 compile_rows += [
-                    compare_exact(section, what, _words(got) if what == "visibility_bits" else got,
-                                  _words(reader[p + what]) if what == "visibility_bits" else reader[p + what], where)
+                    compare_exact(section, what, as_words(got) if what == "visibility_bits" else got,
+                                  as_words(reader[p + what]) if what == "visibility_bits" else reader[p + what], where)
                     for what, got in zip(("positions", "visibility_bits", "first_child", "next_sibling"), compiled)]
 
 
@@ -104,14 +104,14 @@ def _accept_compact_cases(adapter, caps: set[str], reader, section: str, found: 
     for case in _cases(reader):
         p = f"cases/{case['name']}/"
         where = f"case {case['name']}"
-        start = int(case["start"]) if "start" in case else _int(reader[p + "start"])
+        start = int(case["start"]) if "start" in case else as_int(reader[p + "start"])
         accepted_expected = np.asarray(reader[p + "accepted"])
         if "accept" in caps:
             with fault_into(accept_rows, section, "accept", where):
                 accepted, next_root = adapter.accept(*(np.asarray(reader[p + k])
                                                        for k in ("parents", "tokens", "choices")))
                 accept_rows += [compare_exact(section, "accepted", accepted, accepted_expected, where),
-                                compare_exact(section, "next root", next_root, _int(reader[p + "next_root"]), where)]
+                                compare_exact(section, "next root", next_root, as_int(reader[p + "next_root"]), where)]
         if "compact" in caps:
             with fault_into(compact_rows, section, "KV compaction", where):
                 c_kv, k_pe = adapter.compact(np.array(reader[p + "c_kv"]), np.array(reader[p + "k_pe"]), start,

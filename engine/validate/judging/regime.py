@@ -30,8 +30,8 @@ import numpy as np
 
 from kdtr_format import ModelConfig
 
+from ..reports.report import Check, Status
 from .compare import compare_close, compare_tokens, merge
-from .report import Check, Status
 
 DTYPES = ("float32", "bfloat16")
 

@@ -3,7 +3,7 @@ and the law of sampled tokens. Each judge returns one `Check` row of a prompt.
 
 - `tokens_row` (temperature 0): every request of the prompt against its AR tokens. A differing
   token is judged by the reference's margin there (ar/margins on the AR path; after a near-tie,
-  the top1 - top2 gap of the known logits, prefixes.py): below the regime's threshold (or, in
+  the top1 - top2 gap of the known logits, judging/prefixes.py): below the regime's threshold (or, in
   bf16, reached by a possible routing flip) a near-tie, else a FAIL; judging goes on along the
   fixture's known prefixes and stops where the served tokens leave them (those positions are
   counted, not judged). Every differing position is listed with its margin. A reply of another
@@ -19,7 +19,7 @@ and the law of sampled tokens. Each judge returns one `Check` row of a prompt.
   fixture alone (`sampling_family`): those the reference law reaches in expectation at least
   MIN_REACH times in N runs. At each, conditional on the runs that reach it, the next tokens
   are a multinomial sample of the reference law whatever happened before, so the distribution
-  test (distribution.py: chi-square and total variation) applies; run at alpha / m and delta / m
+  test (judging/distribution.py: chi-square and total variation) applies; run at alpha / m and delta / m
   for the m prefixes of the run, all of them together raise a false alarm with probability at
   most ALPHA + DELTA. It cannot see the law after prefixes the fixture holds no logits for, nor
   the correlation between positions beyond the conditional laws it tests.
@@ -33,10 +33,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .compare import _SEVERITY
-from .prefixes import KnownPrefixes, Prefix
-from .regime import Regime
-from .report import Check, Status
+from ..judging.compare import SEVERITY
+from ..judging.prefixes import KnownPrefixes, Prefix
+from ..judging.regime import Regime
+from ..reports.report import Check, Status
 
 MIN_REACH = 25.0             # expected runs reaching a prefix before its law is tested
 ALPHA = DELTA = 5e-5         # the false-alarm budget of one sampling row, split over its prefixes
@@ -69,7 +69,7 @@ class Divergence:
 
 
 def _worst(statuses: Sequence[Status]) -> Status:
-    return max(statuses, key=_SEVERITY.get, default=Status.EXACT)
+    return max(statuses, key=SEVERITY.get, default=Status.EXACT)
 
 
 def _requests(k: int, of: int) -> str:
@@ -264,7 +264,7 @@ def sampling_row(section: str, name: str, replies: Sequence[Served], known: Know
                      detail=f"run {k + 1}: served {len(s.tokens)} tokens for max_new_tokens {asked} "
                             f"({len(short)} of {len(replies)} runs)")
     try:
-        from .distribution import distribution_test
+        from ..judging.distribution import distribution_test
     except ImportError:
         return Check(section, name, Status.SKIPPED, regime=label,
                      detail="the distribution test needs scipy (pip install 'kdtree[test]')")

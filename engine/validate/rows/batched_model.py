@@ -18,7 +18,7 @@ one batch, through the adapter's own cache and its own compaction, timed per sta
 4. `batched DDTree tokens`: the tokens each request committed by its own choices, against
    the trace's (greedy judged by the prompt's AR margins, sampled by the trace's). The row
    carries the acceptance table of the adapter's own accepted paths (greedy traces,
-   acceptance.py) and `stage_seconds`: per stage (prefill, topk, build, compile, verify,
+   judging/acceptance.py) and `stage_seconds`: per stage (prefill, topk, build, compile, verify,
    accept, compact) the sum of its calls' own time as CheckedV2 measures it (CUDA-
    synchronized, the wall clock on the CPU), with the device named. The teacher-forced
    accept checks of step 2 are not timed.
@@ -36,16 +36,16 @@ import torch
 
 from kdtr_format import DDTreeConfig
 
-from .acceptance import account, with_acceptance
+from ...weights import on_device
+from ..door.checked import CheckedV2, fault_into
+from ..fixtures import fixture_weights, model_fixture_config
+from ..judging.acceptance import account, with_acceptance
+from ..judging.compare import as_int, compare_tokens, row, unpack_bits
+from ..judging.regime import Regime
+from ..reports.report import Check, Status
 from .batched import (Request, accept_rows, at, build_rows, compile_rows, groups, host, listing, offsets,
                       packed_rows, put, sample_accept_rows, split, timed, topk_rows)
-from .checked import CheckedV2, fault_into
-from .compare import _int, compare_tokens, row, unpack_bits
-from ..weights import on_device
-from .fixtures import fixture_weights, model_fixture_config
-from .model_checks import _Fixture
-from .regime import Regime
-from .report import Check, Status
+from .cases import ModelCases
 
 ROWS: dict[str, set[str]] = {
     "batched prefill logits": {"model"},
@@ -78,13 +78,13 @@ class _Trace:
         return float(self.meta["ddtree"].get("temperature", 0.0))
 
 
-def _trace(fixture: _Fixture, meta: Mapping[str, Any]) -> _Trace:
+def _trace(fixture: ModelCases, meta: Mapping[str, Any]) -> _Trace:
     name, reader = meta["name"], fixture.reader
     rounds = []
     for r in range(int(meta["rounds"])):
         prefix = f"traces/{name}/rounds/{r}/"
         rounds.append(Request(f"trace {name} round {r}", reader, prefix, int(meta["ddtree"]["budget"]),
-                              _int(reader[prefix + "root"]), _int(reader[prefix + "start"]), meta))
+                              as_int(reader[prefix + "root"]), as_int(reader[prefix + "start"]), meta))
     depth = DDTreeConfig.from_dict(meta["ddtree"]).depth
     prompt = fixture[f"prompts/{meta['prompt']}/tokens"]
     widest = max((len(r["tokens"]) for r in rounds), default=1)
@@ -95,20 +95,20 @@ def batched_model_checks(adapter: CheckedV2, caps: set[str], reader, section: st
                          dtype: str = "float32") -> list[Check]:
     """The rows of ROWS for one model fixture (module docstring), judged in float32. In bfloat16 they
     are skipped rows saying why: the routing watch that tells a bf16 routing flip from a bug
-    (regime.py) follows one request's forward, and a batch has no per-request reach yet."""
+    (judging/regime.py) follows one request's forward, and a batch has no per-request reach yet."""
     if dtype != "float32":
         return [Check(section, name, Status.SKIPPED,
                       detail=f"batched rows are judged in float32 only; --dtype {dtype} judges the per-request rows")
                 for name in ROWS]
     cfg = model_fixture_config(reader, Path(section))
-    fixture = _Fixture(reader, cfg, Regime.of(reader.metadata, dtype), exact=False)
+    fixture = ModelCases(reader, cfg, Regime.of(reader.metadata, dtype), exact=False)
     return _Run(adapter, caps, fixture, section).checks()
 
 
 class _Run:
     """One batched run over a model fixture's traces."""
 
-    def __init__(self, adapter: CheckedV2, caps: set[str], fixture: _Fixture, section: str) -> None:
+    def __init__(self, adapter: CheckedV2, caps: set[str], fixture: ModelCases, section: str) -> None:
         self.adapter, self.caps, self.fixture, self.section = adapter, caps, fixture, section
         self.traces = [_trace(fixture, t) for t in fixture.traces]
         self.found: dict[str, list[Check]] = {name: [] for name in ROWS}

@@ -23,7 +23,7 @@ every round's accepted ranks): "DDTree tokens" (the fixture's greedy traces as
 recorded, which are the implementation's own wherever that row is exact), "engine
 DDTree replay (batched)" and "invariant DDTree == AR (<drafter>)" (the built-in
 engine's own decode runs), and "batched DDTree tokens" (a protocol v2 adapter's
-own accepted paths, batched_model.py). Runs whose stages are timed add
+own accepted paths, rows/batched_model.py). Runs whose stages are timed add
 `stage_seconds` (seconds per stage, CUDA-synchronized) and the device: the
 built-in engine's decode runs (engine.metrics.STAGES) and every v2 adapter's
 batched run (batched_model.STAGES).
@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .report import Check, Status
+from ..reports.report import Check, Status
 
 ON_MAIN, AFTER_SIBLING = 0, 1
 

@@ -5,13 +5,13 @@ exit status says why.
     run = supervise(job, timeout=CALL_TIMEOUT_S, target=child, log=print)
     run.returned or run.stopped
 
-The child runs target(send, job): the validation (engine/validate/isolated.py), which tells
+The child runs target(send, job): the validation (run/isolated.py), which tells
 the parent its log, the start and end of every stretch of the adapter's code (its import, its
 factory, each method call) and each section's rows as it finishes; what target returns (the
 CLI's: the exit status, the report drawn for the parent's console, a report for stdout) is
 `run.returned`. An exception in the child is raised here, as if it had happened here (bad
 input stays bad input). The parent ends the run early and makes the report itself,
-`run.stopped` (isolated.stopped_report: the rows so far, a FAIL row for the row in flight,
+`run.stopped` (stopped_report: the rows so far, a FAIL row for the row in flight,
 the rest "not run"), when
 
 - a call outlives `timeout` seconds: the child is killed, and the row reads
@@ -34,6 +34,7 @@ objects travel as pickled bytes, loaded only to make a stopped run's report.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -47,12 +48,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from kdtr_format.clikit import CliError
 
-if TYPE_CHECKING:
-    from .validate import Report
+from ..reports.report import Check, Report, Status
 
 CALL_TIMEOUT_S = 300.0      # far beyond any call of a real engine on the committed fixtures
 GRACE_S = 5.0               # a child's time to exit after it returned
@@ -212,10 +212,31 @@ def _stopped(job: ValidateJob, run: _Run, how: str) -> Supervised:
         if label is None:
             raise RuntimeError(f"the run {how} before the checking started")
         raise CliError(f"--impl {job.impl}: {label} {how}" if job.impl else f"{label} {how}")
-    from .validate.isolated import stopped_report
-
     header, cases = pickle.loads(run.plan)
     rows = {}
     for section, blob in run.rows.items():
         rows[section], header = pickle.loads(blob)
     return Supervised(stopped=stopped_report(header, cases, rows, run.section, label, row, how))
+
+
+def stopped_report(header: Report, cases: dict[str, list[str]], rows: dict[str, list[Check]], section: str | None,
+                   label: str | None, row: tuple[str, str, str] | None, how: str) -> Report:
+    """The report of a run that ended early: the rows of the sections that finished, a FAIL row
+    for the row in flight (row: its section, name and where; None: the section's "fixture" row)
+    naming the adapter's code that was running (label; None: none was) and `how` it ended, and
+    every other row of the plan skipped as not run."""
+    section, name, where = row if row is not None else (section or "validate", "fixture", "")
+    what = f"{label} {how}" if label is not None else f"the run {how}, outside the adapter's calls"
+    stop = Check(section, name, Status.FAIL, detail=f"{what}{f' ({where})' if where else ''}; nothing after it ran")
+    not_run = f"not run: the run stopped at {section}::{name}"
+    checks: list[Check] = []
+    for part, names in cases.items():
+        if part in rows:
+            checks += rows[part]
+            continue
+        if part == section:
+            checks.append(stop)
+        checks += [Check(part, n, Status.SKIPPED, detail=not_run) for n in names if (part, n) != (section, name)]
+    if stop not in checks:                    # stopped after the last section's rows
+        checks.append(stop)
+    return dataclasses.replace(header, checks=checks)

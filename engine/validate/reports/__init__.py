@@ -1,0 +1,2 @@
+"""The reports: the row (`Check`), the report and its JSON form (report), JUnit XML (junit) and a
+self-contained HTML page (html). The bottom of the validator: imports nothing of it."""
