@@ -47,11 +47,11 @@ from kdtr_format.checkpoint_tensors import KEY as CHECKPOINT_TENSORS
 from kdtr_format.checkpoint_tensors import CheckpointTensorError, decode_checkpoint
 
 from .checkpoint_names import (BODIES, HEADS, PLAIN, Checkpoint, ExpertSlice, Param, ShapeTemplates, check_storage, classify,
-                               expected_shape, mtp_layers, param_and_role)
+                               expected_shape, layers_named, mtp_layers, param_and_role)
 from .fixtures import DEFAULT_PLAN, Fixture, FixturePlan, model_fixture
 from .model import rope_inv_freq
 from .quant import QuantError, Quantization, parse_quantization
-from .safetensors_dir import DTYPES, CheckpointError, SafetensorsDir, StoredTensor, read_json
+from .safetensors_dir import DTYPES, INDEX, CheckpointError, SafetensorsDir, StoredTensor, read_json
 from .weights import weight_shapes
 
 __all__ = ["Checkpoint", "CheckpointError", "Imported", "ImportPlan", "checkpoint_fixture", "fixture_name",
@@ -97,14 +97,16 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
     if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
         raise CheckpointError(f"config.json: num_nextn_predict_layers must be an integer >= 0, got {mtp!r}")
     files = SafetensorsDir(directory)
-    bodies = [b for b in BODIES if b + "embed_tokens.weight" in files.tensors]
-    heads = [h for h in HEADS if h in files.tensors]
+    names = files.tensors.keys() | files.absent.keys()
+    bodies = [b for b in BODIES if b + "embed_tokens.weight" in names]
+    heads = [h for h in HEADS if h in names]
     if len(bodies) != 1 or len(heads) != 1:
         embeddings = " or ".join(b + "embed_tokens.weight" for b in BODIES)
         raise CheckpointError(f"{directory}: expected one embedding ({embeddings}) and one head "
                               f"({' or '.join(HEADS)}); found {bodies or 'no embedding'}, {heads or 'no head'}")
-    held = mtp_layers(files.tensors, bodies[0], cfg, mtp)
-    return Checkpoint(directory, text, quantization_config, quant, cfg, config_notes, mtp, held, multimodal,
+    held = mtp_layers(layers_named(files.tensors, bodies[0]), bodies[0], cfg, mtp)
+    regular = frozenset(i for i in layers_named(names, bodies[0]) if i < cfg.num_hidden_layers)
+    return Checkpoint(directory, text, quantization_config, quant, cfg, config_notes, mtp, held, regular, multimodal,
                       files, bodies[0], heads[0])
 
 
@@ -146,6 +148,8 @@ def plan_import(ckpt: Checkpoint, layers: int | None = None, experts: int | None
     if not 1 <= layers <= full.num_hidden_layers:
         raise CheckpointError(f"--layers {layers}: the checkpoint has {full.num_hidden_layers} layers")
     kept_experts, cfg = _slice(full, layers, full.n_routed_experts if experts is None else experts)
+    _check_layers_named(ckpt, layers)
+    _check_absent_unneeded(ckpt, layers, kept_experts)
     params: dict[str, Param] = {}
     for stored in ckpt.files.tensors.values():
         name, role = param_and_role(stored.name)
@@ -168,8 +172,31 @@ def plan_import(ckpt: Checkpoint, layers: int | None = None, experts: int | None
                 weights[target.weight].append(param)
     for weight, found in weights.items():
         _check_complete(weight, found, kept_experts)
-    notes = _notes(ckpt, cfg, kept_experts, counts, mtp_names) + _rotary_notes(ckpt, buffers)
+    notes = _notes(ckpt, cfg, kept_experts, counts, mtp_names) + _partial_notes(ckpt, layers) + \
+        _rotary_notes(ckpt, buffers)
     return ImportPlan(ckpt, cfg, layers, kept_experts, weights, counts, sorted(mtp_names), notes)
+
+
+def _check_layers_named(ckpt: Checkpoint, layers: int) -> None:
+    """The slice's layers 0..layers-1 each have a tensor in the files or the index (a cost bounded
+    by the names, whatever num_hidden_layers says); CheckpointError naming the first that has none."""
+    N = ckpt.cfg.num_hidden_layers
+    if sum(1 for i in ckpt.layers if i < layers) < layers:
+        missing = next(i for i in range(layers) if i not in ckpt.layers)     # at most len(ckpt.layers) + 1 steps
+        raise CheckpointError(f"config.json: num_hidden_layers is {N}, but the checkpoint holds no tensor of "
+                              f"layer {missing} ({len(ckpt.layers)} of the {N} layers are there)"
+                              + (f"; the slice (--layers {layers}) reads layers 0..{layers - 1}" if layers < N else ""))
+
+
+def _check_absent_unneeded(ckpt: Checkpoint, layers: int, experts: ExpertSlice) -> None:
+    """CheckpointError naming the first tensor the slice reads that sits in a shard the index names
+    and the directory lacks."""
+    for name, file in sorted(ckpt.files.absent.items()):
+        param = Param(param_and_role(name)[0])
+        classify(ckpt, param, layers, experts)
+        if param.kind == "kept":
+            raise CheckpointError(f"{name}: in {file}, which {INDEX} names but the directory lacks; "
+                                  f"the slice (--layers {layers}) reads it: download that shard")
 
 
 def _slice(full: ModelConfig, layers: int, experts: int) -> tuple[ExpertSlice, ModelConfig]:
@@ -233,6 +260,23 @@ def _notes(ckpt: Checkpoint, cfg: ModelConfig, experts: ExpertSlice, counts: Map
     if counts["outside"]:
         notes.append(f"{counts['outside']} tensors outside the language model (vision tower, projector) dropped")
     return notes
+
+
+def _partial_notes(ckpt: Checkpoint, layers: int) -> list[str]:
+    """One line for a partial checkpoint the slice does not need more of: the layers config.json
+    declares that the files and the index do not name, the shards the index names that are absent."""
+    N, absent = ckpt.cfg.num_hidden_layers, ckpt.files.absent
+    parts = []
+    if len(ckpt.layers) < N:
+        parts.append(f"config.json declares {N} layers, the checkpoint holds {len(ckpt.layers)}"
+                     + (f" (0..{len(ckpt.layers) - 1})" if max(ckpt.layers) == len(ckpt.layers) - 1 else ""))
+    if absent:
+        shards = len(set(absent.values()))
+        parts.append(f"{shards} shard(s) {INDEX} names are absent ({len(absent)} tensors)")
+    if not parts:
+        return []
+    return [f"a partial checkpoint: {'; '.join(parts)}; the slice (layers 0..{layers - 1}) reads none of what "
+            "is missing"]
 
 
 def _rotary_notes(ckpt: Checkpoint, buffers: list[StoredTensor]) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,7 @@ class Checkpoint:
     config_notes: list[str]             # what read_hf_config decided (defaults taken, keys noted)
     mtp_declared: int                   # num_nextn_predict_layers
     mtp_held: tuple[int, ...]           # the MTP layers the files hold (beyond num_hidden_layers)
+    layers: frozenset[int]              # the layers 0..num_hidden_layers-1 the files or the index name a tensor of
     multimodal: bool                    # config.json nests the language model in text_config
     files: SafetensorsDir
     body: str                           # "model." or a multimodal prefix
@@ -337,23 +338,23 @@ def _need_shape(tensor: StoredTensor, shape: tuple[int, ...]) -> None:
                               f"implies {list(shape)}")
 
 
-def mtp_layers(files: Mapping[str, StoredTensor], body: str, cfg: ModelConfig, declared: int) -> tuple[int, ...]:
-    """The MTP layers the files hold, after checking the layers they hold against config.json (a cost
-    bounded by the files, whatever num_hidden_layers says): every layer 0..N-1 has a tensor, and each
-    layer beyond is MTP: declared by num_nextn_predict_layers, or holding an ``eh_proj`` (a
-    conversion that kept the MTP layer and set num_nextn_predict_layers to 0, as NVIDIA NeMo's
-    bf16 recipe does). CheckpointError naming the layer otherwise."""
+def layers_named(names: Iterable[str], body: str) -> dict[int, list[str]]:
+    """Layer index -> what follows ``layers.{i}.`` in each of `names` under `body` (a cost bounded by
+    the names, whatever num_hidden_layers says)."""
     held: dict[int, list[str]] = {}
-    for name in files:
+    for name in names:
         match = LAYER.fullmatch(name[len(body):]) if name.startswith(body) else None
         if match is not None:
             held.setdefault(int(match[1]), []).append(match[2])
+    return held
+
+
+def mtp_layers(held: Mapping[int, list[str]], body: str, cfg: ModelConfig, declared: int) -> tuple[int, ...]:
+    """The MTP layers among the layers the files hold (`layers_named`): each layer beyond
+    num_hidden_layers, declared by num_nextn_predict_layers, or holding an ``eh_proj`` (a conversion
+    that kept the MTP layer and set num_nextn_predict_layers to 0, as NVIDIA NeMo's bf16 recipe
+    does). CheckpointError naming the layer otherwise."""
     N = cfg.num_hidden_layers
-    regular = sum(1 for i in held if i < N)
-    if regular < N:
-        missing = next(i for i in range(N) if i not in held)        # at most `regular` + 1 steps
-        raise CheckpointError(f"config.json: num_hidden_layers is {N}, but the checkpoint holds no tensor of "
-                              f"layer {missing} ({regular} of the {N} layers are there)")
     beyond = sorted(i for i in held if i >= N)
     for i in beyond:
         if i >= N + declared and not any(sub.startswith(MTP_MARK) for sub in held[i]):

@@ -10,8 +10,10 @@ costs nothing until its pages are touched and a slice of one (a few experts of a
 fused tensor) reads only those pages. (safetensors' numpy path cannot return
 float8 tensors, safetensors issue #682; the memory map serves every dtype.)
 
-Every mismatch between the index and the files is a `CheckpointError` naming the
-tensor or the file.
+A shard the index names but the directory lacks (a partial download: the shards of
+the layers a slice reads) is no error here: its tensors are `absent` (name -> shard),
+and whoever reads the checkpoint refuses only those it needs. Every other mismatch
+between the index and the files is a `CheckpointError` naming the tensor or the file.
 """
 
 from __future__ import annotations
@@ -52,12 +54,16 @@ class StoredTensor:
 
 
 class SafetensorsDir:
-    """`tensors` (name -> StoredTensor) of a directory's safetensors files; `array(name)` reads one."""
+    """`tensors` (name -> StoredTensor) of a directory's safetensors files; `absent` (name -> shard
+    file) the tensors the index puts in shards the directory lacks; `array(name)` reads one."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.weight_map = _weight_map(directory)
-        files = sorted(set(self.weight_map.values())) if self.weight_map is not None else [SINGLE]
+        named = sorted(set(self.weight_map.values())) if self.weight_map is not None else [SINGLE]
+        files = [file for file in named if (directory / file).is_file()]
+        self.absent: dict[str, str] = {name: file for name, file in (self.weight_map or {}).items()
+                                        if file not in files}
         self.tensors: dict[str, StoredTensor] = {}
         for file in files:
             for tensor in _read_header(directory / file):
@@ -67,7 +73,10 @@ class SafetensorsDir:
                 self.tensors[tensor.name] = tensor
         if self.weight_map is not None:
             for name, file in self.weight_map.items():
-                if self.tensors.get(name, None) is None or self.tensors[name].file != file:
+                if name in self.absent and name in self.tensors:
+                    raise CheckpointError(f"{name}: {INDEX} puts it in {file}, which is missing from {directory}, "
+                                          f"but {self.tensors[name].file} holds it")
+                if name not in self.absent and (name not in self.tensors or self.tensors[name].file != file):
                     raise CheckpointError(f"{name}: {INDEX} puts it in {file}, which does not hold it")
             unlisted = sorted(set(self.tensors) - set(self.weight_map))
             if unlisted:
@@ -101,8 +110,6 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
     for file in set(weight_map.values()):
         if Path(file).name != file or not file.endswith(".safetensors"):
             raise CheckpointError(f"{INDEX}: {file!r} is not a .safetensors file name in the directory")
-        if not (directory / file).is_file():
-            raise CheckpointError(f"{file}: named by {INDEX} but missing from {directory}")
     return weight_map
 
 
