@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The MLA tree-verify kernel beside FlashMLA and SGLang in one GPU run (issue 34): run on the GPU
 # machine from the repository root, with .peers/ carried (scripts/fetch_peers.sh fills it) and,
-# optionally, a library built elsewhere (KDTREE_KERNELS_LIB; built here otherwise).
+# optionally, libraries built elsewhere (KDTREE_KERNELS_LIB: the default fat build;
+# KDTREE_KERNELS_LIB_NOA: one built with KDTREE_CUDA_ARCHS=sm_90,compute_90; each built here
+# otherwise, or when the carried one does not load).
 #
 #   bash scripts/gpu_peers_mla.sh [all|bench|profile]
 #
 # bench: tests/kernels/test_bench_mla_peers.py over its full grids (KDTREE_BENCH=1), the JSON in
-# $OUT/mla_peers.json and the tables with the targets judged in $OUT/mla-peers.md
-# (python3 -m peers.report). profile: ncu (clocks left alone) on one launch each of FlashMLA's
+# $OUT/mla_peers.json; then the tree grid with the no-sm_90a library, its mma.sync kernel alone
+# (KDTREE_BENCH_PEERS=0), in $OUT/mla_peers_noa.json; the tables with the targets judged in
+# $OUT/mla-peers.md (python3 -m peers.report). profile: ncu (clocks left alone) on one launch each of FlashMLA's
 # decode kernel and kdtree's, at ctx 32k / 1 token / batch 32 and ctx 8k / chain of 16 / batch 32,
 # into $OUT/ncu.txt. DEADLINE (seconds, default 520) bounds the whole script.
 set -uo pipefail
@@ -17,11 +20,17 @@ DEADLINE="${DEADLINE:-520}"
 source scripts/gpu_env.sh
 export PYTHONPATH="$PYTHONPATH:tests:tests/kernels"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
-if [[ -n "${KDTREE_KERNELS_LIB:-}" ]] && ! python3 -c "from kernels_cuda import _lib; _lib.library()" >>"$OUT/build.log" 2>&1; then
-    echo "the carried library $KDTREE_KERNELS_LIB does not load here: building" | tee -a "$OUT/gpu.txt"
-    unset KDTREE_KERNELS_LIB
-fi
-build_kernels || exit 1
+for name in KDTREE_KERNELS_LIB KDTREE_KERNELS_LIB_NOA; do
+    if [[ -n "${!name:-}" ]] && ! KDTREE_KERNELS_LIB="${!name}" python3 -c "from kernels_cuda import _lib; _lib.library()" \
+        >>"$OUT/build.log" 2>&1; then
+        echo "the carried library ${!name} does not load here: building" | tee -a "$OUT/gpu.txt"
+        unset "$name"
+    fi
+done
+build_both
+echo "libraries: $LIB_FAT (fat), $LIB_NOA (no sm_90a)" | tee -a "$OUT/build.log"
+cat /tmp/build-fat.log /tmp/build-noa.log >>"$OUT/build.log" 2>/dev/null
+export KDTREE_KERNELS_LIB="$LIB_FAT"
 python3 -c "
 from peers import load_flashmla, PeerUnavailable
 try:
@@ -35,7 +44,13 @@ if want bench; then
     KDTREE_BENCH=1 KDTREE_BENCH_OUT="$OUT/mla_peers.json" timeout "$(left 420)" python3 -m pytest \
         tests/kernels/test_bench_mla_peers.py -q -rfs -p no:cacheprovider >"$OUT/bench.log" 2>&1
     tail -3 "$OUT/bench.log"
-    python3 -m peers.report "$OUT/mla_peers.json" | tee "$OUT/mla-peers.md" | sed -n '1,14p'
+    echo "== the tree grid, no-sm_90a library (mma.sync), kdtree alone"
+    KDTREE_KERNELS_LIB="$LIB_NOA" KDTREE_CUDA_ARCHS=$NOA_ARCHS KDTREE_BENCH=1 KDTREE_BENCH_PEERS=0 \
+        KDTREE_BENCH_OUT="$OUT/mla_peers_noa.json" timeout "$(left 150)" python3 -m pytest \
+        tests/kernels/test_bench_mla_peers.py -k tree -q -rfs -p no:cacheprovider >>"$OUT/bench.log" 2>&1
+    tail -1 "$OUT/bench.log"
+    python3 -m peers.report "$OUT/mla_peers.json" --noa "$OUT/mla_peers_noa.json" | tee "$OUT/mla-peers.md" |
+        sed -n '1,14p'
 fi
 
 if want profile; then

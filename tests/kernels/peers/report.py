@@ -1,10 +1,14 @@
 """The tables and the issue-34 targets from tests/kernels/test_bench_mla_peers.py's JSON.
 
-    python3 -m peers.report RUN.json [--gpu-note TEXT]  > docs/results/mla-peers-<gpu>.md
+    python3 -m peers.report RUN.json [--noa NOA.json]  > docs/results/mla-peers-<gpu>.md
 
-(with tests/kernels on PYTHONPATH). Each target is judged over the rows it names: met, not met
-(with the worst case), or not measured (no row of that shape carries the figure, e.g. a peer
-void in every case). Exit 2 with one line for a file that cannot be read.
+(with tests/kernels on PYTHONPATH). NOA.json: the tree grid run with a library built without
+sm_90a (its default kernel is mma.sync), whose rates judge the mma.sync target and fill the
+"no sm_90a" column; without it, that target is not measured (the "mma" column of RUN.json is
+the mma.sync kernel of the sm_90a library, shown for information). Each target is judged over
+the rows it names: met, not met (with the worst case), or not measured (no row of that shape
+carries the figure, e.g. a peer void in every case). Exit 2 with one line for a file that
+cannot be read.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ TARGETS = (
            lambda r: 16 <= r["tokens"] <= 128 and r["context"] >= 8192, percent=True),
     Target("trees of 16-128 tokens: >= 10x SGLang's extend kernel at every case", "tree", "sglang_extend_ratio",
            10.0, lambda r: 16 <= r["tokens"] <= 128),
-    Target("mma.sync kernel, context >= 8k, 16+ tokens: >= 40% of the bf16 rate", "tree", "mma_fraction_mma", 0.40,
+    Target("mma.sync build (no sm_90a), context >= 8k, 16+ tokens: >= 40% of the bf16 rate", "tree", "noa_fraction", 0.40,
            lambda r: r["tokens"] >= 16 and r["context"] >= 8192, percent=True),
 )
 
@@ -58,6 +62,20 @@ class Verdict:
         if self.worst is None:
             return "not measured"
         return "met" if self.worst[self.target.figure] >= self.target.at_least else "NOT MET"
+
+
+def merge_noa(data: dict, noa: dict) -> dict:
+    """data with each tree row's no-sm_90a figures (noa_ms, noa_fraction) from noa's row of the
+    same case, as a fraction of data's bf16 ceiling (one machine's ceiling for both runs)."""
+    rate = data["ceilings"]["bf16_TFLOPs"]
+    theirs = {(r["context"], r["tokens"], r["batch"]): r for r in noa.get("tree", [])}
+    trees = []
+    for r in data.get("tree", []):
+        other = theirs.get((r["context"], r["tokens"], r["batch"]))
+        if other is not None and other.get("kernel") == "mma":
+            r = {**r, "noa_ms": other["kernel_ms"], "noa_fraction": r["flops"] / other["kernel_ms"] / 1e9 / rate}
+        trees.append(r)
+    return {**data, "tree": trees}
 
 
 def judge(data: dict) -> list[Verdict]:
@@ -106,13 +124,16 @@ def render(data: dict) -> str:
                    f"{_pct(r.get('flashmla_bw_fraction'))} | {_pct(r['mma_fraction'])} | "
                    f"{_num(r.get('flashmla_error'), 4) if 'flashmla_error' in r else '-'} |")
     out += ["", "## Trees: kdtree (wgmma and mma.sync) beside SGLang's extend kernel", "",
-            "| ctx | tokens | batch | kdtree ms | kdtree % bf16 | mma ms | mma % bf16 | SGLang extend ms "
-            "| SGLang / kdtree | error |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "mma: the mma.sync kernel of the same (sm_90a) library; no sm_90a: the default kernel of a library "
+            "built without sm_90a (mma.sync), from the second run.", "",
+            "| ctx | tokens | batch | kdtree ms | kdtree % bf16 | mma ms | mma % bf16 | no sm_90a ms | no sm_90a % bf16 "
+            "| SGLang extend ms | SGLang / kdtree | error |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data.get("tree", []):
         note = f" ({r['sglang_extend_void']})" if "sglang_extend_void" in r else ""
         out.append(f"| {r['context']} | {r['tokens']} | {r['batch']} | {_num(r['kernel_ms'])} | "
                    f"{_pct(r['mma_fraction'])} | {_num(r.get('mma_ms'))} | {_pct(r.get('mma_fraction_mma'))} | "
+                   f"{_num(r.get('noa_ms'))} | {_pct(r.get('noa_fraction'))} | "
                    f"{_num(r.get('sglang_extend_ms'))}{note} | {_num(r.get('sglang_extend_ratio'), 2)} | "
                    f"{_num(r.get('sglang_extend_error'), 4) if 'sglang_extend_error' in r else '-'} |")
     return "\n".join(out) + "\n"
@@ -121,13 +142,19 @@ def render(data: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m peers.report", description=__doc__.splitlines()[0])
     parser.add_argument("json", help="the JSON test_bench_mla_peers.py wrote ($KDTREE_BENCH_OUT)")
+    parser.add_argument("--noa", help="the tree grid's JSON from a library built without sm_90a")
     args = parser.parse_args(argv)
+    path = args.json
     try:
-        with open(args.json) as f:
+        with open(path) as f:
             data = json.load(f)
+        if args.noa:
+            path = args.noa
+            with open(path) as f:
+                data = merge_noa(data, json.load(f))
         text = render(data)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"peers.report: cannot read {args.json}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"peers.report: cannot read {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(text)
     return 0
