@@ -17,8 +17,9 @@ Every tensor of the checkpoint is accounted for: kept, sliced away (layers >= K,
 experts the slice drops), MTP, a recomputed buffer, or outside the language model of a
 multimodal checkpoint; a tensor that maps to nothing, a quantized weight without its
 scale, a shape that disagrees with config.json, an unknown dtype or a non-finite value
-in a kept tensor is a `CheckpointError` naming it. The layers the files hold are checked
-against config.json before anything is built per layer.
+in a kept tensor is a `CheckpointError` naming it. The layers a slice reads are checked against
+the names of the files and the index before anything is built per layer; a partial download
+(shards the index names, absent) serves every slice that reads none of what is missing.
 
 Each kept weight is described as data first, a kdtr_format.checkpoint_tensors entry (the checkpoint
 tensors it is made of: file, name, byte ranges, sha256 of those bytes, and how to decode them),
@@ -36,22 +37,21 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from kdtr_format import PRESETS, KdtrError, ModelConfig, read_hf_config
+from kdtr_format import PRESETS, KdtrError, ModelConfig
 from kdtr_format.checkpoint_tensors import KEY as CHECKPOINT_TENSORS
 from kdtr_format.checkpoint_tensors import CheckpointTensorError, decode_checkpoint
 
-from .checkpoint_names import (BODIES, HEADS, PLAIN, Checkpoint, ExpertSlice, Param, ShapeTemplates, check_storage, classify,
-                               expected_shape, layers_named, mtp_layers, param_and_role)
+from .checkpoint_dir import open_checkpoint
+from .checkpoint_names import (PLAIN, Checkpoint, ExpertSlice, Param, ShapeTemplates, check_storage, classify,
+                               expected_shape, param_and_role)
 from .fixtures import DEFAULT_PLAN, Fixture, FixturePlan, model_fixture
 from .model import rope_inv_freq
-from .quant import QuantError, Quantization, parse_quantization
-from .safetensors_dir import DTYPES, INDEX, CheckpointError, SafetensorsDir, StoredTensor, read_json
+from .safetensors_dir import DTYPES, INDEX, CheckpointError, StoredTensor
 from .weights import weight_shapes
 
 __all__ = ["Checkpoint", "CheckpointError", "Imported", "ImportPlan", "checkpoint_fixture", "fixture_name",
@@ -63,51 +63,6 @@ FINITE_CHUNK = 1 << 24              # elements checked for NaN / Inf at a time
 # rounded: a few 2^-24 relative); a stored buffer adds its own dtype's rounding to this.
 INV_FREQ_ARITHMETIC = 2.0 ** -20
 WEIGHT_PREFIXES = ("weights/", "bf16/weights/")   # a checkpoint fixture's, taken from the checkpoint
-
-
-# ---------------------------------------------------------------------------- the directory
-
-def open_checkpoint(directory: str | Path) -> Checkpoint:
-    """Read config.json and every safetensors header of `directory` (no tensor data), and check
-    the layers the files hold against config.json."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory")
-    path = directory / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{directory}: no config.json")
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise CheckpointError("config.json: expected a JSON object")
-    multimodal = "text_config" in data
-    if multimodal and not isinstance(data["text_config"], dict):
-        raise CheckpointError("config.json: text_config must be an object")
-    text = dict(data["text_config"] if multimodal else data)
-    found = [q for q in (text.pop("quantization_config", None),
-                         data.get("quantization_config") if multimodal else None) if q is not None]
-    if len(found) == 2 and found[0] != found[1]:
-        raise CheckpointError("config.json: text_config.quantization_config and quantization_config disagree")
-    quantization_config = found[0] if found else None
-    try:
-        quant = parse_quantization(quantization_config)
-        cfg, config_notes = read_hf_config(text)
-    except (QuantError, KdtrError) as exc:
-        raise CheckpointError(f"config.json: {exc}") from None
-    mtp = text.get("num_nextn_predict_layers") or 0
-    if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
-        raise CheckpointError(f"config.json: num_nextn_predict_layers must be an integer >= 0, got {mtp!r}")
-    files = SafetensorsDir(directory)
-    names = files.tensors.keys() | files.absent.keys()
-    bodies = [b for b in BODIES if b + "embed_tokens.weight" in names]
-    heads = [h for h in HEADS if h in names]
-    if len(bodies) != 1 or len(heads) != 1:
-        embeddings = " or ".join(b + "embed_tokens.weight" for b in BODIES)
-        raise CheckpointError(f"{directory}: expected one embedding ({embeddings}) and one head "
-                              f"({' or '.join(HEADS)}); found {bodies or 'no embedding'}, {heads or 'no head'}")
-    held = mtp_layers(layers_named(files.tensors, bodies[0]), bodies[0], cfg, mtp)
-    regular = frozenset(i for i in layers_named(names, bodies[0]) if i < cfg.num_hidden_layers)
-    return Checkpoint(directory, text, quantization_config, quant, cfg, config_notes, mtp, held, regular, multimodal,
-                      files, bodies[0], heads[0])
 
 
 # ---------------------------------------------------------------------------- the plan
