@@ -132,7 +132,7 @@ def uniforms_check(section: str, drawn: list[np.ndarray]) -> Check:
     name = ENGINE_SAMPLING
     where = [(k, b, i) for k, u in enumerate(drawn) for b, i in np.ndindex(u.shape)]
     values = np.concatenate([u.reshape(-1) for u in drawn])
-    outside = np.flatnonzero((values < 0) | (values >= 1))
+    outside = np.flatnonzero(~((values >= 0) & (values < 1)))             # NaN too
     if outside.size:
         k, b, i = where[outside[0]]
         return Check(section, name, Status.FAIL,
