@@ -211,3 +211,25 @@ def test_the_plugin_leaves_the_projects_own_suite_alone():
                          timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "kdtree_case" not in run.stdout and re.match(r"\d+ passed", summary(run)), summary(run)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnknownMarkWarning")
+def test_the_dtype_option_reaches_the_run(golden):
+    """--kdtree-dtype bfloat16 reaches the run as well as the plan: the adapter is told the dtype
+    and the rows are judged in its regime (a verify-attention case: bf16-rounded inputs, the
+    bf16 tolerance)."""
+    from engine.pytest_plugin import BUILT_IN, kdtree_validation
+
+    fixture = golden / "kernels" / "verify_attention.kdtr"
+    options = {"kdtree_fixtures": str(fixture), "kdtree_require": "none", "kdtree_dtype": "bfloat16"}
+    config = SimpleNamespace(getoption=options.__getitem__, pluginmanager=SimpleNamespace(get_plugin=lambda name: None))
+    session = kdtree_validation.__wrapped__(config, BUILT_IN)
+    validation = next(session)
+    try:
+        (case,) = [c for c in plan(fixture, "bfloat16") if c.name == "verify attention (o_lat)"]
+        row = validation.check(case)
+        assert row.regime == "bf16: the kernel case's tolerances_bf16 (inputs rounded to bf16)", row
+        assert row.status is not Status.FAIL, row.text()
+        assert str(validation.adapter.dtype) == "torch.bfloat16"
+    finally:
+        session.close()
