@@ -366,6 +366,21 @@ def test_junit_xml_has_one_testcase_per_row_and_passes_the_schema(failing, tmp_p
             assert outcome == []
     assert root.get("failures") == str(sum(c.status is Status.FAIL for c in report.checks))
     assert root.get("tests") == str(len(report.checks))
+    for element in (root, *root.findall("testsuite")):       # each count as its testcases' outcomes
+        outcomes = [[e.tag for e in case] for case in element.iter("testcase")]
+        assert {k: element.get(k) for k in ("tests", "failures", "errors", "skipped")} == {
+            "tests": str(len(outcomes)), "failures": str(outcomes.count(["failure"])), "errors": "0",
+            "skipped": str(outcomes.count(["skipped"]))}
+
+
+def test_junit_xml_counts_a_near_tie_row_as_skipped():
+    """A near-tie row is a <skipped> testcase and counts in skipped=, beside a skipped row."""
+    root = to_junit(a_row_of_every_status())
+    suite = root.find("testsuite[@name='a.kdtr']")
+    assert [c.get("name") for c in suite.iter("testcase") if c.find("skipped") is not None] == ["near row",
+                                                                                               "skipped row"]
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("4", "0", "2")
+    assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("6", "1", "2")
 
 
 def test_junit_xml_escapes_what_xml_cannot_hold(tmp_path):
