@@ -575,14 +575,19 @@ def _short(value: Any) -> str:
               help="With --dtype fp8: N x N scale blocks.")
 @click.option("--shard-mb", type=click.IntRange(min=1), default=exporting.SHARD_BYTES >> 20, show_default=True,
               help="Safetensors shards of at most this many MB (one model.safetensors when everything fits).")
-def export_command(fixture: Path, out: Path, dtype: str, layers: int | None, fp8_block: int, shard_mb: int) -> int:
+@click.option("--mtp", is_flag=True,
+              help="With DeepSeek-V3's multi-token-prediction module (layer num_hidden_layers, weights that often "
+                   "agree with the target) and its float64 draft logits (mtp-reference.safetensors), to serve "
+                   "with MTP speculative decoding.")
+def export_command(fixture: Path, out: Path, dtype: str, layers: int | None, fp8_block: int, shard_mb: int,
+                   mtp: bool) -> int:
     """The model of a model FIXTURE as a Hugging Face checkpoint directory that transformers, vLLM and
     SGLang load, with the fixture to validate the served tokens against (docs/serving.md)."""
     if dtype != "fp8" and fp8_block != 128:
         raise CliError("--fp8-block applies to --dtype fp8")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        exporting.check_out(out, dtype, layers)
+        exporting.check_out(out, dtype, layers, mtp)
     except exporting.ExportError as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:
@@ -593,9 +598,10 @@ def export_command(fixture: Path, out: Path, dtype: str, layers: int | None, fp8
             for note in exporting.server_notes(src.cfg):
                 console(stderr=True).print(f"note: {note}", highlight=False, markup=False)
             with _progress(console(stderr=True), TextColumn("{task.completed}/{task.total}")) as progress:
-                task = progress.add_task(f"exporting {fixture.name}", total=exporting.steps(src.cfg, dtype, layers))
+                task = progress.add_task(f"exporting {fixture.name}",
+                                         total=exporting.steps(src.cfg, dtype, layers, mtp))
                 written = exporting.export(reader, fixture, out, dtype, layers, (fp8_block, fp8_block),
-                                           shard_mb << 20, lambda steps: progress.advance(task, steps))
+                                           shard_mb << 20, lambda steps: progress.advance(task, steps), mtp)
     except (FixtureError, KdtrError) as exc:
         raise CliError(f"{fixture}: {exc}") from None
     except OSError as exc:
@@ -610,6 +616,10 @@ def export_command(fixture: Path, out: Path, dtype: str, layers: int | None, fp8
         said.append(f"a draft model of {layers} layer(s): no fixture; serve it as the draft of the full export")
     else:
         said += ["serve it (docs/serving.md), then:", f"  kdtree validate --server URL --fixtures {shown(out)}"]
+    if mtp:
+        agreement = written.manifest["mtp"]["agreement"]
+        said.insert(1, f"MTP module: layer {written.manifest['mtp']['layer']}; its first draft is the target's next "
+                       f"token at {agreement['agreeing']} of {agreement['judged']} AR positions")
     for line in said:
         out_console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0

@@ -70,9 +70,11 @@ from kdtr_format.dequant import FP8
 from kdtr_format.hf_config import hf_config_dict
 
 from .checkpoint_names import _ATTENTION, _DENSE, _MOE, _NORMS, BODIES, HEADS
+from .export_mtp import MTP_REFERENCE, mtp_weights, write_reference
 from .files import omitted
 from .fixtures import DEFAULT_PLAN, FixtureError
 from .materialize import materialize
+from .mtp import PREFIX as MTP_PREFIX, mtp_shapes
 
 DTYPES = ("float32", "bfloat16", "fp8")
 MANIFEST = "kdtree-export.json"
@@ -121,10 +123,17 @@ class Written:
 # ---------------------------------------------------------------------------- names and formats
 
 def hf_tensors(cfg: ModelConfig, name: str, weight: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
-    """A project weight (docs/fixtures.md) -> its HF parameters: renamed, never transposed; stacked
-    routed experts [E, ...] -> one [...] tensor per expert."""
+    """A project weight (docs/fixtures.md, or an MTP weight "mtp.*" of refgen.mtp) -> its HF parameters:
+    renamed, never transposed; stacked routed experts [E, ...] -> one [...] tensor per expert."""
     if name in TOP_PARAMS:
         yield TOP_PARAMS[name], weight
+        return
+    if name.startswith(MTP_PREFIX):                   # the MTP module: layer num_hidden_layers, as DeepSeek ships it
+        L, rest = cfg.num_hidden_layers, name.removeprefix(MTP_PREFIX)
+        if rest.startswith("block."):
+            yield from hf_tensors(cfg, f"layers.{L}.{rest.removeprefix('block.')}", weight)
+        else:
+            yield f"{BODIES[0]}layers.{L}.{rest}.weight", weight
         return
     _, i, rest = name.split(".", 2)
     prefix = f"{BODIES[0]}layers.{i}."
@@ -231,37 +240,46 @@ def source(reader: Any, dtype: str) -> Source:
 
 def export(reader: Any, fixture_path: Path, out: Path, dtype: str = "float32", layers: int | None = None,
            block: tuple[int, int] = (128, 128), shard_bytes: int = SHARD_BYTES,
-           progress: Progress | None = None) -> Written:
+           progress: Progress | None = None, mtp: bool = False) -> Written:
     """Write the checkpoint directory `out` (module docstring) from the fixture `reader`
     (read from `fixture_path`); `out` must not exist, or be an empty directory. progress(1)
-    after each weight (`steps`), and after the FP8 fixture's steps."""
+    after each weight (`steps`), and after the FP8 fixture's steps. `mtp`: with the MTP module."""
     step = progress or (lambda steps: None)
     origin = source(reader, dtype)
     cfg = _sliced(origin.cfg, layers)
-    check_out(out, dtype, layers)
+    check_out(out, dtype, layers, mtp)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     fixture = fixture_path.name if layers is None and dtype != "fp8" else None
     try:
         staging.chmod(0o777 & ~_umask())
         with _full(reader, staging / (fixture or f".{fixture_path.name}")) as full:
-            files = _write_weights(staging, cfg, source(full, dtype), dtype, block, shard_bytes, step)
-        config = hf_config_dict(cfg, "bfloat16" if dtype == "fp8" else dtype) | (DRAFT_LABEL if layers else {})
-        if dtype == "fp8":
-            config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
-                                             "activation_scheme": "dynamic"}
-        written = {"config.json": config,
-                   **tokenizer_files(cfg.vocab_size, cfg.max_position_embeddings)}
-        for name, data in written.items():
-            files[name] = _write_json(staging / name, data)
-        if fixture is not None:
-            if not (staging / fixture).exists():
-                shutil.copyfile(fixture_path, staging / fixture)
-            files[fixture] = (staging / fixture).stat().st_size
-        else:
-            (staging / f".{fixture_path.name}").unlink(missing_ok=True)
-        if dtype != "fp8" or layers is not None:
-            manifest = _manifest(fixture_path, origin, dtype, layers, block, fixture, staging)
-            files[MANIFEST] = _write_json(staging / MANIFEST, manifest)
+            src = source(full, dtype)
+            drafted = mtp_weights(cfg, src.weights, _seed(src), dtype) if mtp else {}
+            files = _write_weights(staging, cfg, src, dtype, block, shard_bytes, step, drafted)
+            config = hf_config_dict(cfg, "bfloat16" if dtype == "fp8" else dtype) | (DRAFT_LABEL if layers else {})
+            if dtype == "fp8":
+                config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                                 "weight_block_size": list(block), "activation_scheme": "dynamic"}
+            if mtp:
+                config["num_nextn_predict_layers"] = 1
+            written = {"config.json": config,
+                       **tokenizer_files(cfg.vocab_size, cfg.max_position_embeddings)}
+            for name, data in written.items():
+                files[name] = _write_json(staging / name, data)
+            if fixture is not None:
+                if not (staging / fixture).exists():
+                    shutil.copyfile(fixture_path, staging / fixture)
+                files[fixture] = (staging / fixture).stat().st_size
+            else:
+                (staging / f".{fixture_path.name}").unlink(missing_ok=True)
+            if dtype != "fp8" or layers is not None:
+                manifest = _manifest(fixture_path, origin, dtype, layers, block, fixture, staging)
+                if mtp:
+                    target = {name: src.weights(name) for name in weight_shapes(cfg)}
+                    files[MTP_REFERENCE], manifest["mtp"] = write_reference(staging / MTP_REFERENCE, cfg, target,
+                                                                            drafted, manifest["prompts"])
+                    (staging / MTP_REFERENCE).chmod(0o666 & ~_umask())       # safetensors writes 0600
+                files[MANIFEST] = _write_json(staging / MANIFEST, manifest)
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
@@ -293,10 +311,11 @@ def _full(reader: Any, path: Path) -> Iterator[Any]:
         yield full
 
 
-def steps(cfg: ModelConfig, dtype: str, layers: int | None) -> int:
-    """Progress steps of `export`: one per weight, and an FP8 export's fixture."""
+def steps(cfg: ModelConfig, dtype: str, layers: int | None, mtp: bool = False) -> int:
+    """Progress steps of `export`: one per weight (the MTP module's too), and an FP8 export's fixture."""
     weights = len(weight_shapes(_sliced(cfg, layers)))
-    return weights + (weights + DEFAULT_PLAN.steps if dtype == "fp8" and layers is None else 0)
+    return (weights + (len(mtp_shapes(cfg)) if mtp else 0)
+            + (weights + DEFAULT_PLAN.steps if dtype == "fp8" and layers is None else 0))
 
 
 def _sliced(cfg: ModelConfig, layers: int | None) -> ModelConfig:
@@ -308,8 +327,11 @@ def _sliced(cfg: ModelConfig, layers: int | None) -> ModelConfig:
                                first_k_dense_replace=min(cfg.first_k_dense_replace, layers))
 
 
-def check_out(out: Path, dtype: str, layers: int | None) -> None:
-    """ExportError unless `out` can take an export of `dtype` (`layers`)."""
+def check_out(out: Path, dtype: str, layers: int | None, mtp: bool = False) -> None:
+    """ExportError unless `out` can take an export of `dtype` (`layers`, `mtp`)."""
+    if mtp and (layers is not None or dtype == "fp8"):
+        raise ExportError(f"--mtp: the MTP module is exported with the whole model in float32 or bfloat16, "
+                          f"not with {'--layers' if layers is not None else '--dtype fp8'}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out}: exists and is not an empty directory (an export writes a whole directory)")
     if not out.parent.is_dir():
@@ -337,12 +359,14 @@ def _write_json(path: Path, data: Any) -> int:
 
 
 def _write_weights(directory: Path, cfg: ModelConfig, src: Source, dtype: str, block: tuple[int, int],
-                   shard_bytes: int, step: Progress) -> dict[str, int]:
-    """Every weight as safetensors shards of at most `shard_bytes` (one when they fit: model.safetensors,
-    else numbered shards and their index) -> file name -> bytes."""
+                   shard_bytes: int, step: Progress, extra: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Every weight, then the `extra` ones (the MTP module's), as safetensors shards of at most
+    `shard_bytes` (one when they fit: model.safetensors, else numbered shards and their index) ->
+    file name -> bytes."""
     shards: list[dict[str, np.ndarray]] = [{}]
-    for name in weight_shapes(cfg):
-        for hf_name, weight in hf_tensors(cfg, name, src.weights(name)):
+    weights = ((name, src.weights(name)) for name in weight_shapes(cfg))
+    for name, value in [*weights, *extra.items()]:
+        for hf_name, weight in hf_tensors(cfg, name, value):
             tensors = _stored(hf_name, weight, dtype, block)
             size = sum(t.nbytes for t in tensors.values())
             if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + size > shard_bytes:
@@ -368,10 +392,14 @@ def _fp8_fixture(out: Path, fixture: str, src: Source, step: Progress) -> int:
     from .checkpoint import checkpoint_fixture, load, open_checkpoint, plan_import
     from .files import write_fixture
 
-    seed = int(src.metadata.get("generator", {}).get("seed", 0))
-    write_fixture(out / fixture, checkpoint_fixture(load(plan_import(open_checkpoint(out)), step), seed,
+    write_fixture(out / fixture, checkpoint_fixture(load(plan_import(open_checkpoint(out)), step), _seed(src),
                                                     progress=step))
     return (out / fixture).stat().st_size
+
+
+def _seed(src: Source) -> int:
+    """The seed the fixture was generated with (0 when it records none)."""
+    return int(src.metadata.get("generator", {}).get("seed", 0))
 
 
 def _manifest(fixture_path: Path, src: Source, dtype: str, layers: int | None, block: tuple[int, int],

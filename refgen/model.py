@@ -436,7 +436,12 @@ class Model:
         """Same inputs and cache writes as `forward` -> the residual stream [n, D] after
         the embedding and after each layer (num_hidden_layers + 1 arrays)."""
         tokens, positions = self._check_inputs(tokens, positions, visibility, cache, start)
-        x = self.w.rows("embed_tokens", tokens)
+        return self.residual_stream(self.w.rows("embed_tokens", tokens), positions, visibility, cache, start)
+
+    def residual_stream(self, x: np.ndarray, positions: np.ndarray, visibility: np.ndarray,
+                        cache: KVCache, start: int) -> list[np.ndarray]:
+        """The layers from their input x [n, D] (the embedding, or an MTP module's eh_proj output;
+        positions and visibility as `forward`, not checked again) -> [x, the stream after each layer]."""
         stream = [x]
         for i in range(self.cfg.num_hidden_layers):
             x = self._layer(i, x, positions, visibility, cache, start)
