@@ -135,6 +135,29 @@ def test_route_groups_and_normalizes_as_deepseek_v3(rows):
     torch.testing.assert_close(weight[:, :6], expected_weight, rtol=1e-6, atol=0)
 
 
+# tiny2's router (16 experts, 4 groups of 4, 2 groups kept, 3 experts): each row's group 0 has its two
+# best experts tied exactly. Its score is their sum, 2 sigmoid(1) = 1.4621 (rows 0, 2) and 2 sigmoid(2)
+# = 1.7616 (row 1), which keeps it; a router that took best + the next *different* score would give
+# it 1.4420, 0.9282 and 0.7490 and keep two other groups. Row 0 is closest to the line: groups 1 and 2
+# score 1.4500 and 1.4447, between the two.
+GROUP_TIES = [[1, 1, 0.9, -4, 1.5, 0.5427, -4, -4, 1.5, 0.52, -4, -4, -4, -4, -4, -4],
+              [2, 2, -3, -3, 2.5, 0, 0, -3, 1, 1.2, -3, -3, -4, -4, -4, -4],
+              [1, 1, 1, -4, 1.5, 0.5427, -4, -4, -4, -4, -4, -4, 1.2, 0.6, -4, -4]]
+GROUP_TIES_EXPERTS = [[4, 0, 1], [0, 1, 9], [4, 0, 1]]
+
+
+@pytest.mark.parametrize("rows", [3, fused_moe.ROUTER_ROWS + 1])       # logits in the kernel, or from one GEMM
+@pytest.mark.parametrize("bias", [0.0, 0.25])           # the same bias everywhere keeps the ties exact
+def test_route_scores_a_group_whose_two_best_experts_tie_by_their_sum(rows, bias):
+    cfg = PRESETS["tiny2"]
+    logits = torch.cat([torch.tensor(GROUP_TIES, device=DEVICE), randn(rows - 3, 16)])
+    gate, bias = torch.eye(16, device=DEVICE), torch.full((16,), bias, device=DEVICE)
+    idx, _ = fused_moe.route(cfg, logits, logits, gate, bias)
+    expected_idx, _ = route(cfg, logits, gate, bias)
+    assert expected_idx[:3].tolist() == GROUP_TIES_EXPERTS
+    assert idx[:, :3].tolist() == expected_idx.tolist()
+
+
 @pytest.mark.parametrize("rows, slots, experts, block", [(1, 5, 17, 16), (9, 3, 5, 16), (300, 5, 17, 32)])
 def test_align_sorts_every_real_pair_by_expert_into_whole_blocks(rows, slots, experts, block):
     g = torch.Generator().manual_seed(rows)
