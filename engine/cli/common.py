@@ -8,6 +8,8 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,8 +43,19 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The console script: exit statuses as the module docstring."""
-    cli.main(args=argv, prog_name="kdtree")
+    """The console script: exit statuses as the module docstring. `kdtree validate` ignores
+    SIGINT once its verdict is final (engine/validate/reports/files.py), until the process exits;
+    a caller that runs a command in its own process (argv given: the tests) gets its SIGINT
+    handler back when the command ends."""
+    if argv is None:
+        cli.main(prog_name="kdtree")
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        cli.main(args=argv, prog_name="kdtree")
+    finally:
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, handler)
 
 
 

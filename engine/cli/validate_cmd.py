@@ -8,21 +8,21 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import urllib.parse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from kdtr_format.clikit import CliError, FiniteFloat, OutputFile, console, shown
+from kdtr_format.clikit import EXIT_BAD_INPUT, CliError, FiniteFloat, OutputFile, console, shown
 
 from ..validate.door.supervise import CALL_TIMEOUT_S, ValidateJob, supervise
+from ..validate.reports.files import STDOUT, ReportFiles
 from .common import (
     DTYPES, Device, _check_device, _check_tp, _engine_layout_options, _on_ranks,
     _rank_console, _require_matplotlib, _version, _wrote, cli,
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STATUS_STYLE = {"exact": "green", "within tolerance": "green", "near-tie": "yellow", "skipped": "dim",
                 "FAIL": "bold red"}
-STDOUT = "-"                   # a validate report file named so goes to stdout
 
 
 class ReportFile(OutputFile):
@@ -155,53 +154,59 @@ def validate_command(fixtures: Path | None, device: str, dtype: str, json_path: 
                            "ranks unwatched")
         _check_tp(tp, device)
         _check_device(device)
-        return _on_ranks(tp, device, _validate, fixtures, device, dtype, reports, require, invariant, page_size)
+        first = os.environ.get("RANK", "0") == "0"          # under torchrun, the first rank's files alone
+        with ReportFiles(reports if first else (None, None, None)) as files:
+            return _published(files, _on_ranks(tp, device, _validate, fixtures, device, dtype, files, require,
+                                               invariant, page_size))
     out = console(stderr=STDOUT in reports)
     steps = _log_steps(out)
-    job = ValidateJob(impl, fixtures, device, dtype, require, invariant, page_size, reports,
-                      console={"width": out.width, "color_system": out.color_system, "soft_wrap": out.soft_wrap,
-                               "force_terminal": out.is_terminal, "highlight": False})
-    run = supervise(job, timeout or CALL_TIMEOUT_S, _validate_child, steps)
-    if run.stopped is not None:
-        _check_device(device)                       # the child's thread policy: the report names its threads
-        return _finish(run.stopped, impl, out, console(stderr=True), steps, device, reports)
-    status, drawn, notes, stdout = run.returned
-    out.file.write(drawn)
-    out.file.flush()
-    sys.stdout.buffer.write(stdout)
-    sys.stdout.buffer.flush()
-    err = console(stderr=True)
-    err.file.write(notes)
-    err.file.flush()
-    return status
+    with ReportFiles(reports) as files:
+        job = ValidateJob(impl, fixtures, device, dtype, require, invariant, page_size, files,
+                          console={"width": out.width, "color_system": out.color_system, "soft_wrap": out.soft_wrap,
+                                   "force_terminal": out.is_terminal, "highlight": False})
+        run = supervise(job, timeout or CALL_TIMEOUT_S, _validate_child, steps)
+        if run.stopped is not None:
+            _check_device(device)                   # the child's thread policy: the report names its threads
+            status = _finish(run.stopped, impl, out, steps, device, files)
+        else:
+            status, drawn, unwritten = run.returned
+            out.file.write(drawn)
+            out.file.flush()
+            if unwritten is not None:
+                raise CliError(unwritten)
+        return _published(files, status)
 
 
-def _validate_child(send: Callable[[tuple], None], job: ValidateJob) -> tuple[int, str, str, bytes]:
-    """A supervised validate's child (engine/validate/door/supervise.py): the checking, the report written to
-    its files -> (the exit status, the report drawn for the parent's console, the notes for its
-    stderr (the files written), the report named -). The parent prints the log as it comes,
-    then what this returns."""
+def _validate_child(send: Callable[[tuple], None], job: ValidateJob) -> tuple[int, str, str | None]:
+    """A supervised validate's child (engine/validate/door/supervise.py): the checking, the report
+    drawn and written to its staged files -> (the exit status, the report drawn for the parent's
+    console, the one-line error of a report file that could not be written, else None). The
+    parent prints the log as it comes, then the report, and publishes the files."""
     from ..validate.run.isolated import serve
 
-    drawn, notes, stdout = io.StringIO(), io.StringIO(), io.BytesIO()
+    drawn = io.StringIO()
     steps = _Steps(lambda line: None)
-    status = _finish(serve(send, job, steps), job.impl, Console(file=drawn, **job.console),
-                     Console(file=notes, **{**job.console, "width": 10 ** 6}), steps, job.device, job.reports, stdout)
-    return status, drawn.getvalue(), notes.getvalue(), stdout.getvalue()
+    report = serve(send, job, steps)
+    try:
+        status = _finish(report, job.impl, Console(file=drawn, **job.console), steps, job.device, job.reports)
+    except OSError as exc:
+        return EXIT_BAD_INPUT, drawn.getvalue(), f"{exc.filename}: {exc.strerror}"
+    return status, drawn.getvalue(), None
 
 
-def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, reports: tuple, require: str,
+def _validate(world: Any, fixtures: Path | None, device: str, dtype: str, files: ReportFiles, require: str,
               invariant: bool, page_size: int | None) -> int:
-    """validate of the built-in engine on one rank of --tp -> its exit status."""
+    """validate of the built-in engine on one rank of --tp -> its exit status (reports: the
+    ReportFiles the first rank writes)."""
     from ..validate import validate
 
     device = str(world.device) if world is not None else device
-    out = _rank_console(world, stderr=STDOUT in reports)
+    out = _rank_console(world, stderr=STDOUT in files.paths)
     steps = _log_steps(out)
     report = validate(None, fixtures, device, log=steps, require=require, invariant=invariant, dtype=dtype,
                       world=world, page_size=page_size)
     first = world is None or world.rank == 0           # one file of each, from the first rank
-    return _finish(report, None, out, console(stderr=True), steps, device, reports if first else (None, None, None))
+    return _finish(report, None, out, steps, device, files if first else ReportFiles())
 
 
 def _log_steps(out: Console) -> _Steps:
@@ -210,22 +215,25 @@ def _log_steps(out: Console) -> _Steps:
     return _Steps(lambda line: out.print(_wrapped(shown(line), out.width if out.is_terminal else None, style="dim")))
 
 
-def _finish(report: Report, impl: str | None, out: Console, err: Console, steps: _Steps, device: str | None,
-            reports: tuple, stdout: BinaryIO | None = None) -> int:
-    """The report's run described (impl: the --impl spec), shown on `out`, written to the (json,
-    junit, html) paths (one named - onto stdout, default sys.stdout's), each file written named
-    on `err` -> the exit status."""
+def _finish(report: Report, impl: str | None, out: Console, steps: _Steps, device: str | None,
+            files: ReportFiles) -> int:
+    """The report's run described (impl: the --impl spec), shown on `out` and written to the
+    staged report files (OSError naming a file that cannot be written) -> the exit status."""
     report.impl, report.versions, report.commit = impl, _versions(), _commit()
     if device is not None:                         # None: a server's run (its device is the server's)
         report.device_name = _device_name(device)
     report.timings = steps.timings()
     render(report, out)
-    for path, form in zip(reports, ("json", "junit", "html")):
-        if path is not None:
-            _write_report(report, form, path, stdout or sys.stdout.buffer)
-            if path != STDOUT:
-                _wrote(path, err)
+    files.write(report)
     return 1 if report.failed else 0
+
+
+def _published(files: ReportFiles, status: int) -> int:
+    """The run's report files moved into place, each named on stderr (the verdict: from here
+    Ctrl-C is ignored) -> status."""
+    err = console(stderr=True)
+    files.publish(lambda path: _wrote(path, err))
+    return status
 
 
 def _given(*names: str) -> list[str]:
@@ -252,24 +260,8 @@ def _validate_server(fixtures: Path | None, dtype: str, reports: tuple, server: 
     steps = _log_steps(out)
     run = ServerRun(server, samples=samples or SAMPLES, **options)
     report = validate_server(run, fixtures, dtype if _given("dtype") else None, log=steps)
-    return _finish(report, None, out, console(stderr=True), steps, None, reports)
-
-
-def _write_report(report: Report, form: str, path: Path | str, stdout: BinaryIO) -> None:
-    """The report as JSON, JUnit XML or HTML at `path`, all or nothing; - : onto stdout, whole."""
-    if form == "json":
-        from ..validate import write_json as write
-    elif form == "junit":
-        from ..validate.reports.junit import write_junit as write
-    else:
-        from ..validate.reports.html import write_html as write
-    if path != STDOUT:
-        write(report, path)
-        return
-    with tempfile.TemporaryDirectory(prefix="kdtree-report-") as directory:
-        write(report, Path(directory) / "report")
-        stdout.write((Path(directory) / "report").read_bytes())
-        stdout.flush()
+    with ReportFiles(reports) as files:
+        return _published(files, _finish(report, None, out, steps, None, files))
 
 
 class _Steps:

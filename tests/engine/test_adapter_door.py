@@ -148,3 +148,21 @@ def test_a_call_that_never_returns_fails_after_the_timeout_in_a_terminal(tmp_pat
     assert found == {"top-k log-probs": found["top-k log-probs"]}
     assert re.fullmatch(r"topk_logprobs\(\) did not return within 1 s \(case \w+\); nothing after it ran",
                         found["top-k log-probs"]), found
+
+
+def test_a_file_adapter_imports_its_neighbours(tmp_path, monkeypatch):
+    """--impl path/to/file.py:factory: the file's folder is on the import path, as for
+    `python path/to/file.py`, while it is imported and after (an import inside a method)."""
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    (tmp_path / "my_adapter_helpers.py").write_text("NAME = 'from a neighbour'\n")
+    (tmp_path / "my_adapter.py").write_text(
+        "import my_adapter_helpers\n"
+        "class Adapter:\n"
+        "    name = my_adapter_helpers.NAME\n"
+        "    def later(self):\n"
+        "        import my_adapter_helpers as again\n"
+        "        return again.NAME\n"
+        "def make():\n"
+        "    return Adapter()\n")
+    adapter = load_impl(f"{tmp_path / 'my_adapter.py'}:make")
+    assert adapter.name == "from a neighbour" and adapter.later() == "from a neighbour"

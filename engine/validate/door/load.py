@@ -51,10 +51,15 @@ def load_impl(spec: str) -> Any:
 
 
 def _import(target: str) -> ModuleType:
-    """A module from a file path ending in .py, or by name from sys.path and then the current
-    directory (where `python -m` finds it, and a `kdtree` console script would not)."""
+    """A module from a file path ending in .py, its folder first on sys.path from then on (as
+    `python path/to/file.py` has it: the file imports its neighbours, when loaded and in its
+    methods), or by name from sys.path and then the current directory (where `python -m` finds
+    it, and a `kdtree` console script would not)."""
     if target.endswith(".py"):
         path = Path(target)
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         module_spec = importlib.util.spec_from_file_location(f"kdtree_impl_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_spec.name] = module

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 
 from kdtr_format.clikit import CliError
 
+from ..reports.files import ReportFiles
 from ..reports.report import Check, Report, Status
 
 CALL_TIMEOUT_S = 300.0      # far beyond any call of a real engine on the committed fixtures
@@ -64,8 +65,8 @@ Send = Callable[[tuple], None]
 @dataclass(frozen=True)
 class ValidateJob:
     """What the child validates (engine.validate.Validation's arguments; impl: the adapter's
-    --impl spec, None for the built-in engine) and where its report goes: reports are the
-    --json, --junit-xml and --html paths, each None, a path or "-" (stdout)."""
+    --impl spec, None for the built-in engine) and where its report goes: the --json, --junit-xml
+    and --html files, which the child writes staged and the parent publishes (reports/files.py)."""
 
     impl: str | None
     fixtures: Path | None
@@ -74,7 +75,7 @@ class ValidateJob:
     require: str
     invariant: bool
     page_size: int | None
-    reports: tuple[Path | str | None, ...] = (None, None, None)
+    reports: ReportFiles = field(default_factory=ReportFiles)
     console: dict[str, Any] = field(default_factory=dict)    # rich.Console's arguments: the parent's terminal
 
 
@@ -141,11 +142,14 @@ def _sigint_ignored() -> Iterator[None]:
 
 def _child(conn: Connection, job: ValidateJob, target: Callable[[Send, ValidateJob], Any]) -> None:
     """The child process: what target returns, or its exception, to the parent. What the child
-    prints goes to stderr: stdout is the parent's."""
+    prints goes to stderr: stdout is the parent's. A Ctrl-C that reaches it (an adapter that
+    handles SIGINT again) ends it quietly with status 130: the parent answers it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.dup2(2, 1)
     try:
         conn.send(("done", target(conn.send, job)))
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
     except Exception as exc:
         conn.send(("raised", _portable(exc)))
 

@@ -15,6 +15,7 @@ written as \\xNN. The file is written all or nothing, with the user's umask.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import socket
@@ -91,9 +92,16 @@ def _testcase(suite: ET.Element, check: Check) -> None:
         ET.SubElement(case, "skipped", type=check.status.value, message=_xml_text(check.text()))
 
 
-def write_junit(report: Report, path: str | os.PathLike) -> None:
-    """The report as JUnit XML at `path` (module docstring)."""
+def junit_bytes(report: Report) -> bytes:
+    """The report as JUnit XML (module docstring), indented."""
     tree = ET.ElementTree(to_junit(report))
     ET.indent(tree)
+    data = io.BytesIO()
+    tree.write(data, encoding="utf-8", xml_declaration=True)
+    return data.getvalue()
+
+
+def write_junit(report: Report, path: str | os.PathLike) -> None:
+    """junit_bytes at `path`, all or nothing."""
     with atomic_output(path) as file:
-        tree.write(file, encoding="utf-8", xml_declaration=True)
+        file.write(junit_bytes(report))

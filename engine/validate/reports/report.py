@@ -123,7 +123,7 @@ class Report:
         verdict = "FAILED" if self.failed else "PASSED"
         parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "none"
         ran = "; no check ran" if self.executed == 0 else ""
-        return f"{verdict}: {len(self.checks)} checks ({parts}){ran}"
+        return f"{verdict}: {len(self.checks)} check{'' if len(self.checks) == 1 else 's'} ({parts}){ran}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"implementation": self.implementation, "adapter": self.adapter, "impl": self.impl,
@@ -135,8 +135,12 @@ class Report:
                 "deviations": {f: [d.to_dict() for d in ds] for f, ds in self.deviations.items()}}
 
 
+def json_bytes(report: Any) -> bytes:
+    """A Report (or anything with to_dict(), e.g. a divergence) as JSON."""
+    return json.dumps(report.to_dict(), indent=2, allow_nan=True).encode()
+
+
 def write_json(report: Any, path: str | os.PathLike) -> None:
-    """A Report (or anything with to_dict(), e.g. a divergence) as JSON, written all or nothing
-    with the user's umask."""
+    """json_bytes at `path`, written all or nothing with the user's umask."""
     with atomic_output(path) as file:
-        file.write(json.dumps(report.to_dict(), indent=2, allow_nan=True).encode())
+        file.write(json_bytes(report))
