@@ -18,6 +18,7 @@ import torch
 
 import kdtr_format
 from kdtr_format import ModelConfig, checkpoint_tensors
+from kdtr_format.seeded import omitted, slim_hint
 from kdtr_format.weights import weight_shapes
 
 ROUTER_WEIGHTS = ("moe.gate", "moe.e_score_correction_bias")      # name suffixes kept in float32
@@ -70,6 +71,8 @@ def load_fixture_weights(path_or_reader: str | os.PathLike | Any, dtype: torch.d
     at a time, so loading a large fixture costs the weights in the compute dtype and no more: a
     stored one from the file's memory map, a checkpoint fixture's decoded from the checkpoint's
     tensors (each verified by its sha256: kdtr_format.checkpoint_tensors). They outlive the reader.
+    A slim fixture (its seeded weights not stored, docs/fixtures.md) is a ValueError naming the
+    file and what gives its full form: the engine does not draw seeded weights (refgen does).
     """
     if isinstance(path_or_reader, (str, os.PathLike)):
         with kdtr_format.open(path_or_reader) as reader:
@@ -80,6 +83,11 @@ def load_fixture_weights(path_or_reader: str | os.PathLike | Any, dtype: torch.d
         raise ValueError("fixture has no metadata['config'] (not a kdtree model fixture?)")
     cfg = ModelConfig.from_dict(metadata["config"])
     prefix = "weights/"
+    slim = [name for name in omitted(reader) if name.startswith(prefix)]
+    if slim:
+        raise ValueError(f"{reader.path}: a slim fixture: its {len(slim)} weights are drawn from its seed, not "
+                         f"stored; engine.validate.find_fixtures({str(reader.path)!r}) gives the materialized copy "
+                         f"`kdtree validate` uses, or {slim_hint(reader.path)}")
     rebuilt = checkpoint_tensors.CheckpointTensors(metadata)
     weights = {}
     for name in checkpoint_tensors.names(reader, prefix):
@@ -90,7 +98,6 @@ def load_fixture_weights(path_or_reader: str | os.PathLike | Any, dtype: torch.d
         else:                               # a fresh float32 array: kept as it is in float32
             weights[name[len(prefix):]] = torch.from_numpy(rebuilt.array(name)).to(target)
     if not weights:
-        raise ValueError("fixture holds no 'weights/...' tensors (a slim fixture? `refgen materialize FILE "
-                         "--out DIR` writes its full form)")
+        raise ValueError(f"{reader.path}: holds no 'weights/...' tensors (not a model fixture?)")
     check_weights(cfg, weights)
     return cfg, weights

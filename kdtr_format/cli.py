@@ -3,9 +3,10 @@
 The project's command-line conventions (`clikit`): every command prints its help when run with no
 arguments or -h; every failure is one line on stderr, `kdtr: error: ...`, never a traceback;
 arguments are checked before any work starts, and an output file appears complete or not at all.
-Exit status: 0 success; 1 a file is corrupt or malformed, or (diff) the files differ; 2 bad input
-(usage, a missing file, an unknown tensor, an extension, dtype or name another format cannot
-take, a missing optional library); 3 an internal error; 130 interrupted.
+Every error names the file it is about. Exit status: 0 success; 1 (diff) the files differ; 2 bad
+input (usage, a missing, corrupt or malformed file, an unknown tensor or one a slim fixture does not
+store, an extension, dtype or name another format cannot take, a missing optional library); 3 an
+internal error; 130 interrupted.
 
 Output is plain text sized for the terminal (80 columns is enough; a wider one is used), and the
 same when piped; a progress bar shows on stderr only when stderr is a terminal.
@@ -28,9 +29,10 @@ from .clikit import shown
 from . import format as fmt
 from .compare import compare_arrays, diff_metadata
 from .convert import ConvertError, convert as convert_file, kind_of
-from .errors import KdtrError, TensorNotFoundError, WriterError
+from .errors import KdtrError
 from .listing import LIST_AT_MOST, listing, metadata_text
 from .reader import Reader
+from .seeded import omitted, recorded_seeded, slim_hint
 
 EXIT_DIFFERENT = clikit.EXIT_FAILED
 
@@ -92,11 +94,15 @@ def _command(**settings):
     return main.command(no_args_is_help=True, **settings)
 
 
-@click.group(cls=clikit.Cli, name="kdtr", bad_input=(TensorNotFoundError, ConvertError, WriterError), failed=(KdtrError,))
+@click.group(cls=clikit.Cli, name="kdtr", bad_input=(KdtrError, ConvertError))
 @click.version_option(__version__, "--version", prog_name="kdtr",
                       message=f"%(prog)s, version %(version)s (KDTR format {fmt.VERSION_MAJOR}.{fmt.VERSION_MINOR})")
 def main() -> None:
-    """Inspect, verify, diff, print and convert KDTR files."""
+    """Inspect, verify, diff, print and convert KDTR files.
+
+    Every error is one line naming the file. Exit status: 0 success; 1 (diff) the files
+    differ; 2 bad input: usage, a missing, corrupt or malformed file, a tensor the file does
+    not store; 3 an internal error; 130 interrupted."""
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")    # a path from argv may not be UTF-8
@@ -116,7 +122,11 @@ def inspect(path: str, prefix: str | None, everything: bool, no_metadata: bool) 
         text = None if no_metadata else metadata_text(f.metadata)
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
         lines = listing(f, prefix, everything, width)
+        slim = omitted(f)
     lines.insert(0, f"{shown(path)}:")
+    if slim:
+        lines[2:2] = [f"slim: {len(slim)} seeded tensors not stored (metadata seeded_tensors);",
+                      f"  {shown(slim_hint(path))}"]
     click.echo("\n".join(lines))
     if text is not None:
         click.echo(f"metadata:\n{text}")
@@ -127,7 +137,7 @@ def inspect(path: str, prefix: str | None, everything: bool, no_metadata: bool) 
 def verify(path: str) -> None:
     """Check the layout, the metadata and every checksum.
 
-    Exit 1 naming the first problem: the tensor and the file offset."""
+    Exit 2 naming the file and its first problem: the tensor and the file offset."""
     with Reader(path) as f, _progress("verify", unit_bytes=True) as update:
         checked = f.verify(progress=update)
         count = len(f)
@@ -184,6 +194,10 @@ def diff(a: str, b: str, rtol: float, atol: float, prefix: str | None) -> int:
 def cat(path: str, name: str, mode: str | None, threshold: int) -> None:
     """Print one tensor's values, or a summary of them."""
     with Reader(path) as f:
+        if name not in f and name in recorded_seeded(f.metadata):
+            raise clikit.CliError(f"{path}: {name} is not stored: the fixture is slim (its tensors drawn from a "
+                                  "seed are named, with their sha256, in its metadata's seeded_tensors); "
+                                  f"{slim_hint(path)}")
         array, info = f[name], f.info(name)
         click.echo(f"{shown(name)}: {info.dtype} {list(info.shape)}")
         if mode == "values" or (mode is None and array.size <= threshold):

@@ -46,6 +46,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import atomic
+from .errors import KdtrError
 from .writer import _fsync_directory
 
 EXIT_FAILED = 1
@@ -118,7 +119,9 @@ def _fail(prog: str, message: str, status: int) -> int:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename:
         return f"{exc.filename}: {exc.strerror or exc}"
-    return str(exc) or type(exc).__name__
+    message = str(exc) or type(exc).__name__
+    path = getattr(exc, "path", None) if isinstance(exc, KdtrError) else None
+    return f"{path}: {message}" if path and not message.startswith(f"{path}: ") else message
 
 
 # ---------------------------------------------------------------------------- output files

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 
 class KdtrError(Exception):
-    """Base of every error this package raises on bad input."""
+    """Base of every error this package raises on bad input. `path`: the file it is about, where
+    a reader found it (`in_file`); the command lines print it before the message."""
+
+    path: str | None = None
+
+
+def in_file(error: KdtrError, path: str) -> KdtrError:
+    """`error`, marked as being about the file `path` (the first mark stays)."""
+    if error.path is None:
+        error.path = path
+    return error
 
 
 class FormatError(KdtrError, ValueError):

@@ -26,6 +26,7 @@ import mmap
 import os
 import stat
 import sys
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -33,7 +34,7 @@ import numpy as np
 from . import format as fmt
 from . import metadata as md
 from ._crc32c import crc32c
-from .errors import ChecksumError, FormatError, TensorNotFoundError
+from .errors import ChecksumError, FormatError, TensorNotFoundError, in_file
 from .index import Layout, check_size, parse_layout
 
 _VERIFY_CHUNK = 16 << 20
@@ -65,7 +66,8 @@ class Reader:
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.path)
             if not stat.S_ISREG(info.st_mode):
                 raise OSError(errno.EINVAL, "Not a regular file", self.path)
-            check_size(info.st_size)
+            with self._in_this_file():
+                check_size(info.st_size)
             buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         except BaseException:
             os.close(fd)
@@ -76,9 +78,10 @@ class Reader:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, name: str = "<memory>") -> "Reader":
         """Validate a KDTR image held in memory (copied into a private buffer)."""
-        check_size(len(data))
         reader = cls.__new__(cls)
         reader.path = name
+        with reader._in_this_file():
+            check_size(len(data))
         reader._fd = None
         reader._attach(bytearray(data), len(data))
         return reader
@@ -89,7 +92,8 @@ class Reader:
         self._mm = buffer
         self._size = size
         try:
-            layout = parse_layout(buffer, size)
+            with self._in_this_file():
+                layout = parse_layout(buffer, size)
         except BaseException:
             self.close()
             raise
@@ -109,6 +113,15 @@ class Reader:
         self._metadata_raw: bytes | None = layout.metadata
         self._metadata_at = layout.metadata_at
         self._metadata: dict | None = None
+
+    @contextmanager
+    def _in_this_file(self) -> Iterator[None]:
+        """A FormatError raised inside is marked as this file's (`in_file`): a command reading two
+        files says which is broken."""
+        try:
+            yield
+        except FormatError as exc:
+            raise in_file(exc, self.path)
 
     # ---- access --------------------------------------------------------------------------
 
@@ -134,9 +147,10 @@ class Reader:
         offset = self._offsets[i]
         raw = self._bytes[offset : offset + self._nbytes[i]]
         if not self._checked[i]:
-            if self._dtypes[i] == _BOOL.code:
-                self._check_bools(i, raw, offset)
-            self._check_crc(i, crc32c(raw))
+            with self._in_this_file():
+                if self._dtypes[i] == _BOOL.code:
+                    self._check_bools(i, raw, offset)
+                self._check_crc(i, crc32c(raw))
         return raw
 
     def _shape(self, i: int) -> tuple[int, ...]:
@@ -194,7 +208,8 @@ class Reader:
     def metadata(self) -> dict:
         """The metadata JSON object as Python objects, parsed on first use (FormatError if it is not valid JSON)."""
         if self._metadata is None:
-            self._metadata = md.parse(self._metadata_raw, self._metadata_at)
+            with self._in_this_file():
+                self._metadata = md.parse(self._metadata_raw, self._metadata_at)
             self._metadata_raw = None
         return self._metadata
 
@@ -205,6 +220,10 @@ class Reader:
 
         `progress(done_bytes, total_bytes)` is called as the check advances."""
         self.metadata
+        with self._in_this_file():
+            return self._verify_tensors(progress)
+
+    def _verify_tensors(self, progress: Callable[[int, int], None] | None) -> int:
         total = sum(self._nbytes)
         done = reported = 0
         window = _Window(self)

@@ -22,10 +22,10 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 import kdtr_format
+from kdtr_format.seeded import SEEDED_KEY, omitted, recorded_seeded, slim_hint  # noqa: F401 (refgen uses them from here)
 
 from .fixtures import Fixture
 
-SEEDED_KEY = "seeded_tensors"
 SEEDED_SOURCES = ("preset", "config-file")      # model fixtures whose weights init_weights draws
 # The kernel cases' random inputs, by kind (tensor names under cases/<case>/). The corpus keeps
 # its inputs: each is shaped by hand to show its bug, and they are small.
@@ -57,23 +57,6 @@ def checksum(array: np.ndarray) -> dict[str, Any]:
     array = np.asarray(array)
     return {"dtype": str(array.dtype), "shape": list(array.shape),
             "sha256": hashlib.sha256(_little_endian_bytes(array)).hexdigest()}
-
-
-def recorded_seeded(metadata: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The metadata's seeded tensors (name -> checksum), {} when it records none."""
-    recorded = metadata.get(SEEDED_KEY, {})
-    return recorded if isinstance(recorded, dict) else {}
-
-
-def omitted(reader: Any) -> list[str]:
-    """The seeded tensors a fixture file does not hold ([]: a full file)."""
-    held = set(reader.names())
-    return [name for name in recorded_seeded(reader.metadata) if name not in held]
-
-
-def slim_hint(path: str | os.PathLike) -> str:
-    """How to make a full fixture of a slim file."""
-    return f"`refgen materialize {path} --out DIR` writes the full fixture"
 
 
 def seeded_problems(reader: Any) -> list[str]:

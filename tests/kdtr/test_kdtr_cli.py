@@ -217,8 +217,8 @@ HOSTILE = [
     (["verify", "{tmp}/missing.kdtr"], 2, "No such file or directory"),
     (["verify", "{tmp}"], 2, "Is a directory"),
     (["verify", "{tmp}/fifo.kdtr"], 2, "Not a regular file"),
-    (["verify", "{tmp}/garbage.kdtr"], 1, "not a KDTR file"),
-    (["verify", "{tmp}/empty.kdtr"], 1, "smaller than header plus trailer"),
+    (["verify", "{tmp}/garbage.kdtr"], 2, "{tmp}/garbage.kdtr: not a KDTR file"),
+    (["verify", "{tmp}/empty.kdtr"], 2, "{tmp}/empty.kdtr: file is 0 bytes, smaller than header plus trailer"),
     (["verify", "{tmp}/\udcff\udcfe.kdtr"], 2, "No such file or directory"),
     (["cat", "{sample}", "nope"], 2, "no tensor named 'nope'"),
     (["cat", "{sample}", "\udcff"], 2, "no tensor named '\\udcff'"),
@@ -256,7 +256,7 @@ def test_convert_writes_with_the_users_umask(files, extension, umask):
 def test_verify_names_the_bad_tensor_and_inspect_the_layout(corpus_dir):
     result = piped(["kdtr", "verify", str(corpus_dir / "data_checksum.kdtr")])
     assert_clean_error(result, "tensor 'a'")
-    assert result.returncode == 1
+    assert result.returncode == 2
     result = piped(["kdtr", "inspect", str(corpus_dir / "overlapping_offsets.kdtr")])
     assert_clean_error(result, "overlaps the previous tensor")
 
