@@ -101,8 +101,10 @@ def list_command() -> int:
         presets.add_row(name, str(cfg.vocab_size), str(cfg.hidden_size), str(cfg.num_hidden_layers),
                         str(cfg.num_attention_heads), str(cfg.kv_lora_rank), str(cfg.n_routed_experts),
                         f"{kdtr_format.weight_bytes(cfg) / 1e6:.1f}",
-                        "committed" if name in GOLDEN_PRESETS else "--preset")
+                        "tests/golden" if name in GOLDEN_PRESETS else "not committed")
     out.print(presets)
+    out.print("fixture: tests/golden holds it (committed, slim);\n"
+              "  not committed: `refgen generate --preset NAME --out DIR` writes it", markup=False)
     kinds = [("model", f"<preset>.kdtr, {len(DEFAULT_PLAN.traces)} traces: {KIND_HELP['model']}")]
     kinds += [(kind, f"{kernel_path(kind, False)}, {len(kernel_cases(kind, False))} cases "
                      f"(+{len(kernel_cases(kind, True))} large): {KIND_HELP[kind]}") for kind in KERNEL_KINDS]

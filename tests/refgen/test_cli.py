@@ -164,9 +164,12 @@ def test_a_failed_write_leaves_nothing_behind(refgen_cli, tmp_path, monkeypatch)
 def test_list_names_presets_and_kinds(refgen_cli):
     result = refgen_cli("list")
     assert result.exit_code == 0
-    for word in ("tiny", "tiny2", "kimi-k2", "--preset", "committed", "model", "tree_build", "verify_attention",
-                 "accept_compact"):
+    for word in ("tiny", "tiny2", "kimi-k2", "model", "tree_build", "verify_attention", "accept_compact"):
         assert word in result.stdout
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.strip()}
+    assert rows["tiny"][-1] == "tests/golden" and rows["tiny2"][-1] == "tests/golden"
+    assert rows["kimi-k2"][-2:] == ["not", "committed"] and rows["mla-small"][-2:] == ["not", "committed"]
+    assert "not committed: `refgen generate --preset NAME --out DIR` writes it" in result.stdout, result.stdout
 
 
 def test_show_a_model_and_a_kernel_fixture(committed_golden, refgen_cli):
