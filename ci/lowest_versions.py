@@ -34,7 +34,8 @@ HELD_BACK = {"kernels": ("kernels>=0.12.0,<0.13", "transformers 5.6 declares ker
                          "import fails (\"Either a revision or a version must be specified\")")}
 # The tests that talk to the pinned libraries: transformers (the HF adapter, HF as an outside
 # oracle), compressed-tensors and safetensors (checkpoint import), h5py and click (kdtr
-# convert and CLI), matplotlib and xmlschema (the reports), scipy (the sampling laws).
+# convert and CLI), matplotlib and xmlschema (the reports), scipy (the sampling laws),
+# prometheus_client (a server's /metrics).
 TESTS = ["tests/engine/test_hf_adapter.py", "tests/refgen/test_checkpoint_hf.py",
          "tests/refgen/test_model.py::test_model_matches_hf_transformers",
          "tests/refgen/test_model.py::test_yarn_rope_matches_hf_rotary_code",
@@ -42,7 +43,7 @@ TESTS = ["tests/engine/test_hf_adapter.py", "tests/refgen/test_checkpoint_hf.py"
          "tests/refgen/test_checkpoint_import.py", "tests/refgen/test_checkpoint_errors.py",
          "tests/engine/test_checkpoint_fixture.py", "tests/kdtr/test_kdtr_tools.py", "tests/kdtr/test_kdtr_cli.py",
          "tests/kdtr/test_kdtr_metadata.py", "tests/engine/test_reports.py", "tests/engine/test_sampling.py",
-         "tests/test_optional_dependencies.py"]
+         "tests/test_optional_dependencies.py", "tests/engine/test_speculation.py"]
 VALIDATED = "tiny2.kdtr"        # grouped routing, no q_lora: the fixture the version differences meet
 
 

@@ -12,6 +12,11 @@ OpenAI: of the raw logits, as vLLM reports them).
     with FakeServer(engine, "sglang") as server:       # or bug="leaky_batch", ...
         server.url
 
+`metrics` publishes Prometheus' /metrics as an engine does: "vllm" (the spec-decode counters
+vLLM registers when speculative decoding is configured) or "sglang" (its verify-call counter),
+counting the DDTree rounds the server really ran: zero when it is not speculative, as a server
+configured to speculate that never drafts. None: no /metrics page (404).
+
 `ids` (OpenAI only) is how a reply carries its tokens: "token_ids" (vLLM's
 return_token_ids), "names" (vLLM's --return-tokens-as-token-ids: log-prob entries named
 token_id:<id>; ids only with log-probs) or "text" (SGLang's OpenAI endpoint: the exported
@@ -50,6 +55,7 @@ BUGS = {
     "no_ids": "answers without token ids (SGLang: no output_ids; OpenAI: a text of unknown words)",
     "hang": "answers generation requests after 30 s",
 }
+BUDGET = 8                   # the fake's DDTree budget: its draft tokens per round
 WINDOW = 2.0                 # seconds a batch waits for more requests (it runs as soon as it is full)
 
 
@@ -71,6 +77,37 @@ class Output:
     top: list[list[tuple[int, float]]] | None
 
 
+@dataclass
+class Rounds:
+    """The speculative rounds a fake server ran: one draft per round, BUDGET draft tokens, and the
+    drafted tokens accepted, by position."""
+
+    drafts: int = 0
+    accepted_per_position: list[int] = field(default_factory=lambda: [0] * BUDGET)
+
+    def add(self, acceptance_lengths: list[int]) -> None:
+        for a in acceptance_lengths:               # a: the root and a - 1 accepted drafts
+            self.drafts += 1
+            for position in range(a - 1):
+                self.accepted_per_position[position] += 1
+
+    def page(self, engine: str, model: str) -> str:
+        """Prometheus' text format, as vLLM or SGLang publishes these counts."""
+        if engine == "sglang":
+            return ("# HELP sglang:spec_verify_calls_total The number of verify calls.\n"
+                    "# TYPE sglang:spec_verify_calls_total counter\n"
+                    f'sglang:spec_verify_calls_total{{model_name="{model}"}} {float(self.drafts)}\n')
+        labels = f'engine="0",model_name="{model}"'
+        counts = {"num_drafts": self.drafts, "num_draft_tokens": BUDGET * self.drafts,
+                  "num_accepted_tokens": sum(self.accepted_per_position)}
+        lines = [f"# TYPE vllm:spec_decode_{name} counter\nvllm:spec_decode_{name}_total{{{labels}}} {float(n)}\n"
+                 f"vllm:spec_decode_{name}_created{{{labels}}} 1.7e+09" for name, n in counts.items()]
+        lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {float(n)}'
+                  for i, n in enumerate(self.accepted_per_position)]
+        return "\n".join(lines) + "\n"
+
+
 class Engine:
     """A fixture's model (float32 weights, or its bf16 cases' in bf16) in the built-in engine."""
 
@@ -87,13 +124,13 @@ class Engine:
         self.name = Path(path).stem
         self.lock = threading.Lock()
 
-    def run(self, jobs: list[Job], bug: str | None, speculative: bool) -> list[Output]:
-        """One batch: the tokens of every job, then their log-probs."""
+    def run(self, jobs: list[Job], bug: str | None, speculative: bool, rounds: Rounds) -> list[Output]:
+        """One batch: the tokens of every job, then their log-probs; its speculative rounds added to `rounds`."""
         with self.lock:
             greedy = [j for j in jobs if j.temperature == 0]
             outputs: dict[int, list[int]] = {}
             if greedy:
-                for job, tokens in zip(greedy, self._greedy(greedy, bug, speculative)):
+                for job, tokens in zip(greedy, self._greedy(greedy, bug, speculative, rounds)):
                     outputs[id(job)] = tokens
             for temperature in sorted({j.temperature for j in jobs} - {0.0}):
                 batch = [j for j in jobs if j.temperature == temperature]
@@ -106,7 +143,7 @@ class Engine:
             rows = {id(j): z[len(j.tokens) - 1:len(j.tokens) - 1 + len(tokens)] for (j, tokens), z in zip(asked, logits)}
             return [self._output(j, tokens, rows.get(id(j)), bug) for j, tokens in zip(jobs, served)]
 
-    def _greedy(self, jobs: list[Job], bug: str | None, speculative: bool) -> list[list[int]]:
+    def _greedy(self, jobs: list[Job], bug: str | None, speculative: bool, rounds: Rounds) -> list[list[int]]:
         from engine.decode import ar_decode, ddtree_decode
         from engine.drafters import LayerSkipDrafter
 
@@ -118,8 +155,10 @@ class Engine:
             return ar_decode(self.model, prompts, limits).tokens
         drafter = LayerSkipDrafter(self.cfg, self.weights, 2)
         stages = _AcceptOffByOne() if bug == "accept_off_by_one" else None
-        return ddtree_decode(self.model, drafter, prompts, DDTreeConfig(block_size=4, budget=8), limits,
-                             stages=stages).tokens
+        result = ddtree_decode(self.model, drafter, prompts, DDTreeConfig(block_size=4, budget=BUDGET), limits,
+                               stages=stages)
+        rounds.add(result.metrics.acceptance_lengths)
+        return result.tokens
 
     def _sampled(self, jobs: list[Job], temperature: float) -> list[list[int]]:
         from engine.decode import ar_decode
@@ -183,6 +222,7 @@ class _Batcher:
 
     def __init__(self, engine: Engine, bug: str | None, size: int, speculative: bool) -> None:
         self.engine, self.bug, self.size, self.speculative = engine, bug, size, speculative
+        self.rounds = Rounds()
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.thread = threading.Thread(target=self._work, daemon=True)
         self.thread.start()
@@ -208,7 +248,7 @@ class _Batcher:
                     break
                 batch.append(job)
             try:
-                for job, output in zip(batch, self.engine.run(batch, self.bug, self.speculative)):
+                for job, output in zip(batch, self.engine.run(batch, self.bug, self.speculative, self.rounds)):
                     job.done.set_result(output)
             except Exception as exc:            # the handler answers 500 with it
                 for job in batch:
@@ -225,10 +265,11 @@ class FakeServer:
     it batches together (those the client sends at once); speculative: greedy requests by DDTree."""
 
     def __init__(self, engine: Engine, api: str, bug: str | None = None, ids: str = "token_ids",
-                 batch: int = 1, speculative: bool = False) -> None:
+                 batch: int = 1, speculative: bool = False, metrics: str | None = None) -> None:
         assert api in ("sglang", "openai") and (bug is None or bug in BUGS) and ids in ("token_ids", "names", "text")
+        assert metrics in (None, "vllm", "sglang")
         assert not speculative or engine.dtype == torch.float32, "DDTree greedy equals AR in float32"
-        self.engine, self.api, self.bug, self.ids = engine, api, bug, ids
+        self.engine, self.api, self.bug, self.ids, self.metrics = engine, api, bug, ids, metrics
         self.batcher = _Batcher(engine, bug, batch, speculative or bug == "accept_off_by_one")
         self.http = _HTTPServer(("127.0.0.1", 0), _Handler)
         self.http.fake = self                                   # type: ignore[attr-defined]
@@ -296,9 +337,9 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         pass
 
-    def _reply(self, status: int, body: bytes) -> None:
+    def _reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -309,6 +350,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(200, json.dumps({"model_path": f"/models/{fake.engine.name}"}).encode())
         if fake.api == "openai" and self.path == "/v1/models":
             return self._reply(200, json.dumps({"object": "list", "data": [{"id": fake.engine.name}]}).encode())
+        if fake.metrics is not None and self.path == "/metrics":
+            page = fake.batcher.rounds.page(fake.metrics, fake.engine.name)
+            return self._reply(200, page.encode(), "text/plain; version=0.0.4")
         self._reply(404, b'{"detail": "Not Found"}')
 
     def do_POST(self) -> None:
