@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -112,16 +113,22 @@ def test_server_started_waited_for_and_stopped_with_its_workers(tmp_path, monkey
 
     monkeypatch.setattr(serve, "STOP_S", 1.0)
     port = free_port()
-    with Server([sys.executable, "-c", SERVER, str(port)], os.environ, tmp_path / "s.log", port, 30) as server:
-        assert server.alive() and server.start_seconds is not None
-        pid = server.process.pid
-        for _ in range(50):
-            workers = _children(pid)
-            if workers:
-                break
-            time.sleep(0.1)
-        assert workers
-    assert not _alive(pid) and not any(_alive(w) for w in workers)
+    workers: list[int] = []
+    try:
+        with Server([sys.executable, "-c", SERVER, str(port)], os.environ, tmp_path / "s.log", port, 30) as server:
+            assert server.alive() and server.start_seconds is not None
+            pid = server.process.pid
+            for _ in range(50):
+                workers = _children(pid)
+                if workers:
+                    break
+                time.sleep(0.1)
+            assert workers
+        assert not _alive(pid) and not any(_alive(w) for w in workers)
+    finally:
+        for worker in workers:                  # a failed stop leaves none behind
+            if _alive(worker):
+                os.kill(worker, signal.SIGKILL)
 
 
 def test_a_server_that_exits_is_one_line_naming_its_log(tmp_path):

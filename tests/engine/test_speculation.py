@@ -78,7 +78,7 @@ def test_no_speculation_counters_is_none():
     ("\n".join(line for line in VLLM_PAGE.splitlines() if "draft_tokens" not in line),
      "without vllm:spec_decode_num_draft_tokens_total"),
     (VLLM_PAGE.replace('position="1"', 'position="first"'), "position label first"),
-])
+], ids=["unparsable", "nan", "fraction", "negative", "missing counter", "position label"])
 def test_malformed_pages_are_one_line_errors(page, message):
     with pytest.raises(ServerError, match=message) as caught:
         parse_counters(page)
