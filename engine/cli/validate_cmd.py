@@ -43,6 +43,19 @@ class ReportFile(OutputFile):
         return STDOUT if value == STDOUT else super().convert(value, param, ctx)
 
 
+def _impl_given(spec: str | None) -> str | None:
+    """--impl as given; an empty one (`--impl "$IMPL"` with IMPL unset) is bad input, never the
+    built-in engine."""
+    from ..validate.door.load import refuse_empty
+
+    try:
+        if spec is not None:
+            refuse_empty(spec)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    return spec
+
+
 def _under_torchrun() -> bool:
     """Whether torchrun started this process: its variables are set (engine.parallel.torchrun_size
     reads them; this asks without importing torch)."""
@@ -114,7 +127,7 @@ def _server_options(command: Callable) -> Callable:
 @click.option("--html", "html_path", type=ReportFile(), default=None,
               help="Also write the report as one self-contained HTML page here, with plots (needs "
                    "matplotlib: the `plot` extra); - for stdout.")
-@click.option("--impl", type=str, default=None,
+@click.option("--impl", type=str, default=None, callback=lambda ctx, param, value: _impl_given(value),
               help="Adapter factory to validate: module:factory (a module on PYTHONPATH or in the "
                    "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
 @click.option("--require", type=str, default="declared", show_default=True,
@@ -359,6 +372,19 @@ def render(report: Report, out: Console) -> None:
             out.print(_wrapped(shown(deviation.line()), width, "  ", "    "))
     out.print(_wrapped(f"fixtures: {shown(report.fixtures)}", width))
     out.print(Text(report.summary(), style="bold red" if report.failed else "bold green"))
+    _recap_failures(report, out, width)
+
+
+def _recap_failures(report: Report, out: Console, width: int | None) -> None:
+    """The FAIL rows again under the verdict, one line each: section::name: the detail (cut to the
+    terminal's width; piped, whole)."""
+    failed = [c for c in report.checks if c.status.value == "FAIL"]
+    if not failed:
+        return
+    out.print(Text(f"FAIL rows ({len(failed)}):", style="bold red"))
+    for c in failed:
+        line = f"{shown(c.section)}::{shown(c.name)}: {shown(c.detail) or 'FAIL'}"
+        out.print(Text("  " + (line if width is None else textwrap.shorten(line, width - 2, placeholder=" ..."))))
 
 
 def _lines(text: str, width: int | None, first: str = "", rest: str = "  ") -> list[str]:

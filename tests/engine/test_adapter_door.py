@@ -166,3 +166,17 @@ def test_a_file_adapter_imports_its_neighbours(tmp_path, monkeypatch):
         "    return Adapter()\n")
     adapter = load_impl(f"{tmp_path / 'my_adapter.py'}:make")
     assert adapter.name == "from a neighbour" and adapter.later() == "from a neighbour"
+
+
+@pytest.mark.parametrize("given", ["", "  "])
+def test_an_empty_impl_is_an_error_never_the_built_in_engine(given):
+    """`--kdtree-impl "$IMPL"` with IMPL unset: the plugin's adapter fixture fails naming it (the CLI's
+    --impl: tests/engine/test_cli.py)."""
+    from types import SimpleNamespace
+
+    from engine.pytest_plugin import kdtree_adapter
+
+    config = SimpleNamespace(getoption={"kdtree_impl": given}.__getitem__)
+    with pytest.raises(pytest.fail.Exception, match=rf"^kdtree: --kdtree-impl '{given}' is empty: name the adapter's "
+                                                    r"factory"):
+        kdtree_adapter.__wrapped__(config)

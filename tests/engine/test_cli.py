@@ -164,6 +164,8 @@ def test_a_corrupt_model_fixture_is_named(golden, tmp_path, capsys):
     (["demo", "--preset", "tiny2", "--fixture", "{golden}/tiny.kdtr"], "holds 'tiny', not --preset 'tiny2'"),
     (["demo", "--prompt", ",".join(["1"] * 600)], "max_position_embeddings 512"),
     (["validate", "--impl", "no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'"),
+    (["validate", "--impl", ""], "--impl '' is empty: name the adapter's factory"),     # `--impl "$IMPL"`, IMPL unset
+    (["validate", "--impl", " ", "--tp", "2"], "--impl ' ' is empty: name the adapter's factory"),
     (["validate", "--fixtures", str(REPO / "README.md")], "is not a .kdtr file"),
     (["validate", "--device", "cuda"], "--device cuda: no CUDA device is visible"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
@@ -174,3 +176,37 @@ def test_bad_input_is_one_line(golden, capsys, args, message):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kdtree: error: ") and message in lines[0], err
+
+
+def test_a_failing_run_lists_its_fail_rows_under_the_verdict(golden, tmp_path, capsys):
+    code, out, _ = run_main(["validate", "--fixtures", str(golden / "kernels" / "tree_build.kdtr"), "--impl",
+                             f"{EXAMPLES / 'broken_adapter.py'}:BrokenTieAdapter", "--require", "none"], capsys)
+    assert code == 1
+    lines = out.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("FAILED: "))
+    assert lines[verdict + 1:] == ["FAIL rows (1):", "  tree_build.kdtr::tree build: 21 differ; first at [13]: "
+                                   "got 5, expected 1 (case tied_logits)"], out
+
+
+def test_a_passing_run_lists_no_fail_rows(golden, capsys):
+    code, out, _ = run_main(["validate", "--fixtures", str(golden / "kernels" / "tree_build.kdtr"), "--impl",
+                             f"{EXAMPLES / 'numpy_adapter.py'}:NumpyAdapter", "--require", "none"], capsys)
+    assert code == 0 and out.splitlines()[-1].startswith("PASSED: "), out
+
+
+def test_a_report_that_cannot_be_written_comes_after_the_terminal_report(golden, tmp_path, capsys, monkeypatch):
+    """The JUnit file's directory is gone when the reports are written: the terminal report of the
+    checks is shown, then one error line naming the file; no report is published, exit 2."""
+    from engine.validate.reports.files import ReportFiles
+
+    staged = ReportFiles.staged
+    monkeypatch.setattr(ReportFiles, "staged", lambda self, path: tmp_path / "gone" / "r.xml" if str(path).endswith(
+        ".xml") else staged(self, path))
+    code, out, err = run_main(["validate", "--fixtures", str(golden / "kernels" / "tree_build.kdtr"), "--impl",
+                               f"{EXAMPLES / 'numpy_adapter.py'}:NumpyAdapter", "--require", "none",
+                               "--json", str(tmp_path / "r.json"), "--junit-xml", str(tmp_path / "r.xml")], capsys)
+    assert code == 2
+    assert out.splitlines()[-1].startswith("PASSED: "), out
+    assert err.splitlines()[-1] == (f"kdtree: error: {tmp_path / 'r.xml'}: cannot write the junit report: "
+                                    f"No such file or directory"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a report published by a run that exits 2"

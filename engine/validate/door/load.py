@@ -17,9 +17,11 @@ from .guard import AdapterFault, call, describe, watched
 
 def load_impl(spec: str) -> Any:
     """An adapter from ``module:factory`` or ``path/to/file.py:factory`` (factory() -> adapter).
-    ValueError naming the spec when the module cannot be imported, raises (or exits) while
+    ValueError naming the spec when it is empty (an unset variable: never the built-in engine instead),
+    when the module cannot be imported, raises (or exits) while
     importing, lacks the factory, or the factory raises, exits or returns None. The import and
     the factory run through the door (guard.py)."""
+    refuse_empty(spec)
     target, sep, factory_name = spec.rpartition(":")
     if not sep or not target or not factory_name:
         raise ValueError(f"--impl {spec!r}: expected 'module:factory' or 'path/to/file.py:factory'")
@@ -48,6 +50,14 @@ def load_impl(spec: str) -> Any:
     if adapter is None:
         raise ValueError(f"--impl {spec!r}: {factory_name}() returned None, expected an adapter")
     return adapter
+
+
+def refuse_empty(spec: str) -> None:
+    """ValueError for an empty or blank spec (`--impl "$IMPL"` with IMPL unset), which must never
+    mean the built-in engine."""
+    if not spec.strip():
+        raise ValueError(f"--impl {spec!r} is empty: name the adapter's factory, 'module:factory' or "
+                         f"'path/to/file.py:factory' (without --impl, kdtree checks its built-in engine)")
 
 
 def _import(target: str) -> ModuleType:
