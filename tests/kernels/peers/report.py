@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(path) as f:
                 data = merge_noa(data, json.load(f))
         text = render(data)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         print(f"peers.report: cannot read {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(text)
