@@ -8,7 +8,9 @@
   bound on |r| alone (never reached: |r| <= 1) is a check that cannot fail.
 - a near-tie decides only the rows that depend on it (`follow_near_tie`): a round's accepted
   path and next root follow a near-tie in its choices, a trace's acceptance lengths any
-  near-tie of the trace; a FAIL in any other row stays a FAIL.
+  near-tie of the trace; a FAIL in any other row stays a FAIL. A replayed round's rows are
+  all near-ties only when its tree differs and the engine's own top-k log-probs differ from
+  the fixture's (`replayed_round`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 from engine.validate.reports.report import Check, Status
-from engine.validate.rows.engine import CORRELATION_Z, follow_near_tie, uniforms_check
+from engine.validate.rows.engine import CORRELATION_Z, follow_near_tie, replayed_round, uniforms_check
 
 REQUESTS, NODES, ROUNDS = 4, 9, 10            # as the row's own decode: 4 requests, budget 8 (9 nodes)
 
@@ -125,3 +127,12 @@ def test_a_trace_near_tie_makes_its_acceptance_lengths_a_near_tie_and_nothing_el
     other = Check("s", "tokens", Status.FAIL, detail="at 3")
     assert [r.status for r in follow_near_tie([lengths, other], True, ("acceptance lengths",))] == \
         [Status.NEAR_TIE, Status.FAIL]
+
+
+def test_a_replayed_round_is_a_score_near_tie_only_when_its_topk_and_its_tree_differ():
+    wrong_tree = round_rows(Status.EXACT)
+    assert all(r.status is not Status.FAIL for r in replayed_round(wrong_tree, tree_rows=3, same_topk=False))
+    assert replayed_round(wrong_tree, tree_rows=3, same_topk=True) == wrong_tree
+    right_tree = [Check("s", n, Status.EXACT) for n in ("parents", "tokens", "depths")] + \
+        [Check("s", "accepted", Status.FAIL, detail="got [0, 2]")]
+    assert replayed_round(right_tree, tree_rows=3, same_topk=False) == right_tree
