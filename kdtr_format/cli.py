@@ -125,8 +125,8 @@ def inspect(path: str, prefix: str | None, everything: bool, no_metadata: bool) 
         slim = omitted(f)
     lines.insert(0, f"{shown(path)}:")
     if slim:
-        lines[2:2] = [f"slim: {len(slim)} seeded tensors not stored (metadata seeded_tensors);",
-                      f"  {shown(slim_hint(path))}"]
+        lines[2:2] = [f"slim: {len(slim)} seeded tensors not stored (metadata seeded_tensors); the full file:",
+                      f"  refgen materialize {shown(path)} --out DIR"]
     click.echo("\n".join(lines))
     if text is not None:
         click.echo(f"metadata:\n{text}")

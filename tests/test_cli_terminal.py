@@ -107,7 +107,7 @@ HOSTILE = [
     ("kdtree validate --timeout 0",                               "'--timeout'", 2),
     ("kdtree validate --timeout nan",                             "'nan' is not a finite number", 2),
     ("kdtree nonsense",                                           "No such command 'nonsense'", 2),
-    ("kdtr verify {files}/corrupt.kdtr",                          "checksum mismatch", 1),
+    ("kdtr verify {files}/corrupt.kdtr",                          "{files}/corrupt.kdtr: data checksum mismatch", 2),
     ("kdtr inspect {files}/absent.kdtr",                          "absent.kdtr: No such file or directory", 2),
     ("kdtr cat {golden}/kernels/tree_build.kdtr cases/tied_logits/parents --threshold -1", "'--threshold'", 2),
     ("kdtr diff {golden}/tiny.kdtr {golden}/tiny2.kdtr --rtol nan", "'nan' is not a finite number", 2),

@@ -74,8 +74,8 @@ def test_inspect_says_a_fixture_is_slim():
     with kdtr_format.open(TREE_BUILD) as reader:
         count = len(reader.metadata["seeded_tensors"])
     lines = result.stdout.splitlines()
-    assert lines[2:4] == [f"slim: {count} seeded tensors not stored (metadata seeded_tensors);",
-                          f"  `refgen materialize {TREE_BUILD} --out DIR` writes the full fixture"], lines
+    assert lines[2:4] == [f"slim: {count} seeded tensors not stored (metadata seeded_tensors); the full file:",
+                          f"  refgen materialize {TREE_BUILD} --out DIR"], lines
 
 
 
