@@ -80,7 +80,8 @@ class ServerUrl(click.ParamType):
 
 
 SERVER_ONLY = ("api", "concurrency", "temperature", "samples", "seed", "logprobs")
-SERVER_TIMEOUT_S = 60.0            # --server: seconds to wait for each reply, by default
+SERVER_TIMEOUT_S = 60.0            # --server: seconds each reply may take, by default
+SERVER_DEVICE = "server"           # a --server report's device (engine/validate/run/server.py: DEVICE)
 NOT_FOR_SERVER = ("device", "impl", "require", "invariant", "tp", "page_size")
 
 
@@ -137,8 +138,8 @@ def _server_options(command: Callable) -> Callable:
                    "capability that is skipped or that no fixture exercises is a FAIL.")
 @click.option("--timeout", type=FiniteFloat(0.0, min_open=True), default=None, metavar="SECONDS",
               help=f"Seconds one call of the adapter may take: a call that takes longer FAILs its row and stops "
-                   f"the run (default {CALL_TIMEOUT_S:g}); with --server, seconds to wait for each reply "
-                   f"(default {SERVER_TIMEOUT_S:g}).")
+                   f"the run (default {CALL_TIMEOUT_S:g}); with --server, seconds each reply may take in "
+                   f"all, from connecting to its last byte (default {SERVER_TIMEOUT_S:g}).")
 @click.option("--invariant", is_flag=True, help="The built-in engine in batch-invariant mode.")
 @_engine_layout_options
 @_server_options
@@ -343,8 +344,11 @@ def render(report: Report, out: Console) -> None:
     name_w = min(max((len(shown(c.name)) for c in report.checks), default=0), 36)
     indent = " " * (2 + status_w + 2)
     out.print(_wrapped(f"kdtree validate: {shown(report.implementation)}", width, style="bold"))
-    loaded = shown(f"--impl {report.impl}") if report.impl else "built-in"
-    out.print(_wrapped(f"adapter: {shown(report.adapter)} ({loaded})", width))
+    if report.device == SERVER_DEVICE:
+        out.print(_wrapped(f"server: {shown(report.adapter)}", width))
+    else:
+        loaded = shown(f"--impl {report.impl}") if report.impl else "built-in"
+        out.print(_wrapped(f"adapter: {shown(report.adapter)} ({loaded})", width))
     section = None
     for c in report.checks:
         if c.section != section:

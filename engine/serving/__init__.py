@@ -1,5 +1,6 @@
 """Talking to serving engines over HTTP: SGLang's native `/generate` and the OpenAI-compatible
-`/v1/completions` that vLLM and SGLang serve (client.py). `kdtree validate --server` judges
+`/v1/completions` that vLLM and SGLang serve (client.py), each exchange bounded (transport.py:
+a deadline on the whole reply, a size limit, no redirect). `kdtree validate --server` judges
 what they serve (engine/validate/server.py); docs/serving.md says how to start them."""
 
 from .client import APIS, Ask, Client, Reply, ServerError, client

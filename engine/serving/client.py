@@ -23,29 +23,25 @@
 ignore_eos: a server stops at its end-of-sequence token otherwise, and the fixture's tokens
 run to max_new_tokens whatever they are. vLLM and SGLang ignore parameters they do not know.
 
-Every failure is a `ServerError` with a one-line message: a refused connection, no reply
-within the timeout, an HTTP error status (with the first line of its body), a reply that is
-not JSON or lacks what the API returns.
+Every failure is a `ServerError` with a one-line message: a refused connection, no whole reply
+within the timeout, a redirect (never followed), an HTTP error status (with its message), a
+reply longer than transport.MAX_REPLY_BYTES, nested too deep, not JSON, or lacking what the API
+returns, a top-logprobs row of more than k + 1 entries (k and the served token's). Every exchange
+goes through transport.py; what a server says is quoted in bounded excerpts.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
-import socket
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .transport import ServerError, _message, _reason, exchange, parse_json
+from .transport import excerpt as _excerpt
+
 APIS = ("openai", "sglang")
 TOKEN_ID = re.compile(r"token_id:(\d+)")
-EXCERPT = 120                     # characters of a body quoted in an error
-
-
-class ServerError(Exception):
-    """A server that gave no usable reply; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -89,35 +85,13 @@ class Client:
         raise NotImplementedError
 
     def _call(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        """GET (body None) or POST a JSON body -> the parsed JSON reply."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST",
-                                         headers={"Content-Type": "application/json", "Accept": "application/json"})
-        what = f"{request.get_method()} {path}"
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            raise ServerError(f"{what}: HTTP {exc.code} {exc.reason}{_body(exc)}") from None
-        except urllib.error.URLError as exc:
-            raise ServerError(f"{what}: {self._reason(exc.reason)}") from None
-        except (http.client.HTTPException, OSError) as exc:
-            raise ServerError(f"{what}: {self._reason(exc)}") from None
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, ValueError):
-            raise ServerError(f"{what}: the reply is not JSON ({_excerpt(raw)})") from None
+        """GET (body None) or POST a JSON body -> the parsed JSON reply (transport.py's bounds)."""
+        method = "GET" if body is None else "POST"
+        raw = exchange(self.url, method, path, self.timeout, None if body is None else json.dumps(body).encode())
+        return parse_json(raw, f"{method} {path}")
 
     def _reason(self, reason: Any) -> str:
-        if isinstance(reason, ConnectionRefusedError):
-            return f"connection refused (is a server listening at {self.url}?)"
-        if isinstance(reason, (TimeoutError, socket.timeout)):
-            return f"no reply within {self.timeout:g} s (--timeout)"
-        if isinstance(reason, socket.gaierror):
-            return f"cannot resolve the host of {self.url} ({reason.strerror or reason})"
-        if isinstance(reason, (http.client.HTTPException, ConnectionError)):
-            return f"the connection broke before a whole reply ({type(reason).__name__}: {reason})"
-        return f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else str(reason)
+        return _reason(reason, self.url, self.timeout) if isinstance(reason, BaseException) else _excerpt(str(reason))
 
     def _token(self, text: Any) -> int | None:
         """A log-prob entry's token: "token_id:<id>", or a word of the vocabulary; None otherwise."""
@@ -136,7 +110,7 @@ class SGLangClient(Client):
         info = self._call("/get_model_info")
         if not isinstance(info, dict):
             raise ServerError(f"GET /get_model_info: malformed reply: expected an object, got {_excerpt(info)}")
-        return f"SGLang, model {info.get('model_path', '?')}"
+        return f"SGLang, model {_excerpt(str(info.get('model_path', '?')))}"
 
     def generate(self, ask: Ask) -> Reply:
         params: dict[str, Any] = {"max_new_tokens": ask.max_new_tokens, "temperature": ask.temperature,
@@ -162,7 +136,8 @@ class SGLangClient(Client):
         if ask.logprobs > 0:
             rows = _list(meta.get("output_top_logprobs"), f"{where}: meta_info.output_top_logprobs")
             top = [dict(_sglang_entry(e, f"{where}: meta_info.output_top_logprobs[{i}]")
-                        for e in _list(row, f"{where}: meta_info.output_top_logprobs[{i}]")) for i, row in enumerate(rows)]
+                        for e in _top_entries(row, ask.logprobs, f"{where}: meta_info.output_top_logprobs[{i}]"))
+                   for i, row in enumerate(rows)]
         return Reply(tokens, logprobs, top, None if finish is None else str(finish))
 
 
@@ -180,7 +155,7 @@ class OpenAIClient(Client):
         if not models or not isinstance(models[0], str):
             raise ServerError(f"GET /v1/models: malformed reply: no model id in {_excerpt(listing)}")
         self.model = models[0]
-        return f"OpenAI-compatible, model {self.model}"
+        return f"OpenAI-compatible, model {_excerpt(self.model)}"
 
     def generate(self, ask: Ask) -> Reply:
         if self.model is None:
@@ -214,7 +189,7 @@ class OpenAIClient(Client):
         top = None
         if ask.logprobs > 0:
             rows = _list(logprobs.get("top_logprobs"), f"{where}: choices[0].logprobs.top_logprobs")
-            top = [self._top(row, f"{where}: top_logprobs[{i}]") for i, row in enumerate(rows)]
+            top = [self._top(row, ask.logprobs, f"{where}: top_logprobs[{i}]") for i, row in enumerate(rows)]
         return Reply(tokens, entries, top, None if finish is None else str(finish))
 
     def _served(self, choice: Mapping[str, Any], logprobs: Mapping[str, Any] | None, where: str) -> list[int]:
@@ -235,11 +210,11 @@ class OpenAIClient(Client):
         raise ServerError(f"{where}: choices[0] carries no token ids (vLLM: return_token_ids, from 0.10.2; "
                           "SGLang: --api sglang, or validate a `refgen export` directory, whose tokenizer reads the text)")
 
-    def _top(self, row: Any, where: str) -> dict[int, float]:
+    def _top(self, row: Any, k: int, where: str) -> dict[int, float]:
         if not isinstance(row, dict):
             raise ServerError(f"{where}: expected an object of token -> log-prob, got {_excerpt(row)}")
         top = {}
-        for name, value in row.items():
+        for name, value in _top_entries(list(row.items()), k, where):
             token = self._token(name)
             if token is None:
                 raise ServerError(f"{where}: token {name[:40]!r} is no token id (token_id:<id>) nor a word of the "
@@ -277,6 +252,15 @@ def _float(value: Any, what: str) -> float:
     return float(value)
 
 
+def _top_entries(row: Any, k: int, what: str) -> list:
+    """A position's top-k entries: at most k + 1 (the k most likely, and the served token's where it is
+    not among them, as vLLM adds it)."""
+    entries = _list(row, what)
+    if len(entries) > k + 1:
+        raise ServerError(f"{what}: {len(entries)} top-logprob entries, {k} asked")
+    return entries
+
+
 def _sglang_entry(entry: Any, what: str) -> tuple[int, float]:
     """[logprob, token_id, text] -> (token_id, logprob)."""
     if not (isinstance(entry, (list, tuple)) and len(entry) >= 2):
@@ -285,29 +269,9 @@ def _sglang_entry(entry: Any, what: str) -> tuple[int, float]:
     return token, _float(entry[0], what)
 
 
-def _body(exc: urllib.error.HTTPError) -> str:
-    """An error reply's message (a JSON body's message, detail or error), else its first characters."""
+def _body(exc: Any) -> str:
+    """An urllib HTTPError's message (transport._message of its first bytes)."""
     try:
-        text = exc.read()
-    except (OSError, http.client.HTTPException):
+        return _message(exc.read(2**16))
+    except OSError:
         return ""
-    try:
-        body = json.loads(text)
-    except (UnicodeDecodeError, ValueError):
-        body = None
-    if isinstance(body, dict):
-        inner = body.get("error") if isinstance(body.get("error"), dict) else body
-        message = inner.get("message") or body.get("detail") or body.get("error")
-        if message:
-            return f": {_excerpt(message if isinstance(message, str) else json.dumps(message))}"
-    return f": {_excerpt(text)}" if text else ""
-
-
-def _excerpt(value: Any) -> str:
-    """A value or a body as one short line."""
-    if isinstance(value, bytes):
-        value = value.decode("utf-8", "replace")
-    elif not isinstance(value, str):
-        value = json.dumps(value, default=str)
-    line = " ".join(value.split())
-    return line if len(line) <= EXCERPT else line[:EXCERPT - 3] + "..."

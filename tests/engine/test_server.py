@@ -125,7 +125,7 @@ def _closed_port() -> int:
     ("not_json", "openai", {}, "POST /v1/completions: the reply is not JSON (<html>"),
     ("no_ids", "sglang", {}, "POST /generate: malformed reply: output_ids: expected a list, got null"),
     ("no_ids", "openai", {}, "the text's word 'hello' is not in the exported tokenizer's vocabulary"),
-    ("hang", "sglang", {"timeout": 0.3}, "POST /generate: no reply within 0.3 s (--timeout)"),
+    ("hang", "sglang", {"timeout": 0.3}, "POST /generate: no whole reply within 0.3 s (--timeout"),
 ])
 def test_http_failures_are_one_line_fails(engines, exports, bug, api, options, says):
     with FakeServer(engines(), api, bug=bug) as server:
@@ -183,8 +183,7 @@ def test_divergences_are_judged_by_the_margin_each_shown(cases):
         assert check.status is expect, check.text()
         assert f"at {k}: served {other}, expected {ar[k]} (margin {known[p].ar_margins[k]:.3g} vs " \
                f"{threshold:.3g}" in check.detail
-        assert ("reached by a routing flip" in check.detail) == (known[p].ar_margins[k] >= threshold
-                                                                  and expect is Status.NEAR_TIE)
+        assert ("reached by a routing flip" in check.detail) == bool(known[p].ar_reached[k])
     regime, known = cases["bfloat16"]
     p, k = next((p, k) for p in PROMPTS for k in range(len(known[p].ar_tokens))
                 if known[p].ar_margins[k] >= regime.margin_threshold)

@@ -45,6 +45,7 @@ from ..rows.served import MIN_REACH, Served, logprobs_row, sampling_family, samp
 
 MANIFEST = "kdtree-export.json"          # refgen/export.py writes it
 SAMPLES = 400                            # runs per prompt at temperature > 0
+DEVICE = "server"                        # a server run's Report.device; its adapter: "URL (api)"
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ def validate_server(run: ServerRun, fixtures: str | os.PathLike | None, dtype: s
     if run.temperature > 0 and run.samples < MIN_REACH:
         raise ValidateError(f"--samples {run.samples}: a sampled run needs at least {MIN_REACH:g} runs a prompt "
                             "(the first token's law is tested from them)")
-    report = Report(implementation=f"server {run.url} ({run.api} API)", device="server", fixtures=str(served.path))
+    report = Report(implementation=f"server {run.url} ({run.api} API)", device=DEVICE, fixtures=str(served.path),
+                    adapter=f"{run.url} ({run.api})")
     try:
         with kdtr_format.open(served.path) as reader:
             if reader.metadata.get("kind") != "model":
@@ -172,7 +174,7 @@ def _rows(run: ServerRun, server: Client, section: str, known: Mapping[str, Know
             mine = [s for (n, _), s in zip(asks, replies) if n == name]
             rows.append(tokens_row(section, f"tokens {name}", mine, k, regime, vocab))
             if run.logprobs is not None:
-                rows.append(logprobs_row(section, f"logprobs {name}", mine, k, regime, 0.0))
+                rows.append(logprobs_row(section, f"logprobs {name}", mine, k, regime, 0.0, run.logprobs))
         return rows
     families = {name: sampling_family(k, run.temperature, run.samples) for name, k in known.items()}
     tests = sum(len(f) for f in families.values())
@@ -190,7 +192,8 @@ def _rows(run: ServerRun, server: Client, section: str, known: Mapping[str, Know
         rows.append(sampling_row(section, f"sampling {name}", [s for _, s in mine], k, families[name], max(tests, 1),
                                  run.temperature, mine[0][0].max_new_tokens))
         if run.logprobs is not None:
-            rows.append(logprobs_row(section, f"logprobs {name}", [s for _, s in mine], k, regime, run.temperature))
+            rows.append(logprobs_row(section, f"logprobs {name}", [s for _, s in mine], k, regime, run.temperature,
+                                     run.logprobs))
     return rows
 
 
