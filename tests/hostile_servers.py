@@ -112,6 +112,8 @@ class Reference:
 
     def __call__(self, request: Request, handler: BaseHTTPRequestHandler) -> None:
         if request.method == "GET":
+            if request.path != {"sglang": "/get_model_info", "openai": "/v1/models"}[self.api]:
+                return send(handler, 404, b'{"detail": "Not Found"}')
             info = {"model_path": self.model} if self.api == "sglang" else {"data": [{"id": self.model}]}
             return send(handler, 200, json.dumps(info).encode())
         body = request.json()
