@@ -27,9 +27,10 @@ import numpy as np
 from . import __version__, clikit
 from .clikit import shown
 from . import format as fmt
+from .checkpoint_tensors import CheckpointTensors
 from .compare import compare_arrays, diff_metadata
 from .convert import ConvertError, convert as convert_file, kind_of
-from .errors import KdtrError
+from .errors import KdtrError, in_file
 from .listing import LIST_AT_MOST, listing, metadata_text
 from .reader import Reader
 from .seeded import omitted, recorded_seeded, slim_hint
@@ -192,17 +193,16 @@ def diff(a: str, b: str, rtol: float, atol: float, prefix: str | None) -> int:
 @click.option("--threshold", type=click.IntRange(0, 2**62), default=1000, show_default=True,
               help="Without --summary/--values: values up to this many elements, else a summary.")
 def cat(path: str, name: str, mode: str | None, threshold: int) -> None:
-    """Print one tensor's values, or a summary of them."""
+    """Print one tensor's values, or a summary of them.
+
+    A checkpoint fixture's weights are rebuilt from the checkpoint (metadata checkpoint_tensors);
+    a tensor a slim fixture omits is refused, naming the command that writes the full file."""
     with Reader(path) as f:
-        if name not in f and name in recorded_seeded(f.metadata):
-            raise clikit.CliError(f"{path}: {name} is not stored: the fixture is slim (its tensors drawn from a "
-                                  "seed are named, with their sha256, in its metadata's seeded_tensors); "
-                                  f"{slim_hint(path)}")
-        array, info = f[name], f.info(name)
-        click.echo(f"{shown(name)}: {info.dtype} {list(info.shape)}")
+        array, dtype, source = _tensor(f, path, name)
+        click.echo(f"{shown(name)}: {dtype} {list(array.shape)}{source}")
         if mode == "values" or (mode is None and array.size <= threshold):
             with np.printoptions(threshold=sys.maxsize if mode == "values" else threshold, linewidth=_width()):
-                click.echo(np.array2string(array.astype(np.int8) if info.dtype == "int4" else array))
+                click.echo(np.array2string(array.astype(np.int8) if dtype == "int4" else array))
             return
         values = array.astype(np.float64).reshape(-1)
         finite = values[np.isfinite(values)]
@@ -210,6 +210,25 @@ def cat(path: str, name: str, mode: str | None, threshold: int) -> None:
         if finite.size:
             stats.update(min=finite.min(), max=finite.max(), mean=finite.mean(), std=finite.std())
         click.echo("  ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()))
+
+
+def _tensor(f: Reader, path: str, name: str) -> tuple[np.ndarray, str, str]:
+    """(array, dtype name, where it comes from when not the file) of tensor `name`: stored, or a
+    checkpoint fixture's rebuilt from its checkpoint; CliError for one a slim fixture omits."""
+    if name in f:
+        return f[name], f.info(name).dtype, ""
+    if name in recorded_seeded(f.metadata):
+        raise clikit.CliError(f"{path}: {name} is not stored: the fixture is slim (its tensors drawn from a seed "
+                              "are named, with their sha256, in its metadata's seeded_tensors); "
+                              f"{slim_hint(path)}")
+    try:
+        rebuilt = CheckpointTensors(f.metadata)
+        if name in rebuilt:
+            array = rebuilt.array(name)
+            return array, str(array.dtype), f" (rebuilt from the checkpoint {shown(str(rebuilt.checkpoint))})"
+    except KdtrError as exc:
+        raise in_file(exc, path)
+    return f[name], "", ""              # TensorNotFoundError naming the file
 
 
 @_command()

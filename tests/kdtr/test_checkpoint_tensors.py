@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -174,3 +175,24 @@ def test_an_emptied_checkpoint_file_is_named(checkpoint, tmp_path):
     with pytest.raises(CheckpointTensorError, match=rf"^weights/proj: references proj.weight in "
                                                     rf"{tmp_path}/model.safetensors, which is empty \(0 bytes\)"):
         CheckpointTensors(metadata).array("weights/proj")
+
+
+def test_kdtr_cat_rebuilds_a_checkpoint_tensor_and_names_the_fixture_when_it_cannot(checkpoint, tmp_path):
+    import kdtr_format
+    from click.testing import CliRunner
+    from kdtr_format.cli import main
+
+    metadata, back = checkpoint
+    fixture = tmp_path / "fixture.kdtr"
+    kdtr_format.write(fixture, {"prompts/p0": np.zeros(2, np.int64)}, metadata=metadata)
+    result = CliRunner().invoke(main, ["cat", "--values", str(fixture), "weights/gate"], prog_name="kdtr")
+    assert result.exit_code == 0, result.output
+    header, *values = result.stdout.splitlines()
+    assert header == f"weights/gate: float32 [4, 8] (rebuilt from the checkpoint {tmp_path})"
+    with np.printoptions(threshold=10 ** 9, linewidth=shutil.get_terminal_size((80, 24)).columns):
+        assert "\n".join(values) == np.array2string(back["gate.weight"][KEEP].astype(np.float32))
+    metadata["checkpoint_tensors"]["weights/gate"]["shape"] = [-4, 8]
+    kdtr_format.write(fixture, {"prompts/p0": np.zeros(2, np.int64)}, metadata=metadata)
+    result = CliRunner().invoke(main, ["cat", str(fixture), "weights/gate"], prog_name="kdtr")
+    assert result.exit_code == 2 and result.stderr == (f"kdtr: error: {fixture}: weights/gate: its entry has shape "
+                                                      "[-4, 8], not a list of integers >= 0\n"), result.output
