@@ -581,15 +581,18 @@ def _short(value: Any) -> str:
               help="With DeepSeek-V3's multi-token-prediction module (layer num_hidden_layers, weights that often "
                    "agree with the target) and its float64 draft logits (mtp-reference.safetensors), to serve "
                    "with MTP speculative decoding.")
+@click.option("--gguf", is_flag=True,
+              help="Also model.gguf: the model as one GGUF file that llama.cpp loads (its converter refuses the "
+                   "export's word-level tokenizer).")
 def export_command(fixture: Path, out: Path, dtype: str, layers: int | None, fp8_block: int, shard_mb: int,
-                   mtp: bool) -> int:
+                   mtp: bool, gguf: bool) -> int:
     """The model of a model FIXTURE as a Hugging Face checkpoint directory that transformers, vLLM and
     SGLang load, with the fixture to validate the served tokens against (docs/serving.md)."""
     if dtype != "fp8" and fp8_block != 128:
         raise CliError("--fp8-block applies to --dtype fp8")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        exporting.check_out(out, dtype, layers, mtp)
+        exporting.check_out(out, dtype, layers, mtp, gguf)
     except exporting.ExportError as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:
@@ -603,7 +606,7 @@ def export_command(fixture: Path, out: Path, dtype: str, layers: int | None, fp8
                 task = progress.add_task(f"exporting {fixture.name}",
                                          total=exporting.steps(src.cfg, dtype, layers, mtp))
                 written = exporting.export(reader, fixture, out, dtype, layers, (fp8_block, fp8_block),
-                                           shard_mb << 20, lambda steps: progress.advance(task, steps), mtp)
+                                           shard_mb << 20, lambda steps: progress.advance(task, steps), mtp, gguf)
     except (FixtureError, KdtrError) as exc:
         raise CliError(f"{fixture}: {exc}") from None
     except OSError as exc:

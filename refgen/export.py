@@ -47,6 +47,7 @@ from the final directory, which is removed again on a failure).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -70,6 +71,7 @@ from kdtr_format.dequant import FP8
 from kdtr_format.hf_config import hf_config_dict
 
 from .checkpoint_names import _ATTENTION, _DENSE, _MOE, _NORMS, BODIES, HEADS
+from .export_gguf import GGUF_FILE, write_gguf
 from .export_mtp import MTP_REFERENCE, mtp_weights, write_reference
 from .files import omitted
 from .fixtures import DEFAULT_PLAN, FixtureError
@@ -143,6 +145,16 @@ def hf_tensors(cfg: ModelConfig, name: str, weight: np.ndarray) -> Iterator[tupl
             yield prefix + EXPERT_PARAM.format(e=e, part=part), weight[e]
         return
     yield prefix + LAYER_PARAMS[rest], weight
+
+
+def _stacked(cfg: ModelConfig, name: str, weight: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """hf_tensors, but routed experts stay stacked [E, ...] under model.layers.{i}.mlp.experts.{part}_proj.weight
+    (what GGUF stores)."""
+    if ".moe.experts.w_" in name:
+        _, i, rest = name.split(".", 2)
+        yield f"{BODIES[0]}layers.{i}.mlp.experts.{rest.removeprefix('moe.experts.w_')}_proj.weight", weight
+    else:
+        yield from hf_tensors(cfg, name, weight)
 
 
 def fp8_quantize(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -240,14 +252,15 @@ def source(reader: Any, dtype: str) -> Source:
 
 def export(reader: Any, fixture_path: Path, out: Path, dtype: str = "float32", layers: int | None = None,
            block: tuple[int, int] = (128, 128), shard_bytes: int = SHARD_BYTES,
-           progress: Progress | None = None, mtp: bool = False) -> Written:
+           progress: Progress | None = None, mtp: bool = False, gguf: bool = False) -> Written:
     """Write the checkpoint directory `out` (module docstring) from the fixture `reader`
     (read from `fixture_path`); `out` must not exist, or be an empty directory. progress(1)
-    after each weight (`steps`), and after the FP8 fixture's steps. `mtp`: with the MTP module."""
+    after each weight (`steps`), and after the FP8 fixture's steps. `mtp`: with the MTP module;
+    `gguf`: with the model as one GGUF file for llama.cpp (refgen.export_gguf)."""
     step = progress or (lambda steps: None)
     origin = source(reader, dtype)
     cfg = _sliced(origin.cfg, layers)
-    check_out(out, dtype, layers, mtp)
+    check_out(out, dtype, layers, mtp, gguf)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     fixture = fixture_path.name if layers is None and dtype != "fp8" else None
     try:
@@ -256,6 +269,10 @@ def export(reader: Any, fixture_path: Path, out: Path, dtype: str = "float32", l
             src = source(full, dtype)
             drafted = mtp_weights(cfg, src.weights, _seed(src), dtype) if mtp else {}
             files = _write_weights(staging, cfg, src, dtype, block, shard_bytes, step, drafted)
+            if gguf:
+                files[GGUF_FILE] = write_gguf(staging / GGUF_FILE, cfg, (pair for name in weight_shapes(cfg) for pair in
+                                                                         _stacked(cfg, name, src.weights(name))),
+                                              dtype, token_text)
             config = hf_config_dict(cfg, "bfloat16" if dtype == "fp8" else dtype) | (DRAFT_LABEL if layers else {})
             if dtype == "fp8":
                 config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
@@ -327,8 +344,12 @@ def _sliced(cfg: ModelConfig, layers: int | None) -> ModelConfig:
                                first_k_dense_replace=min(cfg.first_k_dense_replace, layers))
 
 
-def check_out(out: Path, dtype: str, layers: int | None, mtp: bool = False) -> None:
-    """ExportError unless `out` can take an export of `dtype` (`layers`, `mtp`)."""
+def check_out(out: Path, dtype: str, layers: int | None, mtp: bool = False, gguf: bool = False) -> None:
+    """ExportError unless `out` can take an export of `dtype` (`layers`, `mtp`, `gguf`)."""
+    if gguf and dtype == "fp8":
+        raise ExportError("--gguf: a GGUF file is written in float32 or bfloat16, not with --dtype fp8")
+    if gguf and importlib.util.find_spec("gguf") is None:
+        raise ExportError("--gguf needs the gguf package (pip install gguf)")
     if mtp and (layers is not None or dtype == "fp8"):
         raise ExportError(f"--mtp: the MTP module is exported with the whole model in float32 or bfloat16, "
                           f"not with {'--layers' if layers is not None else '--dtype fp8'}")

@@ -30,6 +30,7 @@ OPTIONAL = {
                            "refgen/test_decode.py::test_sampling_has_the_ar_sampling_distribution"]),
     "xmlschema": (("xmlschema",), ["engine/test_reports.py::test_junit_xml_has_one_testcase_per_row_and_passes_the_schema"]),
     "matplotlib": (("matplotlib",), ["engine/test_reports.py", "engine/test_cli.py::test_demo_runs_and_plots"]),
+    "gguf": (("gguf",), ["refgen/test_export_gguf.py"]),
 }
 
 
