@@ -210,8 +210,8 @@ def _differing(expected: np.ndarray, actual: np.ndarray) -> np.ndarray:
 def metadata_drift(expected: Any, actual: Any, path: str, logit_scale: float | None = None,
                    key: str = "") -> list[str]:
     """Differences between two metadata trees at `path`: floats by METADATA_RULES (`key`,
-    the path without its indices), everything else equal; the provenance keys (generator
-    version, numpy) and NOT_COMPARED are skipped."""
+    the path without its indices), everything else equal and of the same type (True is not
+    1, nor 1 1.0); the provenance keys (generator version, numpy) and NOT_COMPARED are skipped."""
     if isinstance(expected, dict) and isinstance(actual, dict):
         problems = []
         for name in sorted(set(expected) | set(actual)):
@@ -227,8 +227,8 @@ def metadata_drift(expected: Any, actual: Any, path: str, logit_scale: float | N
     if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
         return [p for i, (e, a) in enumerate(zip(expected, actual))
                 for p in metadata_drift(e, a, f"{path}[{i}]", logit_scale, key)]
-    if isinstance(expected, float) and isinstance(actual, (int, float)) and not isinstance(actual, bool):
-        return _float_drift(expected, float(actual), path, key, logit_scale)
+    if isinstance(expected, float) and isinstance(actual, float):
+        return _float_drift(expected, actual, path, key, logit_scale)
     if expected == actual and type(expected) is type(actual):
         return []
     return [f"{path}: committed {expected!r}, regenerated {actual!r}"]

@@ -269,3 +269,45 @@ def test_the_regeneration_passes_under_every_openblas_kernel(committed_golden):
         used = re.findall(r"^Core: (\w+)", stderr, re.M)
         assert used and used[0] in CORE_NAMES[core], f"OPENBLAS_CORETYPE={core} ran {used}"
         assert "passed: 2 of 2" in stdout
+
+
+@pytest.mark.parametrize("committed, regenerated", [
+    (1, True), (True, 1), (0, False), (False, 0),           # a bool where an int is stored, and back
+    (1.0, 1), (3, 3.0),                                      # an int where a float is stored, and back
+    (1.0, True),
+])
+def test_metadata_of_another_type_drifts_though_it_compares_equal(committed, regenerated):
+    """Equal values of another type (True == 1 == 1.0 in Python) are a change of the fixture: in
+    a key of exact values (config.*) and in a float with a tolerance (margin_threshold, judged
+    on itself)."""
+    def metadata(value):
+        return {"generator": {"seed": 0}, "config": {"n_group": value}, "margin_threshold": value}
+
+    assert metadata_drift(metadata(committed), metadata(regenerated), "metadata", logit_scale=1.0) == \
+        [f"metadata.{key}: committed {committed!r}, regenerated {regenerated!r}"
+         for key in ("config.n_group", "margin_threshold")]
+    assert metadata_drift(metadata(committed), metadata(committed), "metadata", logit_scale=1.0) == []
+
+
+def test_a_fixture_whose_metadata_changes_type_fails_verify(tiny2):
+    """refgen verify's comparison of whole fixtures: a trace's round count regenerated as a bool
+    of the same truth, the margin threshold as an int of the same value."""
+    committed, regenerated = tiny2
+    rounds = committed.metadata["traces"][0]["rounds"]
+    threshold = committed.metadata["margin_threshold"]
+    problems = compare(committed.with_metadata(lambda m: m["traces"][0].__setitem__("rounds", 1)),
+                       regenerated.with_metadata(lambda m: m["traces"][0].__setitem__("rounds", True)))
+    assert problems == ["metadata.traces[0].rounds: committed 1, regenerated True"], (rounds, problems)
+    as_int = float(round(threshold))
+    problems = compare(committed.with_metadata(lambda m: m.__setitem__("margin_threshold", as_int)),
+                       regenerated.with_metadata(lambda m: m.__setitem__("margin_threshold", int(as_int))))
+    assert problems == [f"metadata.margin_threshold: committed {as_int!r}, regenerated {int(as_int)!r}"]
+
+
+@pytest.mark.parametrize("expected, actual", [
+    (np.array([1, 0], np.int64), np.array([True, False])),
+    (np.array([1.0, 0.0], np.float32), np.array([1, 0], np.int32)),
+])
+def test_a_tensor_of_equal_values_and_another_kind_drifts(expected, actual):
+    assert tensor_drift(expected, actual, None) is not None
+    assert tensor_drift(expected, actual, 1.0) is not None

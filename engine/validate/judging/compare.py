@@ -22,13 +22,18 @@ SHOWN = 16                      # values a FAIL's detail lists before eliding th
 
 
 def compare_exact(section: str, name: str, actual: Any, expected: Any, where: str = "") -> Check:
-    """Integer (or bit-exact float) outputs: shape and every value equal. A FAIL names the
-    first index that differs; for a 1-D output of the wrong length (an accepted path one
-    token long or short) it also lists both outputs' values."""
+    """Integer (or bit-exact float) outputs: shape, the kind of value (bool, integer, float:
+    True is not 1, nor 1 1.0) and every value equal. A FAIL names the first index that
+    differs; for a 1-D output of the wrong length (an accepted path one token long or short)
+    it also lists both outputs' values."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     at = f" ({where})" if where else ""
     if actual.shape != expected.shape:
         return Check(section, name, Status.FAIL, detail=f"{_lengths(actual, expected)}{at}")
+    if actual.size and _kind(actual) != _kind(expected):
+        return Check(section, name, Status.FAIL,
+                     detail=f"got {_kind(actual)} values ({actual.dtype}), expected {_kind(expected)} "
+                            f"({expected.dtype}){at}")
     differ = np.flatnonzero(actual.reshape(-1) != expected.reshape(-1))
     if differ.size and not expected.ndim:
         return Check(section, name, Status.FAIL, detail=f"got {actual}, expected {expected}{at}")
@@ -39,6 +44,17 @@ def compare_exact(section: str, name: str, actual: Any, expected: Any, where: st
                      detail=f"{differ.size} differ; first at {index}: got "
                             f"{actual.reshape(-1)[i]}, expected {expected.reshape(-1)[i]}{at}")
     return Check(section, name, Status.EXACT)
+
+
+def _kind(a: np.ndarray) -> str:
+    """The kind of value an array holds: bool, integer, float (bfloat16 among them), else its dtype."""
+    if a.dtype == np.bool_:
+        return "bool"
+    if a.dtype.kind in "iu":
+        return "integer"
+    if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
+        return "float"
+    return str(a.dtype)
 
 
 def _lengths(actual: np.ndarray, expected: np.ndarray) -> str:
