@@ -101,9 +101,9 @@ def _command(**settings):
 def main() -> None:
     """Inspect, verify, diff, print and convert KDTR files.
 
-    Every error is one line naming the file. Exit status: 0 success; 1 (diff) the files
+    Each failure is one line naming the file. Exit status: 0 success; 1 (diff) the files
     differ; 2 bad input: usage, a missing, corrupt or malformed file, a tensor the file does
-    not store; 3 an internal error; 130 interrupted."""
+    not store; 3 a fault of kdtr itself; 130 interrupted."""
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")    # a path from argv may not be UTF-8
