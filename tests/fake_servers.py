@@ -100,9 +100,10 @@ class Rounds:
         labels = f'engine="0",model_name="{model}"'
         counts = {"num_drafts": self.drafts, "num_draft_tokens": BUDGET * self.drafts,
                   "num_accepted_tokens": sum(self.accepted_per_position)}
-        lines = [f"# TYPE vllm:spec_decode_{name} counter\nvllm:spec_decode_{name}_total{{{labels}}} {float(n)}\n"
-                 f"vllm:spec_decode_{name}_created{{{labels}}} 1.7e+09" for name, n in counts.items()]
-        lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
+        lines = [f"# TYPE vllm:spec_decode_{name}_total counter\nvllm:spec_decode_{name}_total{{{labels}}} {float(n)}\n"
+                 f"# TYPE vllm:spec_decode_{name}_created gauge\nvllm:spec_decode_{name}_created{{{labels}}} 1.7e+09"
+                 for name, n in counts.items()]
+        lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter")
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {float(n)}'
                   for i, n in enumerate(self.accepted_per_position)]
         return "\n".join(lines) + "\n"

@@ -79,7 +79,7 @@ class ServerUrl(click.ParamType):
         return text.rstrip("/")
 
 
-SERVER_ONLY = ("api", "concurrency", "temperature", "samples", "seed", "logprobs")
+SERVER_ONLY = ("api", "concurrency", "temperature", "samples", "seed", "logprobs", "require_speculation")
 SERVER_TIMEOUT_S = 60.0            # --server: seconds each reply may take, by default
 SERVER_DEVICE = "server"           # a --server report's device (engine/validate/run/server.py: DEVICE)
 NOT_FOR_SERVER = ("device", "impl", "require", "invariant", "tp", "page_size")
@@ -105,6 +105,9 @@ def _server_options(command: Callable) -> Callable:
                      help="With --server --temperature T: the first run's seed (run i has seed + i)."),
         click.option("--logprobs", type=click.IntRange(0, 20), default=None, metavar="K",
                      help="With --server: ask for log-probs (the served token's, and the top K) and check them."),
+        click.option("--require-speculation", is_flag=True,
+                     help="With --server: FAIL the run unless the server's /metrics show that it drafted and "
+                          "accepted tokens over it (a speculative run that never drafts tests nothing of it)."),
     ]
     for option in reversed(options):
         command = option(command)

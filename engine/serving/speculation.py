@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .client import Client, ServerError, _body, _excerpt
 
-# family name (prometheus_client strips a counter's _total) -> the field it adds to
+# a counter's name (its samples are <name>_total) -> the field it adds to
 VLLM = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
         "vllm:spec_decode_num_accepted_tokens": "accepted"}
 VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -88,7 +88,7 @@ class Speculation:
             parts.append(f"{self.draft_tokens} draft tokens")
         if self.accepted is not None:
             by = ""
-            if self.accepted_per_position:
+            if self.accepted and self.accepted_per_position:
                 by = f" (by position {', '.join(str(n) for n in self.accepted_per_position)})"
             parts.append(f"{self.accepted} accepted{by}")
         else:
@@ -118,16 +118,15 @@ def parse_counters(page: str) -> Speculation | None:
     per_position: dict[int, float] = {}
     try:
         for family in text_string_to_metric_families(page):
-            if family.name not in (*VLLM, VLLM_PER_POSITION, SGLANG_VERIFY_CALLS):
-                continue
-            for sample in family.samples:
-                if not sample.name.endswith("_total"):           # _created: when the counter began
-                    continue
-                if family.name == VLLM_PER_POSITION:
+            for sample in family.samples:                       # by the sample's name, whatever TYPE line grouped it
+                name = sample.name.removesuffix("_total")
+                if not sample.name.endswith("_total") or name not in (*VLLM, VLLM_PER_POSITION, SGLANG_VERIFY_CALLS):
+                    continue                                     # _created: when the counter began
+                if name == VLLM_PER_POSITION:
                     position = _position(sample.labels)
                     per_position[position] = per_position.get(position, 0.0) + sample.value
                 else:
-                    totals[family.name] = totals.get(family.name, 0.0) + sample.value
+                    totals[name] = totals.get(name, 0.0) + sample.value
     except ValueError as exc:
         raise ServerError(f"GET /metrics: not Prometheus' text format ({_excerpt(str(exc))})") from None
     if SGLANG_VERIFY_CALLS in totals:

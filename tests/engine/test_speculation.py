@@ -40,6 +40,14 @@ def test_vllm_page_read_as_published():
     assert parse_counters(VLLM_PAGE) == Speculation("vLLM", 36, 108, 10, (9, 1, 0))
 
 
+def test_counters_grouped_under_their_bare_names():
+    """OpenMetrics' grouping (TYPE x counter, samples x_total and x_created) reads the same."""
+    page = (VLLM_PAGE.replace("_total counter", " counter").replace("# TYPE vllm:spec_decode_num_drafts_created gauge\n", "")
+            .replace("# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.\n", ""))
+    assert "# TYPE vllm:spec_decode_num_drafts counter" in page
+    assert parse_counters(page) == Speculation("vLLM", 36, 108, 10, (9, 1, 0))
+
+
 def test_counters_of_every_engine_are_summed():
     lines = [[line, line.replace('engine="0"', 'engine="1"')] if line.startswith("vllm:spec") else [line]
              for line in VLLM_PAGE.splitlines()]                # each family's samples together, as published

@@ -19,6 +19,10 @@ The run (one section of the report, named by the fixture file):
   as the tested prefixes reach (served.sampling_family); ``sampling <prompt>`` tests the law of
   the served tokens (served.sampling_row), ``logprobs <prompt>`` the log-probs as above.
 
+- ``speculation``: what the server's /metrics counted over the run (drafts, draft tokens,
+  accepted), where it publishes such counters; with `require_speculation`, a FAIL when it
+  publishes none or drafted or accepted nothing (rows/speculation.py).
+
 Every request that fails (refused, timed out, an HTTP error, a malformed reply) is a FAIL in
 its prompt's rows, in one line; nothing else stops the run.
 """
@@ -42,6 +46,7 @@ from ..judging.prefixes import KnownPrefixes
 from ..judging.regime import DTYPES, CasesView, Regime
 from ..reports.report import Check, Report, Status, ValidateError
 from ..rows.served import MIN_REACH, Served, logprobs_row, sampling_family, sampling_row, tokens_row
+from ..rows.speculation import PublishedSpeculation
 
 MANIFEST = "kdtree-export.json"          # refgen/export.py writes it
 SAMPLES = 400                            # runs per prompt at temperature > 0
@@ -60,6 +65,7 @@ class ServerRun:
     seed: int = 0
     logprobs: int | None = None
     timeout: float = 60.0
+    require_speculation: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,7 @@ def _rows(run: ServerRun, server: Client, section: str, known: Mapping[str, Know
     except ServerError as exc:
         return [Check(section, "server", Status.FAIL, detail=str(exc))]
     rows = [Check(section, "server", Status.EXACT, detail=f"{who}; {regime.short} cases")]
+    counters = PublishedSpeculation(run.url, run.timeout)
     if run.temperature == 0:
         copies = max(1, math.ceil(run.concurrency / len(known)))
         asks = [(name, Ask(tuple(k.prompt_tokens.tolist()), len(k.ar_tokens), logprobs=run.logprobs))
@@ -175,7 +182,7 @@ def _rows(run: ServerRun, server: Client, section: str, known: Mapping[str, Know
             rows.append(tokens_row(section, f"tokens {name}", mine, k, regime, vocab))
             if run.logprobs is not None:
                 rows.append(logprobs_row(section, f"logprobs {name}", mine, k, regime, 0.0, run.logprobs))
-        return rows
+        return rows + counters.rows(section, run.require_speculation)
     families = {name: sampling_family(k, run.temperature, run.samples) for name, k in known.items()}
     tests = sum(len(f) for f in families.values())
     asks = []
@@ -194,7 +201,7 @@ def _rows(run: ServerRun, server: Client, section: str, known: Mapping[str, Know
         if run.logprobs is not None:
             rows.append(logprobs_row(section, f"logprobs {name}", [s for _, s in mine], k, regime, run.temperature,
                                      run.logprobs))
-    return rows
+    return rows + counters.rows(section, run.require_speculation)
 
 
 def _send(server: Client, asks: list[Ask], concurrency: int) -> list[Served]:
