@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
+import torch
 
 import kdtr_format
 from cli_run import run_main
@@ -124,6 +125,51 @@ def test_a_near_tie_is_the_served_tokens_own_logit_near_the_best(below, reached,
     check = tokens_row("s", "tokens", [Served([2])], line, REGIME, 4)
     assert check.status is expect, check.text()
     assert f"served token {below:.3g} below the best" in check.detail
+
+
+def test_the_flip_allowance_covers_every_near_tie_flip_of_tiny(known, tiny, monkeypatch):
+    """FLIP_LOGIT_SCALES against the arithmetic: every routing decision of tiny's bf16 AR sequences
+    within the routing threshold, flipped alone (its k-th expert swapped for the (k+1)-th) in the
+    built-in engine on the bf16 weights, moves no gap between the best token and another at an AR
+    row by more than the allowance (the largest measured: 1.98 logit scales)."""
+    import engine.model
+    from fake_servers import Engine
+
+    bf16 = Engine(tiny, "bfloat16")
+    route, flip, calls = engine.model.route, {}, [0]
+
+    def flipped(cfg, x, gate, bias):
+        idx, weight = route(cfg, x, gate, bias)
+        calls[0] += 1
+        if flip.get("call") == calls[0] - 1:
+            r, k = flip["row"], cfg.num_experts_per_tok
+            scores = torch.sigmoid(x.float() @ gate.float().T)
+            idx = idx.clone()
+            idx[r, k - 1] = torch.sort(scores[r] + bias.float(), descending=True, stable=True).indices[k]
+            chosen = scores[r, idx[r]]
+            weight = weight.clone()
+            weight[r] = (chosen / chosen.sum() if cfg.norm_topk_prob else chosen) * cfg.routed_scaling_factor
+        return idx, weight
+
+    monkeypatch.setattr(engine.model, "route", flipped)
+    regime, worst, flips = known["bfloat16"]["p0"].view.regime, 0.0, 0
+    for k in known["bfloat16"].values():
+        sequence = k.prompt_tokens.tolist() + k.ar_tokens.tolist()[:-1]
+        m = len(k.prompt_tokens)
+        margins = np.concatenate([np.asarray(k.view[f"prompts/{k.prompt}/router_margins"]),
+                                  np.asarray(k.view[f"prompts/{k.prompt}/ar/router_margins"])])[:len(sequence)]
+        flip.clear()
+        calls[0] = 0
+        base = bf16._teacher_forced([sequence])[0, m - 1:].double()
+        below = base.max(-1, keepdim=True).values - base                  # each token below the best
+        for row, layer in zip(*np.nonzero(margins < regime.routing_threshold)):
+            flip.update(call=int(layer), row=int(row))
+            calls[0] = 0
+            z = bf16._teacher_forced([sequence])[0, m - 1:].double()
+            worst = max(worst, float((z.gather(1, base.argmax(-1, keepdim=True)) - z - below).abs().max()))
+            flips += 1
+    assert flips >= 10
+    assert worst <= FLIP_LOGIT_SCALES * regime.metadata["logit_scale"], worst / regime.metadata["logit_scale"]
 
 
 def test_a_server_off_by_one_at_every_position_fails_in_bf16(known, tiny):
