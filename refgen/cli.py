@@ -579,7 +579,7 @@ def _short(value: Any) -> str:
               help="Safetensors shards of at most this many MB (one model.safetensors when everything fits).")
 @click.option("--mtp", is_flag=True,
               help="With DeepSeek-V3's multi-token-prediction module (layer num_hidden_layers, weights that often "
-                   "agree with the target) and its float64 draft logits (mtp-reference.safetensors), to serve "
+                   "agree with the target) and its float64 draft logits (mtp-reference.npz), to serve "
                    "with MTP speculative decoding.")
 @click.option("--gguf", is_flag=True,
               help="Also model.gguf: the model as one GGUF file that llama.cpp loads (its converter refuses the "

@@ -295,7 +295,6 @@ def export(reader: Any, fixture_path: Path, out: Path, dtype: str = "float32", l
                     target = {name: src.weights(name) for name in weight_shapes(cfg)}
                     files[MTP_REFERENCE], manifest["mtp"] = write_reference(staging / MTP_REFERENCE, cfg, target,
                                                                             drafted, manifest["prompts"])
-                    (staging / MTP_REFERENCE).chmod(0o666 & ~_umask())       # safetensors writes 0600
                 files[MANIFEST] = _write_json(staging / MANIFEST, manifest)
         if out.exists():
             out.rmdir()

@@ -2,7 +2,8 @@
 its float64 reference written beside the checkpoint, so that an engine's MTP drafter can be checked
 as a stage.
 
-``mtp-reference.safetensors`` (`MTP_REFERENCE`) holds, for every prompt of the export's manifest
+``mtp-reference.npz`` (`MTP_REFERENCE`, numpy's uncompressed archive: not a ``.safetensors`` file, which
+vLLM would load as weights of the model) holds, for every prompt of the export's manifest
 (the prompt followed by its AR tokens, what a greedy serving run computes), under ``<prompt>/``:
 ``tokens`` [n] int64, ``target_hidden`` [n, D] (the target's hidden state after its final norm, what
 the MTP module takes), ``target_logits`` [n, V] and ``draft_logits`` [n - 1, V] (the first draft step
@@ -18,13 +19,12 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
 from kdtr_format import ModelConfig
 
 from .mtp import agreeing_weights, draft_reference
 
-MTP_REFERENCE = "mtp-reference.safetensors"
+MTP_REFERENCE = "mtp-reference.npz"
 
 
 def mtp_weights(cfg: ModelConfig, target: Callable[[str], np.ndarray], seed: int, dtype: str) -> dict[str, np.ndarray]:
@@ -52,8 +52,8 @@ def write_reference(path: Path, cfg: ModelConfig, target: Mapping[str, np.ndarra
                         f"{name}/target_logits": reference.target_logits,
                         f"{name}/draft_logits": reference.draft_logits})
         agreement[name] = list(reference.agreement(len(prompt["tokens"]) - 1))
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path,
-              metadata={"format": "kdtree-mtp-reference", "layer": str(cfg.num_hidden_layers)})
+    with path.open("wb") as file:
+        np.savez(file, **tensors)
     agreed, judged = (sum(pair[i] for pair in agreement.values()) for i in (0, 1))
     entry = {"layer": cfg.num_hidden_layers, "reference": MTP_REFERENCE,
              "agreement": {"agreeing": agreed, "judged": judged, "per_prompt": agreement}}

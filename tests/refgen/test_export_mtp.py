@@ -1,6 +1,6 @@
 """`refgen export --mtp`: DeepSeek-V3's multi-token-prediction module as layer num_hidden_layers of
 the checkpoint, named as DeepSeek ships it, and refgen's float64 reference of its draft logits
-(mtp-reference.safetensors) against two outside implementations: HF transformers' DeepseekV3 for the
+(mtp-reference.npz) against two outside implementations: HF transformers' DeepseekV3 for the
 target's hidden states and the module's decoder block, with the module's own math (masked embedding,
 enorm / hnorm, eh_proj over [embedding, hidden], the shared head) written here in torch; and vLLM's
 DeepSeekMultiTokenPredictorLayer itself where vLLM is installed."""
@@ -44,6 +44,8 @@ def test_the_module_is_layer_L_under_deepseeks_names_and_the_target_is_unchanged
     directory, L = exported.directory, 4
     config = json.loads((directory / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == L
+    # every *.safetensors of the directory is weights to vLLM's loader: the reference is not one
+    assert sorted(p.name for p in directory.glob("*.safetensors")) == ["model.safetensors"]
     stored = _stored(directory)
     mtp = sorted(name for name in stored if name.startswith(f"model.layers.{L}."))
     assert [f"model.layers.{L}.{own}.weight" for own in OWN if f"model.layers.{L}.{own}.weight" not in mtp] == []
@@ -64,7 +66,7 @@ def test_the_module_is_layer_L_under_deepseeks_names_and_the_target_is_unchanged
 def test_the_manifest_names_the_reference_and_counts_agreement(exported):
     entry = exported.manifest["mtp"]
     assert entry["layer"] == 4 and entry["reference"] == MTP_REFERENCE
-    reference = load_file(exported.directory / MTP_REFERENCE)
+    reference = np.load(exported.directory / MTP_REFERENCE)
     agreeing = judged = 0
     for prompt in exported.manifest["prompts"]:
         name, n = prompt["name"], len(prompt["tokens"]) + len(prompt["ar_tokens"])
@@ -112,7 +114,7 @@ def test_the_reference_is_hf_transformers_with_the_module_math_written_here(expo
                                                               experts_implementation="eager",
                                                               attn_implementation="eager").eval()
     eps = config["rms_norm_eps"]
-    reference = load_file(directory / MTP_REFERENCE)
+    reference = np.load(directory / MTP_REFERENCE)
     for prompt in exported.manifest["prompts"]:
         tokens = torch.tensor(prompt["tokens"] + prompt["ar_tokens"])
         with torch.no_grad():
@@ -136,7 +138,7 @@ def test_vllms_mtp_layer_computes_the_reference(exported):
     directory = exported.directory
     result = in_vllm("tests/refgen/vllm_side.py", "mtp", str(directory), str(directory / "vllm-mtp.npz"))
     computed = np.load(directory / "vllm-mtp.npz")
-    reference = load_file(directory / MTP_REFERENCE)
+    reference = np.load(directory / MTP_REFERENCE)
     for prompt in exported.manifest["prompts"]:
         want = reference[f"{prompt['name']}/draft_logits"]
         for form in ("logits", "logits_from_pre_norm"):

@@ -27,7 +27,7 @@ def draft_configs(directories: list[str]) -> list[dict]:
 
 def mtp_logits(directory: str, out: str) -> dict:
     """vLLM's DeepSeekMultiTokenPredictorLayer.forward, its own code, on every prompt of the export's
-    mtp-reference.safetensors: input ids the tokens shifted by one, positions 0 .. n-2, the previous
+    mtp-reference.npz: input ids the tokens shifted by one, positions 0 .. n-2, the previous
     hidden states the reference's target_hidden[:-1], the embeddings those of the module's
     embed_tokens (what DeepSeekMultiTokenPredictor.forward passes). Its modules are vLLM's (RMSNorm,
     SharedHead, an nn.Linear eh_proj) with the export's weights, but the decoder block, which needs an
@@ -94,9 +94,9 @@ def mtp_logits(directory: str, out: str) -> dict:
             module.hnorm.weight.copy_(weight["hnorm"])
             module.eh_proj.weight.copy_(weight["eh_proj"])
             module.shared_head.norm.weight.copy_(weight["shared_head.norm"])
-        reference = load_file(root / "mtp-reference.safetensors")
+        reference = np.load(root / "mtp-reference.npz")
         found = {}
-        for name in sorted({key.split("/")[0] for key in reference}):
+        for name in sorted({key.split("/")[0] for key in reference.files}):
             tokens = torch.from_numpy(reference[f"{name}/tokens"])
             hidden = torch.from_numpy(reference[f"{name}/target_hidden"])
             positions = torch.arange(len(tokens) - 1)
