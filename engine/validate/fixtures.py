@@ -3,23 +3,15 @@ or a cache directory that `refgen generate --all --full` fills once, all or noth
 model fixture's weights, read once per open fixture and shared by every check that loads them.
 
 The committed fixtures are slim (docs/fixtures.md, "Slim and full"): they omit the tensors
-drawn from a seed. Fixtures found slim are materialized once, by `python -m refgen
-materialize` (the engine runs refgen, never imports it), into a cache directory named by
-their content: <KDTREE_CACHE_DIR, default ~/.cache/kdtree>/golden-<sha256 of the files>/.
-All or nothing: refgen writes into a staging directory that is then renamed into place;
-a process that loses the race to another (pytest-xdist workers) takes the winner's. A
-fixture made from a checkpoint holds no weights either, but needs no materializing: its
+drawn from a seed. Fixtures found slim are materialized once into the fixture cache
+(fixture_cache.py: keyed by content, all or nothing, each copy checked against its slim
+file). A fixture made from a checkpoint holds no weights either, but needs no materializing: its
 weights are the checkpoint's tensors, which kdtr_format.checkpoint_tensors decodes here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import weakref
 from pathlib import Path
 
@@ -28,16 +20,12 @@ import numpy as np
 import kdtr_format
 from kdtr_format import PRESETS, KdtrError, ModelConfig, checkpoint_tensors
 
+from .fixture_cache import cache_root, materialized, refgen_into
 from .reports.report import ValidateError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = REPO_ROOT / "tests" / "golden"
 SEEDED_KEY = "seeded_tensors"        # refgen/files.py: the tensors a slim fixture omits
-
-
-def cache_root() -> Path:
-    """Where materialized and generated fixtures are kept: $KDTREE_CACHE_DIR, else ~/.cache/kdtree."""
-    return Path(os.environ.get("KDTREE_CACHE_DIR") or Path.home() / ".cache" / "kdtree")
 
 
 def find_fixtures(fixtures: str | os.PathLike | None, generate: bool = True) -> Path:
@@ -62,31 +50,22 @@ def find_fixtures(fixtures: str | os.PathLike | None, generate: bool = True) -> 
         return cache
     if not generate:
         raise ValidateError(f"no fixtures in {GOLDEN_DIR} or {cache}")
-    staging = _refgen_into(cache.parent, "generate", "--all", "--full", what="no fixtures found and `refgen generate`")
-    if cache.exists():
-        cache.rmdir()
-    os.replace(staging, cache)
+    with refgen_into(cache.parent, "generate", "--all", "--full",
+                     what="no fixtures found and `refgen generate`") as staging:
+        if cache.exists():
+            cache.rmdir()
+        os.replace(staging, cache)
     return cache
 
 
 def full_fixtures(path: Path) -> Path:
     """`path` (a fixture file, or a directory of them) when every fixture there is full, else
-    its materialized copy in the cache: the file of the same name, or the directory of the
-    same layout."""
+    its checked, materialized copy in the cache (fixture_cache.materialized): the file of the
+    same name, or the directory of the same layout."""
     files = kdtr_files(path)
     if not any(_is_slim(file) for file in files):
         return path
-    target = cache_root() / f"golden-{_content_key(path, files)}"
-    if not target.is_dir():
-        staging = _refgen_into(cache_root(), "materialize", str(path), what=f"{path} holds slim fixtures and "
-                                                                            "`refgen materialize`")
-        try:
-            os.rename(staging, target)
-        except OSError:                  # another process materialized the same fixtures first
-            shutil.rmtree(staging, ignore_errors=True)
-            if not target.is_dir():
-                raise
-    return target / path.name if path.is_file() else target
+    return materialized(path, files)
 
 
 def _is_slim(path: Path) -> bool:
@@ -97,37 +76,6 @@ def _is_slim(path: Path) -> bool:
             return isinstance(recorded, dict) and not set(recorded) <= set(reader.names())
     except KdtrError:
         return False
-
-
-def _content_key(path: Path, files: list[Path]) -> str:
-    """sha256 (16 hex digits) of the fixtures' names and bytes."""
-    root = path if path.is_dir() else path.parent
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(os.fsencode(file.relative_to(root)) + b"\0")
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
-
-
-def _refgen_into(parent: Path, *command: str, what: str) -> Path:
-    """A new staging directory under `parent` filled by `python -m refgen COMMAND... --out STAGING`;
-    ValidateError (refgen's last line) and nothing left behind when refgen fails."""
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".fixtures.", dir=parent))
-    except OSError as exc:
-        raise ValidateError(f"cannot write the fixture cache {parent}: {exc.strerror or exc} (set KDTREE_CACHE_DIR "
-                            "to a writable directory)") from None
-    staging.chmod(0o755)
-    run = subprocess.run([sys.executable, "-m", "refgen", *command, "--out", str(staging)],
-                         cwd=REPO_ROOT, capture_output=True, text=True)
-    if run.returncode != 0 or not kdtr_files(staging):
-        shutil.rmtree(staging, ignore_errors=True)
-        last = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise ValidateError(f"{what} failed: {last[0]}")
-    return staging
 
 
 def kdtr_files(path: Path) -> list[Path]:

@@ -6,19 +6,27 @@ are needed says how to materialize it."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+import signal
+import subprocess
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import engine.validate.fixture_cache
 import kdtr_format
+from cli_run import run_main
 from engine.validate import ValidateError, find_fixtures
+from engine.validate.fixture_cache import LOCK
 from engine.weights import load_fixture_weights
 from refgen.files import content_hash
 
 KERNELS = ("kernels/accept_compact.kdtr", "kernels/tree_build.kdtr")
+HOSTILE = Path(__file__).with_name("hostile_adapters.py")
 
 
 @pytest.fixture
@@ -32,6 +40,11 @@ def slim_dir(committed_golden: Path, where: Path) -> Path:
         (where / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(committed_golden / name, where / name)
     return where
+
+
+def entries(cache: Path) -> list[str]:
+    """What the cache holds, but its lock file."""
+    return sorted(p.name for p in cache.iterdir() if p.name != LOCK)
 
 
 def full_names(path: Path) -> set[str]:
@@ -49,7 +62,7 @@ def test_slim_fixtures_are_materialized_once(committed_golden, cache, tmp_path):
     assert "cases/random/draft_logits" in full_names(found / KERNELS[1])
     modified = (found / KERNELS[0]).stat().st_mtime_ns
     assert find_fixtures(source) == found and (found / KERNELS[0]).stat().st_mtime_ns == modified
-    assert sorted(p.name for p in cache.iterdir()) == [found.name]               # no staging left
+    assert entries(cache) == [found.name]                                        # no staging left
     one = find_fixtures(source / KERNELS[1])                                      # a file: its own key, its name
     assert one.name == "tree_build.kdtr" and one.parent.parent == cache and one.parent != found
     assert "cases/random/draft_logits" in full_names(one)
@@ -69,7 +82,7 @@ def test_two_processes_racing_leave_one_complete_copy(committed_golden, cache, t
     for racer in racers:
         racer.join()
     assert len(found) == 2 and found[0] == found[1]
-    assert [p.name for p in cache.iterdir()] == [found[0].name]
+    assert entries(cache) == [found[0].name]
     for name in KERNELS:
         full_names(found[0] / name)
 
@@ -87,7 +100,7 @@ def test_a_failed_materialization_leaves_nothing(committed_golden, cache, tmp_pa
     with pytest.raises(ValidateError, match=r"holds slim fixtures and `refgen materialize` failed: refgen: error: "
                                             r".*cases/random/draft_logits: drawn again from seed 0"):
         find_fixtures(source)
-    assert list(cache.iterdir()) == []
+    assert entries(cache) == []
 
 
 def test_an_unwritable_cache_is_one_clear_error(committed_golden, tmp_path, monkeypatch):

@@ -22,7 +22,9 @@ the rest "not run"), when
 
 Before the checking starts (the adapter's import, factory and set_dtype) either is bad input,
 a CliError naming --impl and the call. The child starts with SIGINT ignored: Ctrl-C is the
-parent's to answer (KeyboardInterrupt here, the child killed). A child that lingers after
+parent's to answer (KeyboardInterrupt here): the parent sends the child SIGTERM, which the
+child raises as KeyboardInterrupt where it stands (its cleanups run; it exits 130), and kills
+it after STOP_S. A child that lingers after
 it returned (a thread of the adapter's) is killed after GRACE_S.
 
 The child is forked: it starts at once, with what this process has imported, and imports the
@@ -57,6 +59,7 @@ from ..reports.report import Check, Report, Status
 
 CALL_TIMEOUT_S = 300.0      # far beyond any call of a real engine on the committed fixtures
 GRACE_S = 5.0               # a child's time to exit after it returned
+STOP_S = 2.0                # a child's time to stop on Ctrl-C (SIGTERM) before it is killed
 POLL_S = 0.2                # how often a silent child is looked at (alive? its call too long?)
 
 Send = Callable[[tuple], None]
@@ -110,7 +113,12 @@ def supervise(job: ValidateJob, timeout: float, target: Callable[[Send, Validate
     there.close()
     try:
         return _watch(job, process, here, timeout, log)
-    except BaseException:                # Ctrl-C, or the child's error: the child goes now
+    except KeyboardInterrupt:            # Ctrl-C: the child stops (its finally blocks run), else is killed
+        process.terminate()
+        process.join(STOP_S)
+        process.kill()
+        raise
+    except BaseException:                # the child's error: the child goes now
         process.kill()
         raise
     finally:
@@ -145,6 +153,7 @@ def _child(conn: Connection, job: ValidateJob, target: Callable[[Send, ValidateJ
     prints goes to stderr: stdout is the parent's. A Ctrl-C that reaches it (an adapter that
     handles SIGINT again) ends it quietly with status 130: the parent answers it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop)
     os.dup2(2, 1)
     try:
         conn.send(("done", target(conn.send, job)))
@@ -152,6 +161,12 @@ def _child(conn: Connection, job: ValidateJob, target: Callable[[Send, ValidateJ
         raise SystemExit(130) from None
     except Exception as exc:
         conn.send(("raised", _portable(exc)))
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """SIGTERM in the child: the parent's Ctrl-C, raised where the child is (its finally blocks run:
+    a materialization in progress removes its staging directory, fixture_cache.py)."""
+    raise KeyboardInterrupt
 
 
 def _portable(exc: Exception) -> Exception:
