@@ -111,5 +111,119 @@ def test_an_unwritable_cache_is_one_clear_error(committed_golden, tmp_path, monk
 
 
 def test_a_slim_file_where_weights_are_needed_says_how_to_materialize(committed_golden):
-    with pytest.raises(ValueError, match=r"tiny2.kdtr: a slim fixture: .* `refgen materialize \S+tiny2.kdtr --out DIR`"):
+    with pytest.raises(ValueError, match=r"slim fixture\? `refgen materialize FILE --out DIR`"):
         load_fixture_weights(committed_golden / "tiny2.kdtr")
+
+
+def rewrite(path: Path, change) -> None:
+    """The fixture at `path` written again after change(tensors, metadata), its content_hash anew."""
+    with kdtr_format.open(path) as reader:
+        tensors = {n: np.array(reader[n]) for n in reader.names()}
+        metadata = reader.metadata
+    change(tensors, metadata)
+    metadata["content_hash"] = content_hash(metadata, tensors)
+    kdtr_format.write(path, tensors, metadata)
+
+
+def test_a_changed_fixture_gets_a_copy_of_its_own(committed_golden, cache, tmp_path):
+    """The key is the content, not the names: an edited fixture is materialized anew, never
+    served the copy of what it was."""
+    source = slim_dir(committed_golden, tmp_path / "slim")
+    before = find_fixtures(source)
+    scores = "cases/beyond_possible/scores"
+
+    def edit(tensors, metadata):
+        tensors[scores] = tensors[scores] + 1.0
+
+    rewrite(source / KERNELS[1], edit)
+    after = find_fixtures(source)
+    assert after != before and entries(cache) == sorted([before.name, after.name])
+    with kdtr_format.open(source / KERNELS[1]) as slim, kdtr_format.open(after / KERNELS[1]) as copy:
+        assert np.array_equal(copy[scores], slim[scores])
+
+
+def scaled_seeded_tensor(copy: Path) -> None:
+    """One seeded tensor scaled by 1.5, the file otherwise valid (its hashes made anew)."""
+    def scale(tensors, metadata):
+        tensors["cases/no_match/c_kv"] = tensors["cases/no_match/c_kv"] * np.float32(1.5)
+    rewrite(copy, scale)
+
+
+def another_fixture(copy: Path) -> None:
+    shutil.copy(copy.parent / "tree_build.kdtr", copy)
+
+
+def one_byte_in_place_mtime_kept(copy: Path) -> None:
+    """Its middle byte flipped where the file lies (same inode and size), its mtime put back."""
+    info = copy.stat()
+    with open(copy, "r+b") as file:
+        file.seek(info.st_size // 2)
+        byte = file.read(1)
+        file.seek(info.st_size // 2)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(copy, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+
+@pytest.mark.parametrize("tamper, problem", [
+    (scaled_seeded_tensor, r"cases/no_match/c_kv is not the tensor the slim file records \(dtype, shape and sha256\)"),
+    (another_fixture, r"its metadata differs from the slim file's \(another fixture\?\)"),
+    (one_byte_in_place_mtime_kept, r"data checksum mismatch: .*"),
+], ids=lambda value: getattr(value, "__name__", None))
+def test_a_copy_that_is_not_its_slim_file_is_refused_naming_it(committed_golden, cache, tmp_path, tamper, problem):
+    source = slim_dir(committed_golden, tmp_path / "slim")
+    found = find_fixtures(source)
+    assert find_fixtures(source) == found                     # checked and stamped
+    copy = found / KERNELS[0]
+    tamper(copy)
+    with pytest.raises(ValidateError, match=rf"^the fixture cache's {copy} is not the materialized "
+                                            rf"{source / KERNELS[0]}: {problem}; remove {found} \(the next run "
+                                            r"materializes it again\)$"):
+        find_fixtures(source)
+
+
+def test_a_copy_is_checked_once_until_it_changes(committed_golden, cache, tmp_path, monkeypatch):
+    checked: list[str] = []
+    problem = engine.validate.fixture_cache._copy_problem
+    monkeypatch.setattr(engine.validate.fixture_cache, "_copy_problem",
+                        lambda copy, source: checked.append(copy.name) or problem(copy, source))
+    source = slim_dir(committed_golden, tmp_path / "slim")
+    found = find_fixtures(source)
+    assert sorted(checked) == ["accept_compact.kdtr", "tree_build.kdtr"]
+    find_fixtures(source)
+    assert len(checked) == 2                                  # the stamp holds: nothing read again
+    os.utime(found / KERNELS[1])                              # touched: checked again (and still good)
+    assert find_fixtures(source) == found and checked[2:] == ["tree_build.kdtr"]
+
+
+def test_a_stale_staging_directory_goes_and_a_live_one_stays(committed_golden, cache, tmp_path):
+    """A staging directory left by a killed run is removed by the next; one a live run holds is not."""
+    cache.mkdir(parents=True)
+    stale, live = cache / ".fixtures.killed", cache / ".fixtures.running"
+    for staging in (stale, live):
+        (staging / "kernels").mkdir(parents=True)
+        (staging / "kernels" / "tree_build.kdtr").write_bytes(b"half written")
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        found = find_fixtures(slim_dir(committed_golden, tmp_path / "slim"))
+    finally:
+        os.close(held)
+    assert entries(cache) == sorted([found.name, live.name])
+
+
+def test_ctrl_c_while_materializing_leaves_no_staging(committed_golden, cache, tmp_path, capsys, monkeypatch):
+    """Ctrl-C reaches `kdtree validate` while refgen materializes in its checking process: exit 130,
+    and the cache holds no staging directory (nor a copy)."""
+    parent, run = os.getpid(), subprocess.run
+
+    def ctrl_c_then_run(command, *args, **kwargs):
+        if os.getpid() != parent and "refgen" in command:
+            os.kill(parent, signal.SIGINT)
+        return run(command, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", ctrl_c_then_run)
+    source = slim_dir(committed_golden, tmp_path / "slim")
+    code, _, err = run_main(["validate", "--fixtures", str(source), "--impl",
+                             f"{HOSTILE}:Stages", "--require", "none"], capsys)
+    assert code == 130 and err.splitlines()[-1] == "kdtree: error: interrupted", err
+    assert entries(cache) == []
