@@ -432,3 +432,21 @@ def test_a_server_runs_header_and_summary(tiny, capsys):
     assert code == 1
     assert f"server: {url} (sglang)" in out and "adapter:" not in out
     assert "FAILED: 1 check (1 FAIL)" in out
+
+
+@pytest.mark.xfail(strict=True, reason="engine/serving/speculation.py reads /metrics through urllib, which follows "
+                                       "redirects and bounds each socket read only: to move to transport.exchange")
+def test_the_metrics_page_follows_no_redirect(known, tiny):
+    with ScriptedServer(lambda request, handler: send(handler, 200, b"SECRET_API_KEY 1\n",
+                                                      {"Content-Type": "text/plain"})) as elsewhere:
+        reference = Reference(known["float32"], "sglang")
+
+        def answer(request: Request, handler) -> None:
+            if request.path == "/metrics":
+                return send(handler, 302, b"", {"Location": f"{elsewhere.url}/metrics"})
+            reference(request, handler)
+
+        with ScriptedServer(answer) as server:
+            found = rows(server, tiny, "sglang")
+        assert elsewhere.requests == []
+    assert not any("SECRET" in c.detail for c in found.values())
