@@ -84,6 +84,11 @@ class Client:
     def generate(self, ask: Ask) -> Reply:
         raise NotImplementedError
 
+    def fetch(self, path: str, accept: str = "text/plain") -> bytes:
+        """GET `path` -> the body, within transport.py's bounds; HttpStatusError (its .status) for an
+        error status, ServerError for anything else that went wrong."""
+        return exchange(self.url, "GET", path, self.timeout, accept=accept)
+
     def _call(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
         """GET (body None) or POST a JSON body -> the parsed JSON reply (transport.py's bounds)."""
         method = "GET" if body is None else "POST"

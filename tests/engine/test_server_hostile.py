@@ -434,6 +434,29 @@ def test_a_server_runs_header_and_summary(tiny, capsys):
     assert "FAILED: 1 check (1 FAIL)" in out
 
 
+def test_a_page_is_fetched_within_the_same_bounds():
+    """Client.fetch (a page beside the API, as /metrics): an error status keeps its number, a redirect is
+    refused, a trickle cut at the timeout."""
+    from engine.serving import HttpStatusError, ServerError, client
+
+    def answer(request: Request, handler) -> None:
+        if request.path == "/missing":
+            return send(handler, 404, b'{"detail": "Not Found"}')
+        if request.path == "/moved":
+            return send(handler, 301, b"", {"Location": "http://127.0.0.1:9/"})
+        _trickled(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"#" * 100)(request, handler)
+
+    with ScriptedServer(answer) as server:
+        page = client("openai", server.url, timeout=0.5)
+        with pytest.raises(HttpStatusError) as missing:
+            page.fetch("/missing")
+        assert missing.value.status == 404 and str(missing.value) == "GET /missing: HTTP 404 Not Found: Not Found"
+        with pytest.raises(ServerError, match="HTTP 301 Moved Permanently, a redirect to http://127.0.0.1:9/: not"):
+            page.fetch("/moved")
+        with pytest.raises(ServerError, match="no whole reply within 0.5 s"):
+            page.fetch("/metrics")
+
+
 @pytest.mark.xfail(strict=True, reason="engine/serving/speculation.py reads /metrics through urllib, which follows "
                                        "redirects and bounds each socket read only: to move to transport.exchange")
 def test_the_metrics_page_follows_no_redirect(known, tiny):
