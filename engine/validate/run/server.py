@@ -41,6 +41,7 @@ import kdtr_format
 from kdtr_format import KdtrError
 
 from ...serving import Ask, Client, ServerError, client
+from ...serving.speculation import Speculation
 from ..fixtures import model_fixture_config
 from ..judging.prefixes import KnownPrefixes
 from ..judging.regime import DTYPES, CasesView, Regime
@@ -136,8 +137,11 @@ def _words(directory: Path) -> dict[str, int] | None:
 
 
 def validate_server(run: ServerRun, fixtures: str | os.PathLike | None, dtype: str | None = None,
-                    log: Callable[[str], None] = lambda line: None) -> Report:
-    """The report of one run (module docstring). ValidateError for fixtures that cannot be judged against."""
+                    log: Callable[[str], None] = lambda line: None, server: Client | None = None,
+                    counters: Callable[[], Speculation | None] | None = None) -> Report:
+    """The report of one run (module docstring). ValidateError for fixtures that cannot be judged against.
+    An in-process engine (engine/adapters/hf_generate.py) gives `server`, the client to question instead
+    of `run.api`'s at `run.url`, and `counters`, its speculation counters now, read instead of /metrics."""
     served = served_fixture(fixtures, dtype)
     if run.temperature > 0 and run.samples < MIN_REACH:
         raise ValidateError(f"--samples {run.samples}: a sampled run needs at least {MIN_REACH:g} runs a prompt "
@@ -155,22 +159,22 @@ def validate_server(run: ServerRun, fixtures: str | os.PathLike | None, dtype: s
             cfg = model_fixture_config(reader, served.path)
             view = CasesView(reader, regime)
             known = {p["name"]: KnownPrefixes(view, cfg, p["name"]) for p in regime.metadata["prompts"]}
-            report.checks = _rows(run, client(run.api, run.url, run.timeout, served.words), served.path.name, known,
-                                  regime, cfg.vocab_size, log)
+            asked = server or client(run.api, run.url, run.timeout, served.words)
+            report.checks = _rows(run, asked, served.path.name, known, regime, cfg.vocab_size, log, counters)
     except KdtrError as exc:
         raise ValidateError(f"{served.path}: {exc}") from None
     return report
 
 
 def _rows(run: ServerRun, server: Client, section: str, known: Mapping[str, KnownPrefixes], regime: Regime,
-          vocab: int, log: Callable[[str], None]) -> list[Check]:
+          vocab: int, log: Callable[[str], None], read: Callable[[], Speculation | None] | None) -> list[Check]:
     log(f"asking {run.url} who answers")
     try:
         who = server.describe()
     except ServerError as exc:
         return [Check(section, "server", Status.FAIL, detail=str(exc))]
     rows = [Check(section, "server", Status.EXACT, detail=f"{who}; {regime.short} cases")]
-    counters = PublishedSpeculation(run.url, run.timeout)
+    counters = PublishedSpeculation(run.url, run.timeout, read)
     if run.temperature == 0:
         copies = max(1, math.ceil(run.concurrency / len(known)))
         asks = [(name, Ask(tuple(k.prompt_tokens.tolist()), len(k.ar_tokens), logprobs=run.logprobs))
