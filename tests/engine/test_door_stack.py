@@ -67,7 +67,7 @@ def test_a_crash_after_the_adapters_calls_is_not_blamed_on_them(tree_build, tmp_
 @pytest.mark.parametrize("adapter", ENDING)
 def test_the_timeout_bounds_the_adapters_calls_not_the_validators_own_work(tree_build, tmp_path, capsys,
                                                                            monkeypatch, adapter):
-    after_the_calls(monkeypatch, lambda: time.sleep(2.5))
+    after_the_calls(monkeypatch, lambda: time.sleep(2.0))
     code, report, output = validate(tree_build, adapter, tmp_path / "r.json", capsys, "--timeout", "1")
     stopped = [c["detail"] for c in report["checks"] if "did not return" in c["detail"] or
                c["detail"].startswith("not run: ")]

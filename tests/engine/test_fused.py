@@ -146,8 +146,8 @@ GROUP_TIES = [[1, 1, 0.9, -4, 1.5, 0.5427, -4, -4, 1.5, 0.52, -4, -4, -4, -4, -4
 GROUP_TIES_EXPERTS = [[4, 0, 1], [0, 1, 9], [4, 0, 1]]
 
 
-@pytest.mark.parametrize("rows", [3, fused_moe.ROUTER_ROWS + 1])       # logits in the kernel, or from one GEMM
-@pytest.mark.parametrize("bias", [0.0, 0.25])           # the same bias everywhere keeps the ties exact
+@pytest.mark.parametrize("rows, bias", [(3, 0.0), (3, 0.25),                 # the same bias everywhere keeps
+                                        (fused_moe.ROUTER_ROWS + 1, 0.0)])   # the ties; logits from one GEMM
 def test_route_scores_a_group_whose_two_best_experts_tie_by_their_sum(rows, bias):
     cfg = PRESETS["tiny2"]
     logits = torch.cat([torch.tensor(GROUP_TIES, device=DEVICE), randn(rows - 3, 16)])
