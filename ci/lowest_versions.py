@@ -41,6 +41,8 @@ TESTS = ["tests/engine/test_hf_adapter.py", "tests/refgen/test_checkpoint_hf.py"
          "tests/refgen/test_model.py::test_yarn_rope_matches_hf_rotary_code",
          "tests/test_schema.py::test_transformers_own_deepseek_v3_config_round_trips",
          "tests/refgen/test_checkpoint_import.py", "tests/refgen/test_checkpoint_errors.py",
+         "tests/refgen/test_checkpoint_partial.py", "tests/refgen/test_checkpoint_references.py",
+         "tests/kdtr/test_kdtr_errors.py", "tests/kdtr/test_checkpoint_tensors.py",
          "tests/engine/test_checkpoint_fixture.py", "tests/kdtr/test_kdtr_tools.py", "tests/kdtr/test_kdtr_cli.py",
          "tests/kdtr/test_kdtr_metadata.py", "tests/engine/test_reports.py", "tests/engine/test_sampling.py",
          "tests/test_optional_dependencies.py", "tests/engine/test_speculation.py"]
