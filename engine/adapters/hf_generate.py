@@ -82,15 +82,16 @@ def load_export(directory: str | os.PathLike) -> torch.nn.Module:
         raise ValidateError(f"{path}: not a DeepSeek checkpoint (config.json's model_type "
                             f"{config.get('model_type') if isinstance(config, dict) else None!r})")
     dtype = DTYPES.get(str(config.get("torch_dtype")))
-    if dtype is None:
-        raise ValidateError(f"{path}: weights of torch_dtype {config.get('torch_dtype')!r}: HF generate is judged "
-                            f"in-process on {' or '.join(DTYPES)} exports")
+    if "quantization_config" in config or dtype is None:
+        weights = "quantized" if "quantization_config" in config else f"torch_dtype {config.get('torch_dtype')!r}"
+        raise ValidateError(f"{path}: {weights} weights: HF generate is judged in-process on {' or '.join(DTYPES)} "
+                            "exports")
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "torch_dtype")}
     try:
         return transformers.DeepseekV3ForCausalLM.from_pretrained(
             path, config=transformers.DeepseekV3Config(**fields), dtype=dtype, attn_implementation="eager",
             experts_implementation="eager").eval()
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+    except (OSError, ImportError, ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise ValidateError(f"{path}: HF cannot load it ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") \
             from None
 
@@ -109,8 +110,9 @@ def _quiet() -> Iterator[None]:
 class HFGenerate(Client):
     """`target.generate` on one export, assisted by `assistant` (a model) or by prompt lookup
     (`lookup` tokens a draft), as a client of a server (module docstring); `options`: more of
-    generate's arguments (num_assistant_tokens, assistant_confidence_threshold, ...). Calls run one
-    at a time; `tally` counts every call's drafts."""
+    generate's arguments (max_matching_ngram_size, assistant_ensemble_weight, ...; the assistant's
+    num_assistant_tokens is its generation_config's). Calls run one at a time; `tally` counts every
+    call's drafts."""
 
     api = "hf"
 

@@ -7,6 +7,7 @@ speculation row."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -208,8 +209,16 @@ def test_what_is_not_an_export_is_one_line(exports, tmp_path):
     with pytest.raises(ValidateError, match=r"not a DeepSeek checkpoint \(config.json's model_type 'llama'\)"):
         load_export(tmp_path)
     (tmp_path / "config.json").write_text((exports[0] / "config.json").read_text().replace('"float32"', '"float8"'))
-    with pytest.raises(ValidateError, match=r"torch_dtype 'float8'"):
+    with pytest.raises(ValidateError, match=r"torch_dtype 'float8' weights: HF generate is judged in-process on "
+                                            "float32 or bfloat16 exports"):
         load_export(tmp_path)
+    config = json.loads((exports[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ValidateError, match=r"quantized weights"):
+        load_export(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValidateError, match=r"HF cannot load it \(OSError: "):
+        load_export(tmp_path)                                                # no weights beside it
     with pytest.raises(ValidateError, match="one of them"):
         hf_generate(exports[0])
     with pytest.raises(ValidateError, match="one of them"):
