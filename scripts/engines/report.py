@@ -45,6 +45,7 @@ class Row:
     speculation: dict | None
     defects: list[str]
     report: str
+    unexplained: list[str] = field(default_factory=list)
     when: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
     @classmethod
@@ -59,20 +60,22 @@ class Row:
             summary = str(data.get("summary"))
             for check in data.get("checks", []):
                 if check.get("status") == "FAIL":
-                    failures.append(f"{check['name']}: {check.get('detail', '')}"[:300])
+                    failures.append(f"{check['name']}: {check.get('detail', '')}"[:500])
                 if check.get("name") == "speculation":
                     speculation = check.get("tables", {}).get("speculation")
         elif status == 124:
             summary = "timed out"
+        if status != 0 and not failures:
+            failures = [summary]
         return cls(engine, version, asdict(config), config.name, run, status, round(seconds, 1),
                    None if start_seconds is None else round(start_seconds, 1), summary, failures, speculation,
-                   [d.key for d in defects], report.name)
+                   [d.key for d in defects], report.name, _unexplained(failures, defects) if status != 0 else [])
 
     @classmethod
     def not_started(cls, engine: str, version: str, config: Config, run: str, reason: str,
                     defects: list[Defect]) -> Row:
         return cls(engine, version, asdict(config), config.name, run, NOT_STARTED, 0.0, None, "not started",
-                   [reason], None, [d.key for d in defects], "")
+                   [reason], None, [d.key for d in defects], "", _unexplained([reason], defects))
 
     @property
     def verdict(self) -> str:
@@ -80,13 +83,14 @@ class Row:
 
     @property
     def outcome(self) -> str:
-        """A known defect fails its rows or keeps its server from starting; a row that timed out or
-        ended in bad input (exit 2) is never as expected."""
+        """A known defect fails its rows, as its signature reads, or keeps its server from starting;
+        a failure no expected defect explains is new; a row that timed out or ended in bad input
+        (exit 2) is never as expected."""
         if self.status not in (0, 1, NOT_STARTED):
             return "not run to the end"
-        if self.defects:
-            return "known defect FIXED (news)" if self.status == 0 else "known defect, still present"
-        return "pass" if self.status == 0 else "new failure"
+        if self.status == 0:
+            return "known defect FIXED (news)" if self.defects else "pass"
+        return "new failure" if self.unexplained else "known defect, still present"
 
     @property
     def as_expected(self) -> bool:
@@ -98,6 +102,11 @@ class Row:
         if s is None:
             return "no speculation counts"
         return f"{s['drafts']} drafts, {s.get('draft_tokens')} draft tokens, {s.get('accepted')} accepted"
+
+
+def _unexplained(failures: list[str], defects: list[Defect]) -> list[str]:
+    """The failures no expected defect's signature explains (all of them when none is expected)."""
+    return [f for f in failures if not any(d.explains(f) for d in defects)]
 
 
 def write_results(out: Path, engine: str, rows: list[Row]) -> Path:
@@ -156,7 +165,7 @@ def markdown(out: Path) -> str:
         if failing:
             lines += ["", "What failed (the first failing rows of each report):", ""]
             for r in failing:
-                first = r.failures[0] if r.failures else r.summary
+                first = (r.unexplained or r.failures or [r.summary])[0]
                 lines.append(f"- {r.name}, {r.run}: `{first}`" + (f" (+{len(r.failures) - 1} more)"
                                                                    if len(r.failures) > 1 else ""))
         lines.append("")

