@@ -9,7 +9,7 @@
     refgen materialize tests/golden --out DIR   full fixtures from slim ones (the committed files are slim)
     refgen verify [PATH]...                  regenerate and compare; exit 1 on drift
     refgen show FILE                         what a fixture holds
-    refgen export FILE --out DIR [--dtype bfloat16]   its model as an HF checkpoint directory, to serve
+    refgen export FILE --out DIR [--dtype bfloat16] [--mtp] [--gguf]   its model as an HF checkpoint directory, to serve
 
 Bad input ends in one line `refgen: error: ...` and exit status 2; drift in
 exit status 1 with one line per drifting tensor; Ctrl-C in 130 (the exit statuses
@@ -572,7 +572,8 @@ def _short(value: Any) -> str:
               help="float32: the fixture's weights; bfloat16: its bf16 cases' weights; fp8: DeepSeek's FP8 "
                    "blocks (a model of its own, its fixture generated beside it).")
 @click.option("--layers", type=click.IntRange(min=1), metavar="K",
-              help="Only the first K layers, the final norm and the head: a draft model for speculative decoding.")
+              help="Only the first K layers, the final norm and the head: a draft model for speculative decoding, "
+                   "labelled DeepseekV2ForCausalLM (vLLM and SGLang turn a DeepseekV3 draft into an MTP module).")
 @click.option("--fp8-block", type=click.IntRange(min=1, max=4096), default=128, show_default=True, metavar="N",
               help="With --dtype fp8: N x N scale blocks.")
 @click.option("--shard-mb", type=click.IntRange(min=1), default=exporting.SHARD_BYTES >> 20, show_default=True,
@@ -623,8 +624,8 @@ def export_command(fixture: Path, out: Path, dtype: str, layers: int | None, fp8
         said += ["serve it (docs/serving.md), then:", f"  kdtree validate --server URL --fixtures {shown(out)}"]
     if mtp:
         agreement = written.manifest["mtp"]["agreement"]
-        said.insert(1, f"MTP module: layer {written.manifest['mtp']['layer']}; its first draft is the target's next "
-                       f"token at {agreement['agreeing']} of {agreement['judged']} AR positions")
+        said.insert(1, f"MTP layer {written.manifest['mtp']['layer']}: its drafts are the target's tokens at "
+                       f"{agreement['agreeing']} of {agreement['judged']} AR positions")
     for line in said:
         out_console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0

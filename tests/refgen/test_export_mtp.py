@@ -17,6 +17,7 @@ import kdtr_format
 from refgen.checkpoint import load, open_checkpoint, plan_import
 from refgen.export import export
 from refgen.export_mtp import MTP_REFERENCE
+from terminal import in_terminal
 from vllm_python import in_vllm
 
 OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
@@ -164,3 +165,14 @@ def test_a_bf16_export_references_the_bf16_module(committed_golden, tmp_path):
     eh_proj = stored["model.layers.4.eh_proj.weight"]
     assert str(eh_proj.dtype) == "bfloat16" and written.manifest["regime"] == "bfloat16"
     assert written.manifest["mtp"]["agreement"]["judged"] > 0
+
+
+def test_the_cli_says_how_often_the_drafts_agree_at_80_columns(committed_golden, tmp_path):
+    out = tmp_path / "tiny-mtp"
+    result = in_terminal(["refgen", "export", str(committed_golden / "tiny.kdtr"), "--out", str(out), "--mtp"],
+                         columns=80)
+    assert result.returncode == 0, result.output
+    manifest = json.loads((out / "kdtree-export.json").read_text())["mtp"]["agreement"]
+    assert f"MTP layer 4: its drafts are the target's tokens at {manifest['agreeing']} of {manifest['judged']} AR " \
+           "positions" in result.output
+    assert all(len(line) <= 80 for line in result.screen_lines if str(out) not in line), result.output
