@@ -28,6 +28,15 @@ import torch  # noqa: E402
 
 from engine.adapters.hf_generate import HFGenerate, hf_generate, load_export, validate_generate  # noqa: E402
 
+from packaging.version import Version  # noqa: E402
+
+INSTALLED = Version(transformers.__version__)
+# transformers' prompt lookup crops its draft at the eos token, with torch.isin(ids, None) where the model has
+# none (an export has none) before 5.13 (transformers PR #46790); assistant_ensemble_weight is from 5.14.
+needs_lookup = pytest.mark.skipif(INSTALLED < Version("5.13"), reason=f"transformers {INSTALLED}'s prompt lookup "
+                                  "fails on a model without an eos token (fixed in 5.13)")
+needs_ensemble = pytest.mark.skipif(INSTALLED < Version("5.14"), reason=f"transformers {INSTALLED} has no "
+                                    "assistant_ensemble_weight (from 5.14)")
 PROMPTS = ("p0", "p1", "p2")
 T, RUNS, LOSSY = 0.6, 80, 50
 
@@ -61,7 +70,7 @@ def judged(exports, server, **options) -> dict:
 
 # ---- greedy: the AR tokens, drafts accepted ----
 
-@pytest.mark.parametrize("method", ["assisted", "lookup"])
+@pytest.mark.parametrize("method", ["assisted", pytest.param("lookup", marks=needs_lookup)])
 def test_greedy_speculative_decoding_gives_the_ar_tokens_with_drafts_accepted(exports, assisted, method):
     server = assisted if method == "assisted" else HFGenerate(assisted.target, lookup=3)
     report = validate_generate(exports[0], server)
@@ -75,6 +84,7 @@ def test_greedy_speculative_decoding_gives_the_ar_tokens_with_drafts_accepted(ex
     assert f"{accepted} accepted" in speculation.detail and report.implementation.startswith("HF transformers")
 
 
+@needs_lookup
 def test_the_counts_cover_the_asked_positions_only(exports, assisted):
     """tiny p0's AR tokens hold 180 at 7 and 12, 184 after both: after the second, prompt lookup drafts
     184 296 17 (positions 13 to 15), the first draft of the run. Asked 14 tokens, only position 13 is
@@ -116,14 +126,15 @@ def test_a_seed_reproduces_its_tokens(assisted):
 
 # ---- plants ----
 
-@pytest.mark.parametrize("plant", ["ensemble", "draft as target"])
+@pytest.mark.parametrize("plant", [pytest.param("ensemble", marks=needs_ensemble), "draft as target"])
 def test_drafts_taken_without_verification_fail_greedy(exports, assisted, plant):
     """HF's own lossy verification (assistant_ensemble_weight: DIVERSE's w p + (1 - w) q) keeps the
     draft's tokens; so does generating from the draft itself."""
     server = (HFGenerate(assisted.target, assisted.assistant, options={"assistant_ensemble_weight": 0.1})
               if plant == "ensemble" else HFGenerate(assisted.assistant, assisted.assistant))
     rows = judged(exports, server)
-    failed = [p for p in PROMPTS if rows[f"tokens {p}"].status is Status.FAIL]
+    failed = [p for p in PROMPTS if rows[f"tokens {p}"].status is Status.FAIL
+              and rows[f"tokens {p}"].detail.startswith("at 0: served")]            # a token, not an error
     assert failed == list(PROMPTS), [rows[f"tokens {p}"].text() for p in PROMPTS]
 
 
@@ -180,11 +191,13 @@ def test_a_sampler_at_the_wrong_temperature_fails_the_law(exports, assisted):
     power = first_token_power(exports, RUNS, lambda z, prompt, law: law(z, 1.0))
     assert 1 - np.prod([1 - v for v in power.values()]) > 0.999, power         # some prompt fails, surely
     rows = judged(exports, HotSampler(assisted.target, assisted.assistant), temperature=T, samples=RUNS)
-    failed = [p for p in PROMPTS if rows[f"sampling {p}"].status is Status.FAIL]
+    failed = [p for p in PROMPTS if rows[f"sampling {p}"].status is Status.FAIL
+              and " fail; the worst " in rows[f"sampling {p}"].detail]                # the law, not an error
     assert failed and all(power[p] > 0.9 for p in failed), ([rows[f"sampling {p}"].text() for p in PROMPTS], power)
 
 
 @pytest.mark.slow
+@needs_ensemble
 def test_drafts_taken_without_verification_fail_the_law(exports, assisted):
     """The ensemble's first token follows 0.1 p + 0.9 q'', q'' the draft's law as HF samples it (at T
     applied twice, docs/serving.md): far from p at every prompt."""
@@ -196,8 +209,8 @@ def test_drafts_taken_without_verification_fail_the_law(exports, assisted):
     assert min(power.values()) > 0.3 and 1 - np.prod([1 - v for v in power.values()]) > 0.999, power
     server = HFGenerate(assisted.target, assisted.assistant, options={"assistant_ensemble_weight": 0.1})
     rows = judged(exports, server, temperature=T, samples=LOSSY)
-    assert any(rows[f"sampling {p}"].status is Status.FAIL for p in PROMPTS), \
-        [rows[f"sampling {p}"].text() for p in PROMPTS]
+    assert any(rows[f"sampling {p}"].status is Status.FAIL and " fail; the worst " in rows[f"sampling {p}"].detail
+               for p in PROMPTS), [rows[f"sampling {p}"].text() for p in PROMPTS]
 
 
 # ---- bad input ----
