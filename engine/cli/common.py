@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import signal
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -159,3 +160,26 @@ def _require_matplotlib(option: str) -> None:
         raise CliError(f"{option} needs matplotlib: pip install matplotlib (in a checkout: pip install -e '.[plot]')")
 
 
+class _PathWrapper(textwrap.TextWrapper):
+    """textwrap that breaks a word too long for its line after a '/' (a path, between its
+    names) before it cuts one in the middle."""
+
+    def _split(self, text: str) -> list[str]:
+        room = self.width - len(self.subsequent_indent)
+        return [piece for chunk in super()._split(text)
+                for piece in (re.split(r"(?<=/)(?=[^/])", chunk) if len(chunk) > room else [chunk])]
+
+
+def _lines(text: str, width: int | None, first: str = "", rest: str = "  ") -> list[str]:
+    """`text` after `first`, wrapped at `width` with the lines after the first indented by `rest`
+    (width None: one line); a long path breaks after a '/'."""
+    if width is None:
+        return [first + text]
+    wrapper = _PathWrapper(max(width, len(rest) + 20), initial_indent=first, subsequent_indent=rest,
+                           break_on_hyphens=False)
+    return wrapper.wrap(text) or [first]
+
+
+def _wrapped(text: str, width: int | None, first: str = "", rest: str = "  ", style: str = "") -> Text:
+    """`text` as one Text of `_lines`."""
+    return Text("\n".join(_lines(text, width, first, rest)), style=style)

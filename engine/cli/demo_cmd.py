@@ -111,7 +111,7 @@ def _demo(world: Any, model: _DemoModel, tokens: list[int], ddtree: DDTreeConfig
     runs = {"AR": ar}
     for name, drafter in (("DDTree oracle", oracle), ("DDTree layerskip", layerskip)):
         runs[name] = ddtree_decode(target, drafter, [tokens], ddtree, max_new_tokens, stages=adapter.stages)
-    _print_demo(_rank_console(world), model, tokens, ddtree, runs,
+    _print_demo(_rank_console(world), model, tokens, ddtree, runs, 1 if world is None else world.size,
                 f"oracle: knows the AR continuation, right with probability {accuracy} (an upper bound); "
                 f"layerskip: the target's first {layers} of {cfg.num_hidden_layers} layers")
     if plot_path is not None and (world is None or world.rank == 0):
@@ -179,10 +179,12 @@ def _check_demo_sizes(cfg: ModelConfig, tokens: list[int], max_new_tokens: int, 
 
 
 def _print_demo(out: Console, model: _DemoModel, prompt: list[int], ddtree: DDTreeConfig,
-                runs: dict[str, DecodeResult], legend: str) -> None:
+                runs: dict[str, DecodeResult], ranks: int, legend: str) -> None:
+    """The runs side by side; ranks: the processes the engine is sharded over (--tp)."""
     ar_tokens = runs["AR"].tokens[0]
     out.print(Text(f"model {shown(model.name)} ({shown(model.path)}); prompt ({len(prompt)} tokens): {prompt}"))
-    out.print(Text(f"block size {ddtree.block_size}, budget {ddtree.budget}; AR tokens: {ar_tokens}"))
+    where = f"; on {ranks} ranks (--tp {ranks}: tensor and expert parallel)" if ranks > 1 else ""
+    out.print(Text(f"block size {ddtree.block_size}, budget {ddtree.budget}{where}; AR tokens: {ar_tokens}"))
     summary = table("run", "same as AR", "target forwards", "tau", "tokens/s", title="AR vs DDTree",
                     right=("target forwards", "tau", "tokens/s"))
     for name, result in runs.items():

@@ -13,7 +13,7 @@ from rich.text import Text
 from kdtr_format import KdtrError
 from kdtr_format.clikit import CliError, OutputFile, console, shown, table
 
-from .common import DTYPES, Device, _check_device, _free_bytes, _wrote, cli
+from .common import DTYPES, Device, _check_device, _free_bytes, _wrapped, _wrote, cli
 
 if TYPE_CHECKING:
     from ..diverge import Divergence
@@ -79,10 +79,20 @@ def diverge_command(fixture: Path | None, config: str | None, prompt: str | None
             set_dtype(dtype)
         if fixture is not None:
             subject = _reading_subject(full_fixtures(fixture), prompt, adapter, diverge_run.from_fixture)
+            held = len(subject.tokens)
+            if way != "tree" and count > held:
+                if _given("count"):
+                    raise CliError(f"--tokens {count}: {subject.label} holds {held} AR tokens to compare; give "
+                                   f"--tokens {held} or fewer")
+                count = held
         elif not isinstance(adapter, TorchAdapter):
             raise CliError("--config builds the built-in engine; use --fixture with --impl")
         else:
-            need = diverge_run.memory_needed(diverge_run.named_config(config), dtype, prompt_length, count)
+            cfg = diverge_run.named_config(config)
+            if prompt_length + count > cfg.max_position_embeddings:
+                raise CliError(f"--prompt-length {prompt_length} + --tokens {count} need {prompt_length + count} "
+                               f"positions; {config} has max_position_embeddings {cfg.max_position_embeddings}")
+            need = diverge_run.memory_needed(cfg, dtype, prompt_length, count)
             _check_memory(f"--config {config}", need, device)
             subject = diverge_run.from_config(config, adapter, seed, prompt_length, prompt_seed)
         a, b, divergence = diverge_run.run(subject, way, count, batch, pick)
@@ -98,6 +108,12 @@ def diverge_command(fixture: Path | None, config: str | None, prompt: str | None
         write_json(divergence, json_path)
         _wrote(json_path)
     return 1 if divergence.first is not None else 0
+
+
+def _given(name: str) -> bool:
+    """Whether option `name` was given on the command line (not its default)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (click.core.ParameterSource.DEFAULT, None)
 
 
 def _check_memory(what: str, need: Memory, device: str) -> None:
@@ -130,10 +146,11 @@ def _reading_subject(fixture: Path, prompt: str | None, adapter: Any, from_fixtu
 
 def render_divergence(subject: Subject, a: Way, b: Way, divergence: Divergence, out: Console, rows: int = 16) -> None:
     """The explanation, the differing points in compute order and the decisions that differ."""
-    out.print(Text(f"kdtree diverge: {shown(subject.label)}; {shown(a.label)} vs {shown(b.label)}, "
-                   f"{len(a.tokens) - a.prompt_length} new tokens after {a.prompt_length}", style="bold"))
+    width = out.width if out.is_terminal else None
+    out.print(_wrapped(f"kdtree diverge: {shown(subject.label)}; {shown(a.label)} vs {shown(b.label)}, "
+                       f"{len(a.tokens) - a.prompt_length} new tokens after {a.prompt_length}", width, style="bold"))
     for line in divergence.explanation:
-        out.print(Text(f"  {shown(line)}"))
+        out.print(_wrapped(shown(line), width, "  ", "    "))
     differing = [p for p in divergence.points if p.tokens]
     if differing:
         points = table("layer", "point", "tokens", "values differ", "max ulp", "x noise", "verdict",

@@ -24,8 +24,8 @@ from kdtr_format.clikit import EXIT_BAD_INPUT, CliError, FiniteFloat, OutputFile
 from ..validate.door.supervise import CALL_TIMEOUT_S, ValidateJob, supervise
 from ..validate.reports.files import STDOUT, ReportFiles
 from .common import (
-    DTYPES, Device, _check_device, _check_tp, _engine_layout_options, _on_ranks,
-    _rank_console, _require_matplotlib, _version, _wrote, cli,
+    DTYPES, Device, _check_device, _check_tp, _engine_layout_options, _lines, _on_ranks,
+    _rank_console, _require_matplotlib, _version, _wrapped, _wrote, cli,
 )
 
 if TYPE_CHECKING:
@@ -392,19 +392,5 @@ def _recap_failures(report: Report, out: Console, width: int | None) -> None:
     for c in failed:
         line = f"{shown(c.section)}::{shown(c.name)}: {shown(c.detail) or 'FAIL'}"
         out.print(Text("  " + (line if width is None else textwrap.shorten(line, width - 2, placeholder=" ..."))))
-
-
-def _lines(text: str, width: int | None, first: str = "", rest: str = "  ") -> list[str]:
-    """`text` after `first`, wrapped at `width` with the lines after the first indented by `rest`
-    (width None: one line)."""
-    if width is None:
-        return [first + text]
-    return textwrap.wrap(text, max(width, len(rest) + 20), initial_indent=first, subsequent_indent=rest,
-                         break_on_hyphens=False) or [first]
-
-
-def _wrapped(text: str, width: int | None, first: str = "", rest: str = "  ", style: str = "") -> Text:
-    """`text` as one Text of `_lines`."""
-    return Text("\n".join(_lines(text, width, first, rest)), style=style)
 
 

@@ -167,6 +167,10 @@ def test_a_corrupt_model_fixture_is_named(golden, tmp_path, capsys):
     (["validate", "--impl", ""], "--impl '' is empty: name the adapter's factory"),     # `--impl "$IMPL"`, IMPL unset
     (["validate", "--impl", " ", "--tp", "2"], "--impl ' ' is empty: name the adapter's factory"),
     (["validate", "--fixtures", str(REPO / "README.md")], "is not a .kdtr file"),
+    (["diverge", "--fixture", "{golden}/tiny.kdtr", "--tokens", "100000"],
+     "--tokens 100000: tiny.kdtr prompt p2 holds 16 AR tokens to compare; give --tokens 16 or fewer"),
+    (["diverge", "--config", "tiny", "--tokens", "100000"],
+     "--prompt-length 64 + --tokens 100000 need 100064 positions; tiny has max_position_embeddings 512"),
     (["validate", "--device", "cuda"], "--device cuda: no CUDA device is visible"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
 def test_bad_input_is_one_line(golden, capsys, args, message):
@@ -210,3 +214,64 @@ def test_a_report_that_cannot_be_written_comes_after_the_terminal_report(golden,
     assert err.splitlines()[-1] == (f"kdtree: error: {tmp_path / 'r.xml'}: cannot write the junit report: "
                                     f"No such file or directory"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "a report published by a run that exits 2"
+
+
+def test_a_long_path_wraps_between_its_names():
+    from engine.cli.common import _lines
+
+    path = "/root/.cache/kdtree/golden-bb87a4c704e70a53/some/longer/directory/tiny.kdtr"
+    lines = _lines(f"declared, but no fixture in {path} has checks for it", 48, "    ", "    ")
+    assert all(len(line) <= 48 for line in lines), lines
+    assert path in "".join(line.strip() for line in lines), lines
+    assert all(line.endswith("/") for line in lines[:-1]), lines            # broken between names, never in one
+
+
+def test_the_capability_row_names_the_fixtures_as_given(committed_golden):
+    """A declared capability no fixture checks: the row names the path the user gave, not its
+    materialized copy in the cache."""
+    from engine.validate import validate
+
+    given = committed_golden / "kernels" / "tree_build.kdtr"
+    report = validate(load_impl(f"{REPO / 'tests' / 'engine' / 'hostile_adapters.py'}:Stages"), given)
+    row = next(c for c in report.checks if c.name == "capability compact")
+    assert row.detail == f"declared, but no fixture in {given} has checks for it (--require compact makes this a FAIL)"
+
+
+def test_diverge_continuation_lines_keep_their_indent():
+    from io import StringIO
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from engine.cli.diverge_cmd import render_divergence
+
+    way = SimpleNamespace(label="AR decode", tokens=list(range(43)), prompt_length=27)
+    divergence = SimpleNamespace(explanation=["every earlier point is bitwise equal, so this op returned different "
+                                              "bits for the same inputs: AR decode ran it with M = 1 (batch 1)"],
+                                 points=[], decisions=[], dtype="float32")
+    text = StringIO()
+    render_divergence(SimpleNamespace(label="tiny.kdtr prompt p2"), way, way, divergence,
+                      Console(file=text, width=80, force_terminal=True, color_system=None))
+    lines = text.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    assert lines[0].startswith("kdtree diverge: ") and lines[1] == "  27", lines          # the header, wrapped
+    assert lines[2].startswith("  every earlier") and lines[3] == "    the same inputs: AR decode ran it with M = 1 " \
+                                                                  "(batch 1)", lines
+
+
+def test_demo_says_how_many_ranks_it_ran_on():
+    from io import StringIO
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from engine.cli.demo_cmd import _DemoModel, _print_demo
+    from kdtr_format import DDTreeConfig
+
+    metrics = SimpleNamespace(target_forwards=3, mean_acceptance=2.0, tokens_per_second=1.0,
+                              stage_seconds=__import__("collections").defaultdict(float))
+    runs = {"AR": SimpleNamespace(tokens=[[1, 2]], metrics=metrics)}
+    text = StringIO()
+    _print_demo(Console(file=text, width=200), _DemoModel(Path("tiny.kdtr"), "tiny", PRESETS["tiny"], [5]), [5],
+                DDTreeConfig(block_size=3, budget=4), runs, 2, "legend")
+    assert "block size 3, budget 4; on 2 ranks (--tp 2: tensor and expert parallel); AR tokens" in text.getvalue()

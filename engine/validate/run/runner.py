@@ -184,6 +184,7 @@ class Validation:
         self.unchecked: set[str] = set()        # declared, but no row checks it (known once the report is made)
         self.log = log
         self.fixtures = str(directory)
+        self.given = str(fixtures) if fixtures is not None else self.fixtures   # the user's path, not its cache copy
         self._report = Report(implementation=attribute(self.adapter, "name", type(self.adapter).__name__),
                               adapter=f"{type(self.adapter).__module__}.{type(self.adapter).__qualname__}",
                               device=device, fixtures=self.fixtures, backends=_backends(self.adapter))
@@ -285,7 +286,7 @@ class Validation:
 
     def _unchecked(self, cap: str) -> Check:
         return Check(REQUIREMENTS, f"capability {cap}", Status.SKIPPED, needs=(cap,),
-                     detail=f"declared, but no fixture in {self.fixtures} has checks for it "
+                     detail=f"declared, but no fixture in {self.given} has checks for it "
                             f"(--require {cap} makes this a FAIL)")
 
     def _requirement(self, case: Case) -> Check:
