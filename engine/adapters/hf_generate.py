@@ -122,6 +122,9 @@ class HFGenerate(Client):
             raise ValueError("HFGenerate: an assistant model or prompt lookup, one of them")
         if lookup is not None and lookup < 1:
             raise ValueError(f"HFGenerate: prompt lookup drafts at least 1 token, got {lookup}")
+        if not callable(getattr(target, "_get_candidate_generator", None)):
+            raise ValueError(f"HFGenerate: transformers {transformers.__version__}'s generate builds no candidate "
+                             "generator (_get_candidate_generator) to count drafts from")
         super().__init__(f"in-process:{name}", timeout=0.0)
         self.target, self.assistant, self.lookup = target, assistant, lookup
         self.options = dict(options or {})
@@ -150,7 +153,7 @@ class HFGenerate(Client):
                 torch.manual_seed(ask.seed)
             try:
                 out = self.target.generate(prompt, **options)
-            except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            except Exception as exc:                      # HF's code failing the request: that request's FAIL
                 raise ServerError(f"HF generate: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
         tokens = out.sequences[0, prompt.shape[1]:limit].tolist()
         if ask.logprobs is None:

@@ -215,7 +215,7 @@ def test_drafts_taken_without_verification_fail_the_law(exports, assisted):
 
 # ---- bad input ----
 
-def test_what_is_not_an_export_is_one_line(exports, tmp_path):
+def test_what_is_not_an_export_is_one_line(exports, assisted, tmp_path):
     with pytest.raises(ValidateError, match=r"no readable config.json"):
         load_export(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
@@ -237,4 +237,15 @@ def test_what_is_not_an_export_is_one_line(exports, tmp_path):
     with pytest.raises(ValidateError, match="one of them"):
         hf_generate(exports[0], assistant=exports[1], lookup=3)
     with pytest.raises(ValidateError, match="a draft model's export"):
-        validate_generate(exports[1], HFGenerate(torch.nn.Module(), lookup=3))
+        validate_generate(exports[1], HFGenerate(assisted.target, lookup=3))
+
+
+def test_a_generate_that_raises_fails_each_request_in_one_line(exports, assisted, monkeypatch):
+    def broken(*args, **kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'crop'\n(in the cache)")
+    monkeypatch.setattr(assisted.target, "generate", broken)
+    rows = judged(exports, assisted)
+    for p in PROMPTS:
+        assert rows[f"tokens {p}"].status is Status.FAIL
+        assert rows[f"tokens {p}"].detail == ("HF generate: AttributeError: 'NoneType' object has no attribute 'crop' "
+                                              "(in the cache)")
