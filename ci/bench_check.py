@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,8 @@ def measure(check: RatioCheck | FigureCheck, benchmarks: list[dict[str, Any]]) -
 def run_suite(suite: Suite, json_path: Path) -> list[dict[str, Any]]:
     """Run one benchmark file; -> its benchmarks."""
     command = [sys.executable, "-m", "pytest", suite.path, "-q", "-p", "no:cacheprovider",
-               "-k", suite.select, "--benchmark-enable", f"--benchmark-json={json_path}"]
+               "-k", suite.select, "--benchmark-enable", f"--benchmark-json={json_path}",
+               "--benchmark-columns=median,iqr,rounds", "--benchmark-name=short"]      # tables within 80 columns
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, **suite.env})
     if result.returncode != 0:
         raise SystemExit(f"bench_check: {suite.path} failed (pytest exit {result.returncode})")
@@ -130,32 +132,52 @@ def run_suite(suite: Suite, json_path: Path) -> list[dict[str, Any]]:
 
 
 def check_all(benchmarks: list[dict[str, Any]], ran_here: set[str] | None) -> int:
-    """Print every check's outcome; -> the number failed. ran_here: the suites this run ran
-    (their checks must be measured; the others are not run here), None for --json files."""
+    """Print every check's outcome, 80 columns wide; -> the number failed. ran_here: the suites
+    this run ran (their checks must be measured; the others are not run here), None for --json
+    files."""
     failures = measured = 0
-    print(f"{'check':<60} {'value':>9} {'least':>7}  status")
+    print(_row("check", "value", "least", "status"))
     for check in CHECKS:
         values = measure(check, benchmarks)
         if not values:
             if ran_here is None:
-                status = "not measured by these files"
+                status, why = "-", "not measured by these files"
             elif isinstance(check, RatioCheck) and check.suite in ran_here:
-                status, failures = "FAIL (not measured)", failures + 1
+                status, why, failures = "FAIL", "not measured", failures + 1
             else:
-                status = "not run here (a GPU benchmark: check its JSON with --json)"
-            print(f"{check.label:<60} {'-':>9} {check.at_least:>6.2f}x  {status}")
+                status, why = "-", "not run here (a GPU benchmark: check its JSON with --json)"
+            print(_row(check.label, "-", f"{check.at_least:.2f}x", status))
+            print(_detail(f"{why}; {check.target}"))
             continue
         measured += 1
         for where, value in values:
             ok = value >= check.at_least
             failures += not ok
-            print(f"{check.label:<60} {value:>8.2f}x {check.at_least:>6.2f}x  {'ok' if ok else 'FAIL'}  "
-                  f"({where + '; ' if where else ''}{check.target})")
+            print(_row(check.label, f"{value:.2f}x", f"{check.at_least:.2f}x", "ok" if ok else "FAIL"))
+            print(_detail(f"{where + '; ' if where else ''}{check.target}"))
     if measured == 0:
         print("bench_check: no check is measured by these benchmarks")
         return failures + 1
     print(f"bench_check: {failures} failed")
     return failures
+
+
+WIDTH = 80                     # the gate's log: every line fits 80 columns
+LABEL_WIDTH = 50
+
+
+def _row(label: str, value: str, least: str, status: str) -> str:
+    """A check's line: its label (alone on the line above when too long), value, bound, status."""
+    numbers = f"{value:>9} {least:>9}  {status}"
+    if len(label) > LABEL_WIDTH:
+        return f"{label}\n{'':<{LABEL_WIDTH}} {numbers}"
+    return f"{label:<{LABEL_WIDTH}} {numbers}"
+
+
+def _detail(text: str) -> str:
+    """A check's target and where it was measured, on indented lines below it."""
+    return textwrap.fill(text, WIDTH, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False,
+                         break_long_words=False)
 
 
 def main(argv: list[str] | None = None) -> int:
