@@ -143,8 +143,10 @@ class HFGenerate(Client):
                        return_dict_in_generate=True, output_logits=ask.logprobs is not None)
         if ask.temperature > 0:
             options.update(temperature=ask.temperature, top_k=0, top_p=1.0)
-        options.update(assistant_model=self.assistant) if self.assistant is not None else \
-            options.update(prompt_lookup_num_tokens=self.lookup)
+        if self.assistant is not None:
+            options["assistant_model"] = self.assistant
+        else:
+            options["prompt_lookup_num_tokens"] = self.lookup
         options.update(self.options)
         prompt = torch.tensor([ask.tokens], dtype=torch.int64)
         limit = len(ask.tokens) + ask.max_new_tokens
