@@ -275,3 +275,15 @@ def test_demo_says_how_many_ranks_it_ran_on():
     _print_demo(Console(file=text, width=200), _DemoModel(Path("tiny.kdtr"), "tiny", PRESETS["tiny"], [5]), [5],
                 DDTreeConfig(block_size=3, budget=4), runs, 2, "legend")
     assert "block size 3, budget 4; on 2 ranks (--tp 2: tensor and expert parallel); AR tokens" in text.getvalue()
+
+
+@pytest.mark.skipif(not os.access("/proc", os.W_OK), reason="/proc is refused as unwritable while the options "
+                                                           "are parsed here (not root)")
+def test_a_report_under_proc_comes_after_the_terminal_report(golden, tmp_path, capsys):
+    """The issue's case: /proc passes the parse-time check as root, and no file can be made there."""
+    code, out, err = run_main(["validate", "--fixtures", str(golden / "kernels" / "tree_build.kdtr"), "--impl",
+                               f"{EXAMPLES / 'numpy_adapter.py'}:NumpyAdapter", "--require", "none",
+                               "--json", str(tmp_path / "r.json"), "--junit-xml", "/proc/nope.xml"], capsys)
+    assert code == 2 and out.splitlines()[-1].startswith("PASSED: "), out
+    assert err.splitlines()[-1].startswith("kdtree: error: /proc/nope.xml: cannot write the junit report: "), err
+    assert list(tmp_path.iterdir()) == []
