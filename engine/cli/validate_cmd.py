@@ -7,7 +7,6 @@ import io
 import os
 import platform
 import subprocess
-import sys
 import textwrap
 import time
 import urllib.parse
