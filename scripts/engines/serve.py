@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping
 
-EXCEPTION = re.compile(r"\b[A-Z]\w*(Error|Exception)\b(:|$)")      # "RuntimeError: ...", "AssertionError"
+EXCEPTION = re.compile(r"(^|\s)[A-Z]\w*(Error|Exception)(: |$)")    # "RuntimeError: ...", "AssertionError"
 STOP_S = 30.0                   # seconds between SIGTERM and SIGKILL
 POLL_S = 2.0
 
@@ -115,7 +115,7 @@ class Server:
             lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return "no log"
-        errors = [line for line in lines if EXCEPTION.search(line)]
+        errors = [line for line in lines if EXCEPTION.search(line) and "WARNING" not in line]
         line = (errors[:1] or lines[-1:] or ["empty log"])[0]
         return line if len(line) <= 240 else line[:237] + "..."
 
