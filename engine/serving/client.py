@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .transport import ServerError, _message, _reason, exchange, parse_json
+from .transport import ServerError, exchange, parse_json
 from .transport import excerpt as _excerpt
 
 APIS = ("openai", "sglang")
@@ -94,9 +94,6 @@ class Client:
         method = "GET" if body is None else "POST"
         raw = exchange(self.url, method, path, self.timeout, None if body is None else json.dumps(body).encode())
         return parse_json(raw, f"{method} {path}")
-
-    def _reason(self, reason: Any) -> str:
-        return _reason(reason, self.url, self.timeout) if isinstance(reason, BaseException) else _excerpt(str(reason))
 
     def _token(self, text: Any) -> int | None:
         """A log-prob entry's token: "token_id:<id>", or a word of the vocabulary; None otherwise."""
@@ -273,10 +270,3 @@ def _sglang_entry(entry: Any, what: str) -> tuple[int, float]:
     (token,) = _ids([entry[1]], what)
     return token, _float(entry[0], what)
 
-
-def _body(exc: Any) -> str:
-    """An urllib HTTPError's message (transport._message of its first bytes)."""
-    try:
-        return _message(exc.read(2**16))
-    except OSError:
-        return ""

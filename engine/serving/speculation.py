@@ -24,15 +24,13 @@ that went down between the readings: a restarted server) is a `ServerError` with
 
 from __future__ import annotations
 
-import http.client
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .client import Client, ServerError, _body, _excerpt
+from .client import Client, ServerError, _excerpt
+from .transport import HttpStatusError
 
 # a counter's name (its samples are <name>_total) -> the field it adds to
 VLLM = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -161,21 +159,16 @@ class _NoPage(Exception):
 
 
 class _MetricsPage(Client):
-    """GET /metrics as text, failing as the client's requests do (ServerError, one line)."""
+    """GET /metrics as text, within the client's bounds (transport.py: a deadline on the whole
+    reply, a size limit, no redirect), failing as its requests do (ServerError, one line)."""
 
     def text(self) -> str:
-        request = urllib.request.Request(self.url + "/metrics", headers={"Accept": "text/plain"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
+            raw = self.fetch("/metrics")
+        except HttpStatusError as exc:
+            if exc.status == 404:
                 raise _NoPage from None
-            raise ServerError(f"GET /metrics: HTTP {exc.code} {exc.reason}{_body(exc)}") from None
-        except urllib.error.URLError as exc:
-            raise ServerError(f"GET /metrics: {self._reason(exc.reason)}") from None
-        except (http.client.HTTPException, OSError) as exc:
-            raise ServerError(f"GET /metrics: {self._reason(exc)}") from None
+            raise
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:

@@ -457,8 +457,6 @@ def test_a_page_is_fetched_within_the_same_bounds():
             page.fetch("/metrics")
 
 
-@pytest.mark.xfail(strict=True, reason="engine/serving/speculation.py reads /metrics through urllib, which follows "
-                                       "redirects and bounds each socket read only: to move to transport.exchange")
 def test_the_metrics_page_follows_no_redirect(known, tiny):
     with ScriptedServer(lambda request, handler: send(handler, 200, b"SECRET_API_KEY 1\n",
                                                       {"Content-Type": "text/plain"})) as elsewhere:
