@@ -11,7 +11,8 @@ summed over its label sets (a server with several engines publishes one per engi
 
 - vLLM (v1): `vllm:spec_decode_num_drafts` (draft rounds), `..._num_draft_tokens`,
   `..._num_accepted_tokens`, and `..._num_accepted_tokens_per_pos` by its `position` label
-  (accepted tokens at draft position 0, 1, ...).
+  (accepted tokens at draft position 0, 1, ...). llama-server (started with `--metrics`)
+  publishes the same four under `llamacpp:` (its drafts: verification steps).
 - SGLang: `sglang:spec_verify_calls` (verify rounds: one draft each). SGLang publishes its
   acceptance as gauges of the last interval only (`sglang:spec_accept_length`, `_rate`), which
   no difference over a run can use: draft tokens and accepted are unknown (None) there.
@@ -32,10 +33,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from .client import Client, ServerError, _excerpt
 from .transport import HttpStatusError
 
-# a counter's name (its samples are <name>_total) -> the field it adds to
-VLLM = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted"}
-VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# vLLM's counters (its samples are <prefix><name>_total) -> the field each adds to; the engines
+# that publish them, by prefix
+SPEC_DECODE = {"spec_decode_num_drafts": "drafts", "spec_decode_num_draft_tokens": "draft_tokens",
+               "spec_decode_num_accepted_tokens": "accepted"}
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+PREFIXES = {"vllm:": "vLLM", "llamacpp:": "llama.cpp"}
 SGLANG_VERIFY_CALLS = "sglang:spec_verify_calls"
 
 
@@ -112,39 +115,44 @@ def read_counters(url: str, timeout: float) -> Speculation | None:
 def parse_counters(page: str) -> Speculation | None:
     """A /metrics page (Prometheus' text format) -> its speculative-decoding totals, None when it
     names none. ServerError for a page prometheus_client cannot parse or a counter that is no count."""
-    totals: dict[str, float] = {}
-    per_position: dict[int, float] = {}
+    totals: dict[str, float] = {}                               # <prefix><name> -> the sum of its samples
+    per_position: dict[str, dict[int, float]] = {}              # prefix -> position -> accepted
+    wanted = {prefix + name for prefix in PREFIXES for name in SPEC_DECODE} | {SGLANG_VERIFY_CALLS}
     try:
         for family in text_string_to_metric_families(page):
             for sample in family.samples:                       # by the sample's name, whatever TYPE line grouped it
                 name = sample.name.removesuffix("_total")
-                if not sample.name.endswith("_total") or name not in (*VLLM, VLLM_PER_POSITION, SGLANG_VERIFY_CALLS):
+                if not sample.name.endswith("_total"):
                     continue                                     # _created: when the counter began
-                if name == VLLM_PER_POSITION:
-                    position = _position(sample.labels)
-                    per_position[position] = per_position.get(position, 0.0) + sample.value
-                else:
+                prefix = next((p for p in PREFIXES if name == p + PER_POSITION), None)
+                if prefix is not None:
+                    positions = per_position.setdefault(prefix, {})
+                    position = _position(sample.labels, name)
+                    positions[position] = positions.get(position, 0.0) + sample.value
+                elif name in wanted:
                     totals[name] = totals.get(name, 0.0) + sample.value
     except ValueError as exc:
         raise ServerError(f"GET /metrics: not Prometheus' text format ({_excerpt(str(exc))})") from None
     if SGLANG_VERIFY_CALLS in totals:
         return Speculation("SGLang", _count(totals[SGLANG_VERIFY_CALLS], SGLANG_VERIFY_CALLS))
-    if not totals and not per_position:
+    found = [p for p in PREFIXES if p in per_position or any(p + name in totals for name in SPEC_DECODE)]
+    if not found:
         return None
-    missing = [name for name in VLLM if name not in totals]
+    prefix = found[0]
+    missing = [prefix + name for name in SPEC_DECODE if prefix + name not in totals]
     if missing:
-        raise ServerError(f"GET /metrics: vLLM's speculative-decoding counters without {missing[0]}_total")
-    counts = {VLLM[name]: _count(value, name) for name, value in totals.items()}
-    positions = tuple(_count(per_position.get(i, 0.0), f"{VLLM_PER_POSITION}_total") for i in
-                      range(max(per_position) + 1)) if per_position else None
-    return Speculation("vLLM", counts["drafts"], counts["draft_tokens"], counts["accepted"], positions)
+        raise ServerError(f"GET /metrics: {PREFIXES[prefix]}'s speculative-decoding counters without {missing[0]}_total")
+    counts = {field: _count(totals[prefix + name], prefix + name) for name, field in SPEC_DECODE.items()}
+    accepted = per_position.get(prefix)
+    positions = tuple(_count(accepted.get(i, 0.0), f"{prefix}{PER_POSITION}_total")
+                      for i in range(max(accepted) + 1)) if accepted else None
+    return Speculation(PREFIXES[prefix], counts["drafts"], counts["draft_tokens"], counts["accepted"], positions)
 
 
-def _position(labels: Mapping[str, str]) -> int:
+def _position(labels: Mapping[str, str], name: str) -> int:
     value = labels.get("position", "")
     if not value.isdigit():
-        raise ServerError(f"GET /metrics: {VLLM_PER_POSITION}_total with position label {_excerpt(value)} (expected "
-                          "0, 1, ...)")
+        raise ServerError(f"GET /metrics: {name}_total with position label {_excerpt(value)} (expected 0, 1, ...)")
     return int(value)
 
 

@@ -114,6 +114,8 @@ CONFIGS: dict[str, list[Config]] = {
     "llama-cpp": [
         Config("llama-cpp", "tiny", runs=LLAMA_RUNS),
         Config("llama-cpp", "mla-small", runs=LLAMA_RUNS),
+        Config("llama-cpp", "tiny", speculation="draft", runs=LLAMA_RUNS),
+        Config("llama-cpp", "mla-small", speculation="draft", draft_layers=1, runs=LLAMA_RUNS),
     ],
 }
 

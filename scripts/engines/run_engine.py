@@ -144,6 +144,9 @@ def server_command(engine: Engine, config: Config, exported: Exported, port: int
     command = [str(engine.server), "-m", str(exported.target / GGUF), "--host", "127.0.0.1", "--port", str(port),
                "-c", str(4 * MAX_MODEL_LEN), "-np", "4", "-t", "1", "--top-k", "0", "--min-p", "0", "--metrics",
                "--cache-type-k", cache, "--cache-type-v", cache]
+    if config.speculation == "draft":      # --model-draft alone loads the draft and drafts nothing: --spec-type too
+        command += ["--spec-type", "draft-simple", "--model-draft", str(exported.draft / GGUF), "--spec-draft-n-max", str(NUM_SPECULATIVE_TOKENS),
+                    "--cache-type-k-draft", cache, "--cache-type-v-draft", cache]
     return command, env
 
 

@@ -63,6 +63,20 @@ def test_difference_over_a_run():
     assert after.since(before).line() == "14 drafts, 42 draft tokens, 11 accepted (by position 6, 4, 1)"
 
 
+def test_llama_cpp_publishes_vllms_counters_under_its_prefix():
+    """llama-server --metrics, as it writes them (no labels but the position)."""
+    page = ("# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+            "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 41\n"
+            "# TYPE llamacpp:spec_decode_num_draft_tokens_total counter\nllamacpp:spec_decode_num_draft_tokens_total 90\n"
+            "# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter\n"
+            "llamacpp:spec_decode_num_accepted_tokens_total 31\n"
+            "# TYPE llamacpp:spec_decode_num_drafts_total counter\nllamacpp:spec_decode_num_drafts_total 30\n"
+            "# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter\n"
+            'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 20\n'
+            'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 11\n')
+    assert parse_counters(page) == Speculation("llama.cpp", 30, 90, 31, (20, 11))
+
+
 def test_sglang_publishes_drafts_only():
     page = ("# TYPE sglang:spec_verify_calls_total counter\n"
             'sglang:spec_verify_calls_total{model_name="m"} 40.0\n'
