@@ -45,6 +45,9 @@ START_S = {"vllm-cpu": 420.0, "llama-cpp": 120.0}     # bound on a server's star
 RUN_TIMEOUT_S = 900.0                                 # bound on one validate run
 MAX_MODEL_LEN = 512
 GGUF = "model.gguf"
+# `kdtree` of this checkout (run from ROOT, whose packages come first on sys.path), whatever
+# kdtree an installed console script would run
+KDTREE = [sys.executable, "-c", "import sys; from engine.cli import main; sys.exit(main())"]
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ def server_command(engine: Engine, config: Config, exported: Exported, port: int
 
 def validate(url: str, config: Config, exported: Exported, run: str, report: Path, log_path: Path) -> tuple[int, float]:
     """One `kdtree validate --server` run -> (its exit status, seconds)."""
-    command = [_kdtree(), "validate", "--server", url, "--fixtures", str(exported.target), "--json", str(report),
+    command = [*KDTREE, "validate", "--server", url, "--fixtures", str(exported.target), "--json", str(report),
                *RUNS[run]]
     if config.speculation != "none":
         command.append("--require-speculation")
@@ -164,13 +167,6 @@ def validate(url: str, config: Config, exported: Exported, run: str, report: Pat
         except subprocess.TimeoutExpired:
             status = 124
     return status, time.monotonic() - began
-
-
-def _kdtree() -> str:
-    found = shutil.which("kdtree")
-    if found is None:
-        raise StartError("no `kdtree` on PATH: pip install -e . first")
-    return found
 
 
 def run_config(engine: Engine, version: str, config: Config, exports: Exports, out: Path, runs: list[str],
