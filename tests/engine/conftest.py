@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -135,3 +136,22 @@ def builtin_decode_only(monkeypatch: pytest.MonkeyPatch) -> Callable:
         monkeypatch.setattr(engine.validate.run.runner, "preset_invariant_checks", lambda adapter, preset: [])
         monkeypatch.setattr(engine.validate.rows.model, "invariant_checks", lambda *args: [])
     return use
+
+
+@pytest.fixture(scope="module")
+def export_dir(golden, tmp_path_factory) -> Path:
+    """tiny (committed, slim) exported as a float32 checkpoint directory, for the server tests."""
+    import kdtr_format
+    from refgen.export import export
+
+    path = golden / "tiny.kdtr"
+    with kdtr_format.open(path) as reader:
+        return export(reader, path, tmp_path_factory.mktemp("export") / "tiny-f32").directory
+
+
+@pytest.fixture(scope="module")
+def engine(golden):
+    """The fake servers' reference engine on tiny (tests/fake_servers.py)."""
+    from fake_servers import Engine
+
+    return Engine(golden / "tiny.kdtr")

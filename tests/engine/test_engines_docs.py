@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import kdtr_format
 from cli_run import run_main
-from fake_servers import Engine, FakeServer
+from fake_servers import FakeServer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
@@ -30,20 +29,6 @@ def test_the_section_has_the_commands():
     lines = validate_lines()
     assert len(lines) >= 5 and any("--require-speculation" in line for line in lines)
     assert any("--temperature" in line for line in lines) and any("--api sglang" in line for line in lines)
-
-
-@pytest.fixture(scope="module")
-def export_dir(golden, tmp_path_factory):
-    from refgen.export import export
-
-    path = golden / "tiny.kdtr"
-    with kdtr_format.open(path) as reader:
-        return export(reader, path, tmp_path_factory.mktemp("export") / "tiny-f32").directory
-
-
-@pytest.fixture(scope="module")
-def engine(golden):
-    return Engine(golden / "tiny.kdtr")
 
 
 @pytest.mark.slow

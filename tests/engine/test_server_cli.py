@@ -9,26 +9,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-import kdtr_format
 from cli_run import run_main
-from fake_servers import Engine, FakeServer
+from fake_servers import FakeServer
 from terminal import assert_clean_error, in_terminal, piped
 
 ROWS = ["server", "tokens p0", "logprobs p0", "tokens p1", "logprobs p1", "tokens p2", "logprobs p2"]
-
-
-@pytest.fixture(scope="module")
-def export_dir(golden, tmp_path_factory):
-    from refgen.export import export
-
-    path = (golden / "tiny.kdtr")
-    with kdtr_format.open(path) as reader:
-        return export(reader, path, tmp_path_factory.mktemp("export") / "tiny-f32").directory
-
-
-@pytest.fixture(scope="module")
-def engine(golden):
-    return Engine((golden / "tiny.kdtr"))
 
 
 def _reports(tmp_path):

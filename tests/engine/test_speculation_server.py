@@ -10,26 +10,11 @@ import re
 
 import pytest
 
-import kdtr_format
 from cli_run import run_main
 from engine.validate.reports.report import Status
 from engine.validate.run.server import ServerRun, validate_server
-from fake_servers import Engine, FakeServer
+from fake_servers import FakeServer
 from terminal import in_terminal
-
-
-@pytest.fixture(scope="module")
-def export_dir(golden, tmp_path_factory):
-    from refgen.export import export
-
-    path = golden / "tiny.kdtr"
-    with kdtr_format.open(path) as reader:
-        return export(reader, path, tmp_path_factory.mktemp("export") / "tiny-f32").directory
-
-
-@pytest.fixture(scope="module")
-def engine(golden):
-    return Engine(golden / "tiny.kdtr")
 
 
 def _run(server: FakeServer, fixtures, **options):
