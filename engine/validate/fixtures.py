@@ -19,13 +19,13 @@ import numpy as np
 
 import kdtr_format
 from kdtr_format import PRESETS, KdtrError, ModelConfig, checkpoint_tensors
+from kdtr_format.seeded import omitted
 
 from .fixture_cache import cache_root, materialized, refgen_into
 from .reports.report import ValidateError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = REPO_ROOT / "tests" / "golden"
-SEEDED_KEY = "seeded_tensors"        # refgen/files.py: the tensors a slim fixture omits
 
 
 def find_fixtures(fixtures: str | os.PathLike | None, generate: bool = True) -> Path:
@@ -72,8 +72,7 @@ def _is_slim(path: Path) -> bool:
     """Whether a fixture file omits seeded tensors (a broken file is left to its reader)."""
     try:
         with kdtr_format.open(path) as reader:
-            recorded = reader.metadata.get(SEEDED_KEY)
-            return isinstance(recorded, dict) and not set(recorded) <= set(reader.names())
+            return bool(omitted(reader))
     except KdtrError:
         return False
 
