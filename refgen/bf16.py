@@ -15,7 +15,7 @@ decision in ten lies within the bound), so the cases record the reference's
 routing of every row the validator compares, experts and margins per MoE layer
 (`routing_tensors`): the validator tells a flip at a near-tie (rounding) from
 one at a wide margin (a bug), and judges the rows a flip reaches apart
-(engine/validate/regime.py).
+(engine/validate/judging/regime.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The fused FFN: the router in one kernel, the token-to-expert sort in one, the experts in two.
 
-Every FFN of the fused layer is a set of ET stacked experts (engine/fused/weights.py): a MoE
+Every FFN of the fused layer is a set of ET stacked experts (`fuse` in engine/fused/layer.py): a MoE
 layer's E routed experts and then its shared experts, split into n_shared experts of the routed
 width; a dense layer's MLP as one expert. Row m of the layer's input gets S slots, each an
 (expert, weight) pair: its k routed choices, then one slot per shared expert at weight 1 (a
