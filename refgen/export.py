@@ -161,7 +161,7 @@ def fp8_quantize(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.
     """w [rows, cols] float32 -> (q e4m3fn [rows, cols], scale_inv float32 [ceil(rows / b0), ceil(cols / b1)]):
     per b0 x b1 block (the last of a dimension partial), scale_inv the smallest power of two with
     amax / scale_inv <= 448 (1 for an all-zero block) and q = w / scale_inv rounded to nearest
-    (ties to even), so that q * scale_inv (refgen.quant.fp8_block) is exact in bf16 and float32."""
+    (ties to even), so that q * scale_inv (kdtr_format.dequant.fp8_scaled) is exact in bf16 and float32."""
     b0, b1 = block
     rows, cols = w.shape
     R, C = math.ceil(rows / b0), math.ceil(cols / b1)

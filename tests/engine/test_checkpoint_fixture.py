@@ -2,7 +2,7 @@
 
 Two small synthetic checkpoints in shipped layouts (tests/synthetic_checkpoint.py): Kimi K2's FP8
 blocks with an MTP layer, and Kimi K2.5's INT4 experts under text_config, each sliced to 2 layers and
-4 experts. The fixtures hold no weights: they reference the checkpoint's tensors (kdtr_format.omitted).
+4 experts. The fixtures hold no weights: they reference the checkpoint's tensors (kdtr_format.checkpoint_tensors).
 Checked: the engine loads the fixture in its compute dtype and matches the references within the
 fixture's tolerances; `kdtree validate --fixtures DIR` passes on them; what the engine decodes from the
 references is, bit for bit, what refgen imported and what the checkpoint's tensors (read by
