@@ -4,7 +4,7 @@ Every request of a batch has its own prompt length, cache start, tree and
 acceptance; requests that are done (max_new_tokens committed, or a stop token
 emitted) sit out the remaining rounds with no new tokens.
 
-State before a DDTree round (docs: DDTREE_CONTRACT.md): `start` tokens have
+State before a DDTree round (docs/ddtree-semantics.md): `start` tokens have
 their KV in the cache; the root (the last committed token) is committed but
 not cached. A round drafts L = block_size - 1 depths, builds a tree of at most
 `budget` nodes under the root, verifies the n + 1 tree tokens in one target

@@ -1,6 +1,6 @@
 """The torch DeepSeek-V3 / Kimi-K2 target model: MLA + sigmoid noaux_tc MoE.
 
-The math is MODEL.md (restated in docs/model.md): pre-norm layers, Multi-head
+The math is docs/model.md: pre-norm layers, Multi-head
 Latent Attention run in the absorbed form over a latent KV cache, rotary
 embeddings in either pairing (``interleave`` / ``neox``) with YaRN and both
 mscale factors, group-limited sigmoid routing with a selection-only bias,
@@ -69,7 +69,7 @@ CAPTURE_POINTS = ("attn_input", "q_lat", "c_kv", "k_pe", "o_lat", "attn_output",
 Capture = Callable[[str, int, torch.Tensor], None]
 
 
-# ---- rotary embedding and softmax scale (MODEL.md "Rotary embedding") ----
+# ---- rotary embedding and softmax scale (docs/model.md, "Rotary embedding") ----
 
 def yarn_get_m(factor: float, mscale: float) -> float:
     """get_m(f, s) = 0.1 s ln f + 1, and 1 when f <= 1."""

@@ -1,6 +1,6 @@
 """DDTree's discrete stages in torch, batched over requests with different trees.
 
-DDTREE_CONTRACT.md is the law (restated in docs/ddtree-semantics.md): top-K
+docs/ddtree-semantics.md is the law: top-K
 log-probs (section 2), the best-first tree build (3), compile (4), target
 choices (5), accept (6) and KV compaction (7). `Stages` is the protocol every
 backend meets; `TorchStages` is the reference torch path that the CUDA

@@ -1,7 +1,7 @@
 """DDTree's discrete stages in numpy: top-k, tree build, compile, choose, accept, compact.
 
-This is the oracle for DDTREE_CONTRACT.md (restated with worked examples in
-docs/ddtree-semantics.md). Every function is a direct transcription of one
+This is the oracle for the DDTree contract, docs/ddtree-semantics.md (with
+worked examples). Every function is a direct transcription of one
 contract section; none shares code with the engine or the CUDA kernels.
 
 Shapes: L drafted depths, V vocabulary, K = min(k, V) top-k width, n non-root

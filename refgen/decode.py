@@ -5,7 +5,7 @@ record everything a fixture stores (docs/fixtures.md): AR tokens and margins,
 and for DDTree every round's draft, top-k, tree, compiled tree, verify logits,
 choices, accept path and compaction map.
 
-State between rounds (DDTREE_CONTRACT.md): `start` tokens have KV in the cache;
+State between rounds (docs/ddtree-semantics.md): `start` tokens have KV in the cache;
 the root (the last committed token) is committed to the output but not cached.
 """
 

@@ -2,7 +2,7 @@
 
 One file per kind (docs/fixtures.md, "Kernel-case fixtures"): `kernels/<kind>.kdtr`
 holds small committed cases that cover the edge cases; `large=True` gives
-`kernels/<kind>_large.kdtr` with PERFORMANCE.md-sized cases (V = 163840,
+`kernels/<kind>_large.kdtr` with cases at the benchmarks' sizes (V = 163840,
 L = 15, budgets up to 512; K2 dims with contexts of thousands and trees of up
 to 128 nodes), generated on demand and never committed.
 

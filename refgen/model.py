@@ -1,6 +1,6 @@
 """The float64 numpy reference of a DeepSeek-V3 / Kimi-K2 model (MLA + sigmoid MoE).
 
-The math is docs/model.md (MODEL.md restated). One function, `Model.forward`,
+The math is docs/model.md. One function, `Model.forward`,
 serves prefill, autoregressive decode and tree verify: it takes the new tokens,
 their positions, a visibility mask over every cache slot up to the last new
 token, and the cache slot where the first new token goes.

@@ -1,4 +1,4 @@
-"""The GPU engine benchmark's pieces (tests/engine/test_bench_engine.py runs them; PERFORMANCE.md).
+"""The GPU engine benchmark's pieces (tests/engine/test_bench_engine.py runs them; docs/status.md's targets).
 
 - `BatchedOracle`: the oracle drafter's rule (engine.drafters.OracleDrafter: the true token top-1
   with probability `accuracy`, at `hit_logit`, calibrated here so that its probability is the

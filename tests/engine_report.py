@@ -3,7 +3,7 @@
     python3 tests/engine_report.py OUT/engine_bench.json OUT/engine-gpu-h200
 
 writes OUT/engine-gpu-h200.md and OUT/engine-gpu-h200.png from the JSON that tests/engine_bench.py
-writes (docs/results/ keeps the three). Every target of the engine (PERFORMANCE.md) is stated as
+writes (docs/results/ keeps the three). Every target of the engine (docs/status.md) is stated as
 met or with its measured figure:
 
 - an AR decode step and a tree verify step within 1.5x of their floors (default mode);

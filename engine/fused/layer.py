@@ -1,6 +1,6 @@
 """The fused decode / verify forward: the layers of `engine.model.Transformer` in ~16 launches each.
 
-Per layer (MODEL.md's math, default mode):
+Per layer (docs/model.md's math, default mode):
 
     x, h      = add_rms_norm(x, previous FFN slots)            1 kernel (the previous layer's combine)
     kv        = h [W_q_a; W_kv_a]^T                            1 GEMM   (no q_lora: [W_q; W_kv_a])

@@ -1,4 +1,4 @@
-"""End-to-end engine benchmarks: AR against DDTree in the same run (PERFORMANCE.md).
+"""End-to-end engine benchmarks: AR against DDTree in the same run (docs/status.md's targets).
 
 Each benchmark times one call that decodes the same prompts with AR and then
 with DDTree, and records side by side (benchmark.extra_info): tokens per

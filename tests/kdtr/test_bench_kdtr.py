@@ -1,7 +1,7 @@
-"""KDTR against safetensors (numpy API), npz and h5py, side by side in one run (PERFORMANCE.md).
+"""KDTR against safetensors (numpy API), npz and h5py, side by side in one run (the KDTR targets of docs/status.md).
 
 Default: a small file (cheap; under --benchmark-disable each runs once).
-KDTREE_BENCH=1: about 1 GiB in 2048 float32 tensors, as PERFORMANCE.md asks; 1,000,000 tiny
+KDTREE_BENCH=1: about 1 GiB in 2048 float32 tensors, the size of docs/results/kdtr-bench.md; 1,000,000 tiny
 tensors; metadata at the 64 MiB cap; `kdtr inspect` on 200,000 tensors.
 KDTREE_BENCH=ci: 64 MiB in 256 tensors, what ci/bench_check.py measures.
 Compare within a group: open, random, read (with every checksum for KDTR), write

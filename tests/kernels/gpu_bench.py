@@ -1,4 +1,4 @@
-"""Timing and ceilings shared by the GPU benchmarks (METHOD.md, PERFORMANCE.md).
+"""Timing and ceilings shared by the GPU benchmarks (docs/status.md's targets).
 
 Times are medians of CUDA-event timings after one warm-up; `graph_time_ms` times
 replays of a CUDA graph, the device's time without the host's launch overhead. The

@@ -1,4 +1,4 @@
-"""Speed of the tree-verify MLA kernel at Kimi K2 dims (PERFORMANCE.md), bf16 with float32
+"""Speed of the tree-verify MLA kernel at Kimi K2 dims (docs/status.md's targets), bf16 with float32
 accumulation, against the two ceilings measured in the same run (device-to-device copy
 bandwidth, bf16 matrix rate) and a torch baseline (matmul, mask, softmax in float32), and the peers' kernels at the same inputs.
 

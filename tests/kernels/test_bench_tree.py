@@ -1,4 +1,4 @@
-"""Speed of the GPU tree build (draft logits -> compiled tree) against its baselines (PERFORMANCE.md).
+"""Speed of the GPU tree build (draft logits -> compiled tree) against its baselines (docs/status.md's targets).
 
 Per case, in the same run: the kernels (top-k op, then the fused build + compile op), top-k
 v3 and v4 side by side (their outputs must be equal, bit for bit, else the test fails);

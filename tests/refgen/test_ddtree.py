@@ -1,4 +1,4 @@
-"""refgen.ddtree against DDTREE_CONTRACT.md: each check beside an independent reference
+"""refgen.ddtree against docs/ddtree-semantics.md: each check beside an independent reference
 (brute-force enumeration, ancestor walks, direct CDF walks, hand-made trees)."""
 
 from __future__ import annotations

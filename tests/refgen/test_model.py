@@ -1,5 +1,5 @@
 """The float64 model reference (refgen.model, refgen.weights) against independent
-transcriptions of MODEL.md: hand-computed rotations, the YaRN formula written out,
+transcriptions of docs/model.md: hand-computed rotations, the YaRN formula written out,
 brute-force routing, a per-query attention loop, and full causal forwards."""
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def test_rope_is_relative_and_broadcasts(style: str) -> None:
 
 
 def yarn_inv_freq_formula(i: int, d: int, theta: float, y: YarnScaling) -> float:
-    """MODEL.md's YaRN inv_freq, one index at a time (low clamped from below only, high
+    """docs/model.md's YaRN inv_freq, one index at a time (low clamped from below only, high
     from above only, as DeepSeek-V3's inference/model.py)."""
     def corr(n: float) -> float:
         return d * math.log(y.original_max_position_embeddings / (n * 2 * math.pi)) / (2 * math.log(theta))
@@ -513,7 +513,7 @@ def test_cache_and_visibility_equal_full_causal_forward(name: str) -> None:
 
 def transcribed_forward(cfg: ModelConfig, weights: dict[str, np.ndarray],
                         tokens: np.ndarray) -> np.ndarray:
-    """MODEL.md written out plainly, sharing no code with refgen.model: causal prefill with
+    """docs/model.md written out plainly, sharing no code with refgen.model: causal prefill with
     keys expanded per head and the rotary key concatenated to each, rope as complex
     multiplication, routing and experts one token at a time. tokens [m] -> logits [m, V]."""
     W = {k: v.astype(np.float64) for k, v in weights.items()}
@@ -620,7 +620,7 @@ HF_RTOL = 1e-6
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "kimi-k2" else n
                                   for n in PRESET_NAMES])
 def test_model_matches_hf_transformers(name: str) -> None:
-    """The outside reference MODEL.md names: HF transformers' DeepseekV3ForCausalLM (v5 API),
+    """The outside reference docs/model.md names: HF transformers' DeepseekV3ForCausalLM (v5 API),
     run in float64. HF keeps float32 islands (router, rope angles, softmax, RMSNorm), hence
     the HF_RTOL tolerance (float64 HF with those lifted agrees to 1e-15; docs/model.md)."""
     transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN,
