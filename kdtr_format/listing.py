@@ -80,8 +80,8 @@ def listing(reader: Reader, prefix: str | None, everything: bool, width: int | N
         scope = found[0].prefix
         found = groups(infos, scope)
     if len(found) <= LIST_AT_MOST:
-        lines.append(f"{len(infos)} tensors in {len(found)} groups by prefix "
-                     "(--prefix PREFIX lists a group, --all every tensor):")
+        lines += [f"{len(infos)} tensors in {len(found)} groups by prefix",    # two lines: each fits 80 columns
+                  "(--prefix PREFIX lists a group, --all every tensor):"]
         return lines + group_table(found)
     lines += tensor_table(infos[:LIST_AT_MOST], width)
     lines.append(f"... and {len(infos) - LIST_AT_MOST} more (--all lists every tensor, --prefix PREFIX those under it)")

@@ -154,6 +154,17 @@ def test_inspect_prints_names_and_metadata_verbatim_and_safely(hostile, run):
     assert metadata == {"\ud800": "[red]v[/red]", "k\x1b": "\u202e", "ü": 1}
 
 
+def test_inspect_of_many_tensors_fits_an_80_column_terminal(tmp_path):
+    path = tmp_path / "many.kdtr"
+    kdtr_format.write(path, {f"cases/{i}/x": np.zeros(1, np.float32) for i in range(LIST_AT_MOST * 10)}
+                      | {f"w{i}/x": np.zeros(1, np.float32) for i in range(10)}, durable=False)
+    result = in_terminal(["kdtr", "inspect", str(path), "--no-metadata"], columns=80)
+    assert result.returncode == 0, result.output
+    assert "groups by prefix" in result.output
+    too_wide = [line for line in screen_lines(result.output) if len(line) > 80]
+    assert not too_wide, "lines wider than 80 columns:\n" + "\n".join(too_wide)
+
+
 def test_inspect_piped_prints_every_long_name_in_full(tmp_path):
     names = [f"weights/model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight_scale_inv" for i in range(732)]
     path = tmp_path / "long.kdtr"
@@ -171,8 +182,8 @@ def test_inspect_summarizes_many_tensors_by_prefix_and_lists_them_with_all(tmp_p
     kdtr_format.write(path, {n: np.zeros(2, np.float32) for n in names}, durable=False)
     runner = CliRunner()
     summary = runner.invoke(main, ["inspect", str(path), "--no-metadata"]).stdout.splitlines()
-    assert summary[2].startswith(f"{len(names)} tensors in 2 groups by prefix")
-    assert [line.split() for line in summary[3:]] == [["tensors", "nbytes", "prefix"], ["1005", "8040", "cases/"],
+    assert summary[2] == f"{len(names)} tensors in 2 groups by prefix"
+    assert [line.split() for line in summary[4:]] == [["tensors", "nbytes", "prefix"], ["1005", "8040", "cases/"],
                                                      ["10", "80", "weights/"]]
     one_group = runner.invoke(main, ["inspect", str(path), "--prefix", "weights/", "--no-metadata"]).stdout
     assert [line.split()[-1] for line in one_group.splitlines()[3:]] == names[-10:]
