@@ -4,7 +4,8 @@
                     [--junit-xml PATH|-] [--html PATH|-] [--impl module:factory] [--require CAPS]
                     [--timeout SECONDS] [--invariant] [--tp N] [--page-size N]
     kdtree validate --server URL --fixtures EXPORT [--api openai|sglang] [--concurrency N]
-                    [--temperature T --samples N --seed S] [--logprobs K] [--timeout S]   (docs/serving.md)
+                    [--temperature T --samples N --seed S] [--logprobs K] [--timeout S]
+                    [--require-speculation]   (docs/serving.md)
     kdtree diverge (--fixture PATH | --config NAME) [--way chunk|tree|batch] [--dtype bfloat16] [--json PATH]
     kdtree demo [--preset tiny | --fixture PATH] [--prompt 1,2,3] [--budget 32] [--block-size 8] [--plot PATH]
                 [--invariant] [--tp N] [--page-size N]
