@@ -62,7 +62,7 @@ docs/architecture.md draws them):
   capabilities, loading `--impl module:factory` (load), the guard around every entry, the
   checking proxies (checked), and the supervisor that runs a validation in a watched child;
 - `rows`: the sections above, per fixture and stage (model, engine, kernel, corpus, paged,
-  batched, batched_model, invariant, served);
+  batched, batched_model, invariant, served, speculation);
 - `run`: all of them in order, then the requirements, or one case at a time (runner: `plan`,
   `Validation`); the run in the supervised child (isolated); a serving engine over HTTP
   (server: `kdtree validate --server`, docs/serving.md).
