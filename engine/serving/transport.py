@@ -55,7 +55,8 @@ def exchange(url: str, method: str, path: str, timeout: float, body: bytes | Non
     """`method` `path` (under the URL's path) at `url` (http(s)://host[:port][/prefix]) -> the body of
     a 2xx reply, within `timeout` seconds in all (module docstring). ServerError otherwise."""
     parts = urllib.parse.urlsplit(url)
-    what = f"{method} {path}"
+    target = parts.path.rstrip("/") + path
+    what = f"{method} {target}"                  # the path sent, the URL's prefix included
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout)
     expired = threading.Event()
@@ -74,7 +75,7 @@ def exchange(url: str, method: str, path: str, timeout: float, body: bytes | Non
     late = ServerError(f"{what}: no whole reply within {timeout:g} s (--timeout bounds the whole reply)")
     headers = {"Accept": accept} | ({"Content-Type": "application/json"} if body is not None else {})
     try:
-        connection.request(method, parts.path.rstrip("/") + path, body=body, headers=headers)
+        connection.request(method, target, body=body, headers=headers)
         response = connection.getresponse()
         status, reason = response.status, _line(response.reason, EXCERPT)
         if 300 <= status < 400:

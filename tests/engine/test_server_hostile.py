@@ -457,6 +457,17 @@ def test_a_page_is_fetched_within_the_same_bounds():
             page.fetch("/metrics")
 
 
+def test_an_error_names_the_path_sent_with_the_urls_prefix():
+    """--server http://host:port/v1 (the OpenAI base URL people copy) sends /v1/v1/models: the error says so."""
+    from engine.serving import HttpStatusError, client
+
+    with ScriptedServer(lambda request, handler: send(handler, 404, b'{"detail": "Not Found"}')) as server:
+        with pytest.raises(HttpStatusError) as missing:
+            client("openai", f"{server.url}/v1", timeout=5).fetch("/v1/models")
+        assert [r.path for r in server.requests] == ["/v1/v1/models"]
+    assert str(missing.value) == "GET /v1/v1/models: HTTP 404 Not Found: Not Found"
+
+
 def test_the_metrics_page_follows_no_redirect(known, tiny):
     with ScriptedServer(lambda request, handler: send(handler, 200, b"SECRET_API_KEY 1\n",
                                                       {"Content-Type": "text/plain"})) as elsewhere:
