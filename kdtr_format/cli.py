@@ -127,10 +127,20 @@ def inspect(path: str, prefix: str | None, everything: bool, no_metadata: bool) 
     lines.insert(0, f"{shown(path)}:")
     if slim:
         lines[2:2] = [f"slim: {len(slim)} seeded tensors not stored (metadata seeded_tensors); the full file:",
-                      f"  refgen materialize {shown(path)} --out DIR"]
+                      *command_lines(["refgen materialize", shown(path), "--out DIR"], width)]
     click.echo("\n".join(lines))
     if text is not None:
         click.echo(f"metadata:\n{text}")
+
+
+def command_lines(parts: list[str], width: int | None, indent: str = "  ") -> list[str]:
+    """A shell command to copy (`parts`: the program, then each argument with its value), on one
+    line; where that is wider than the terminal, one part a line joined by backslash continuations."""
+    line = indent + " ".join(parts)
+    if width is None or len(line) <= width:
+        return [line]
+    first, *middle, last = parts
+    return [f"{indent}{first} \\", *(f"{indent}  {part} \\" for part in middle), f"{indent}  {last}"]
 
 
 @_command()

@@ -4,7 +4,9 @@ fixture omits is named as such, with the command that writes the full fixture.""
 
 from __future__ import annotations
 
+import shlex
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from click.testing import CliRunner
 import kdtr_format
 from kdtr_format.cli import main
 from kdtr_testlib import CORRUPTIONS
-from terminal import REPO, assert_clean_error, piped
+from terminal import REPO, assert_clean_error, in_terminal, piped
 
 TREE_BUILD = REPO / "tests" / "golden" / "kernels" / "tree_build.kdtr"
 
@@ -77,6 +79,23 @@ def test_inspect_says_a_fixture_is_slim():
     assert lines[2:4] == [f"slim: {count} seeded tensors not stored (metadata seeded_tensors); the full file:",
                           f"  refgen materialize {TREE_BUILD} --out DIR"], lines
 
+
+def test_inspect_breaks_the_command_to_fit_the_terminal():
+    """On a path that makes the one-line command wider than 80 columns, the command takes one
+    line a part, joined by backslashes: every line fits, and the shell reads the same command."""
+    with tempfile.TemporaryDirectory() as short:      # a path of 70 characters, wherever tmp is
+        name = "x" * (70 - len(f"{short}//tree_build.kdtr"))
+        path = Path(short) / name / "tree_build.kdtr"
+        path.parent.mkdir()
+        shutil.copyfile(TREE_BUILD, path)
+        result = in_terminal(["kdtr", "inspect", "--no-metadata", str(path)], columns=80)
+    assert len(f"  refgen materialize {path} --out DIR") > 80 >= len(f"    {path} \\")
+    assert result.returncode == 0 and result.widest <= 80, "\n".join(result.screen_lines)
+    start = result.screen_lines.index("  refgen materialize \\")
+    command = result.screen_lines[start:start + 3]
+    assert command[1:] == [f"    {path} \\", "    --out DIR"], command
+    assert shlex.split(" ".join(line.removesuffix("\\") for line in command)) == \
+        ["refgen", "materialize", str(path), "--out", "DIR"]
 
 
 def test_inspect_of_a_full_fixture_says_nothing_of_slim(tmp_path):
