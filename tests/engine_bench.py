@@ -22,8 +22,10 @@
 - `forward_profile`: torch's profiler on one eager forward: the launches per step and per
   layer, their device time and the top kernels.
 - `replay_ms`: the median device time of a CUDA graph's replays (CUDA events around each).
-- `run_bench`: the whole sweep within a time budget, every figure into one JSON document
-  (tests/engine_report.py writes the table and the plot from it).
+- `Bench`: the whole plan within a time budget, every figure into one JSON document: AR and
+  verify steps against their floors in both modes, both dtypes, batch 1 and 8, and the DDTree
+  sweep, each point with its bound (engine_report.add_bounds: AR step floor / verify step floor,
+  the speedup / tau the model allows); tests/engine_report.py writes the table and the plot.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 from engine.drafters import hit_logit
+from engine_report import add_bounds
 from kdtr_format import DDTreeConfig, ModelConfig
 
 MATMUL = 8192                 # the ceilings' matrix products are MATMUL^3
@@ -254,8 +257,17 @@ class Plan:
     side_accuracies: tuple[float, ...] = (0.4, 0.82, 0.97)   # at the other budgets
     dtypes: tuple[str, ...] = ("bfloat16", "float32")
     modes: tuple[str, ...] = ("default", "invariant")
-    peaked_budgets: tuple[int, ...] = (64,)            # the peaked model: bf16, default mode
+    peaked_budgets: tuple[int, ...] = (64,)            # the peaked model: bf16, in these modes
+    peaked_modes: tuple[str, ...] = ("default", "invariant")
     seconds: float = 300.0                             # work not begun by then is recorded as skipped
+
+    def runs(self) -> list[tuple[str, str, str]]:
+        """(model, dtype, mode) in the order measured: the random model in every dtype and mode,
+        the peaked model's bf16 runs (the DDTree target's) second, early in the time budget."""
+        runs = [("random", d, m) for d in self.dtypes for m in self.modes]
+        if self.peaked_budgets:
+            runs[1:1] = [("peaked", "bfloat16", m) for m in self.peaked_modes]
+        return runs
 
 
 def decode_seconds(metrics, without: Sequence[str] = ()) -> float:
@@ -280,7 +292,9 @@ class Bench:
         return time.perf_counter() - self.began
 
     def save(self) -> None:
-        """Rewrite the JSON (after every point: a run cut short keeps what it measured)."""
+        """Bound every sweep point whose steps are measured, and rewrite the JSON (after every
+        point: a run cut short keeps what it measured)."""
+        add_bounds(self.doc)
         self.doc["timing_s"]["total"] = self.elapsed()
         if self.out:
             with open(self.out, "w") as f:
@@ -308,11 +322,8 @@ class Bench:
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, self.cfg.vocab_size, (64 + 16 * b,), generator=generator).tolist()
                    for b in range(max(self.plan.batches))]
-        runs = [("random", d, m) for d in self.plan.dtypes for m in self.plan.modes]
-        if self.plan.peaked_budgets:
-            runs.insert(1, ("peaked", "bfloat16", "default"))
         weights, made = None, None
-        for model_name, dtype_name, mode in runs:
+        for model_name, dtype_name, mode in self.plan.runs():
             dtype = getattr(torch, dtype_name)
             if made != (model_name, dtype_name):
                 make = peaked_weights if model_name == "peaked" else random_weights

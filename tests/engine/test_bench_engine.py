@@ -3,8 +3,8 @@
 Each benchmark times one call that decodes the same prompts with AR and then
 with DDTree, and records side by side (benchmark.extra_info): tokens per
 second of each, the speedup, tau (tokens per round), target forwards, the
-time per stage, and speedup / tau (the GPU target is >= 0.8). Nothing is
-asserted about speed.
+time per stage, and speedup / tau (on the GPU the target is >= 0.9 of its bound, the
+AR step's floor over the verify step's). Nothing is asserted about speed.
 
 - CPU: the `tiny` preset, oracle and layerskip drafters. Default sizes are
   small; `KDTREE_BENCH=1` decodes longer.
@@ -15,7 +15,9 @@ asserted about speed.
   (tests/engine_bench.py; the JSON goes to $KDTREE_BENCH_OUT, tests/engine_report.py writes
   the table and the plot). Skipped without CUDA. One command runs it: scripts/gpu_engine.sh.
 - CPU tests of the GPU benchmark's pieces: the batched oracle's rule, the byte and flop
-  counts against the weights the config has, and the report's verdicts and plot.
+  counts against the weights the config has, the plan's grid, and the report's verdicts
+  (invariant against default mode, floors, speedup / tau against its bound), tables and plot,
+  on hand-made documents and on the committed H200 run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,49 +143,132 @@ def test_forward_cost_counts_every_weight_once(preset):
 
 
 def sample_doc() -> dict:
-    step = dict(dtype="bfloat16", mode="default", batch=1, rows=1, context=[100], bytes=1e9, flops=1e9,
+    """A hand-made run: bf16 batch 1 steps in both modes (AR floor 0.55 ms; verify floor 1.0 ms,
+    bound 0.55, in the default mode, 1.1 ms, bound 0.5, in invariant mode), a float32 AR step of
+    the default mode only, nothing at batch 8; a sweep of the random and the peaked model."""
+    step = dict(model="random", dtype="bfloat16", batch=1, rows=1, context=[100], bytes=1e9, flops=1e9,
                 bound="bytes", touched_experts=[0, 4, 4])
-    point = dict(dtype="bfloat16", mode="default", batch=1, budget=64, accuracy=0.9, rounds=10, tau=5.0,
-                 speedup=3.0, speedup_without_draft=4.5, verify_ms_per_round=1.0, other_ms_per_round=0.05,
+    ar = {**step, "kind": "ar", "floor_ms": 0.55}
+    verify = {**step, "kind": "verify", "budget": 64, "rows": 65, "floor_ms": 1.0}
+    point = dict(model="random", dtype="bfloat16", mode="default", batch=1, budget=64, accuracy=0.9, rounds=10,
+                 tau=5.0, speedup=3.0, speedup_without_draft=4.5, verify_ms_per_round=1.0, other_ms_per_round=0.05,
                  draft_ms_per_round=0.2, other_over_verify=0.05, tokens_match=1.0, margins_match=1.0,
                  ddtree_tokens_per_s=900.0, verify_over_ar_step=1.1)
+    peaked = {**point, "model": "peaked"}
     return {"config": "k2-mid", "date": "2026-12-01", "commit": "abc", "torch": "2.11",
             "ceilings": {"gpu": "H200", "copy_TBps": 4.3, "bf16_TFLOPs": 790.0, "fp32_TFLOPs": 50.0},
             "backends": {}, "plan": {}, "timing_s": {"total": 300.0}, "notes": [], "skipped": [],
-            "steps": [{**step, "kind": "ar", "ms": 0.6, "floor_ms": 0.5, "x_floor": 1.2,
+            "steps": [{**ar, "mode": "default", "ms": 0.66, "x_floor": 1.2,
                        "profile": {"kernels": 250, "per_layer": 25.0, "kernel_ms": 0.4,
                                    "top": [["fused_moe_kernel", 24, 0.2]]}},
-                      {**step, "kind": "verify", "budget": 64, "rows": 65, "ms": 1.0, "floor_ms": 0.5,
-                       "x_floor": 2.0}],
+                      {**verify, "mode": "default", "ms": 2.0, "x_floor": 2.0, "build_ms": 0.1, "accept_ms": 0.2},
+                      {**ar, "mode": "invariant", "ms": 0.825, "x_floor": 1.5,
+                       "profile": {"kernels": 400, "per_layer": 40.0, "kernel_ms": 0.7,
+                                   "top": [["invariant_matmul", 48, 0.5]]}},
+                      {**verify, "mode": "invariant", "floor_ms": 1.1, "ms": 2.8, "x_floor": 2.8 / 1.1},
+                      {**ar, "dtype": "float32", "mode": "default", "floor_ms": 0.8, "ms": 1.0, "x_floor": 1.25}],
             "ar": [dict(dtype="bfloat16", mode="default", batch=1, tokens_per_s=1600.0, ms_per_step=0.6)],
             "sweep": [point, {**point, "accuracy": 0.5, "tau": 2.0, "speedup": 1.2, "speedup_without_draft": 1.5,
                               "other_over_verify": 0.2},
                       {**point, "dtype": "float32", "tokens_match": 0.5},
-                      {**point, "model": "peaked", "batch": 8, "speedup_without_draft": 3.0}]}
+                      {**peaked, "tau": 2.0, "speedup": 0.8, "speedup_without_draft": 0.9},
+                      {**peaked, "tau": 5.0, "speedup": 2.0, "speedup_without_draft": 2.5},
+                      {**peaked, "mode": "invariant", "tau": 4.0, "speedup": 2.0, "speedup_without_draft": 2.2,
+                       "other_over_verify": 0.08},
+                      {**peaked, "batch": 8, "tau": 4.0, "speedup": 1.6, "speedup_without_draft": 2.0, "bound": 0.5},
+                      {**peaked, "batch": 8, "mode": "invariant"}]}
 
 
-def test_report_states_every_target(tmp_path):
-    doc = sample_doc()
-    found = {name: (measured, met) for name, measured, _, met in engine_report.verdicts(doc)}
-    assert found["AR decode step (bfloat16, batch 1)"][1] is True                 # 1.2x <= 1.5x
+def bound_target(batch: int, mode: str, dtype: str = "bfloat16") -> str:
+    return (f"speedup / tau over its bound, budget 64, batch {batch}, {dtype}, {mode} mode, peaked model, "
+            f"without the draft")
+
+
+def test_plan_measures_the_targets_grid():
+    """Both modes and dtypes at batch 1 and 8, budget 64 first; the peaked model in both modes,
+    right after the first run (what a time budget cuts is the float32 end)."""
+    plan = Plan()
+    assert {1, 8} <= set(plan.batches) and plan.budgets[0] == 64 and plan.peaked_budgets == (64,)
+    assert plan.runs() == [("random", "bfloat16", "default"), ("peaked", "bfloat16", "default"),
+                           ("peaked", "bfloat16", "invariant"), ("random", "bfloat16", "invariant"),
+                           ("random", "float32", "default"), ("random", "float32", "invariant")]
+    assert Plan(peaked_budgets=()).runs() == [r for r in plan.runs() if r[0] == "random"]
+
+
+def test_report_states_every_target():
+    found = {name: (measured, met) for name, measured, _, met in engine_report.verdicts(sample_doc())}
+    # invariant mode against the default mode's same step: 0.825 / 0.66 = 1.25 <= 1.3; 2.8 / 2.0 = 1.4
+    assert found["AR step, invariant / default mode (bfloat16, batch 1)"] == ("1.25x (0.825 ms vs 0.660 ms)", True)
+    assert found["verify step, invariant / default mode (bfloat16, batch 1, budget 64)"] == \
+        ("1.40x (2.800 ms vs 2.000 ms)", False)
+    assert found["AR step, invariant / default mode (float32, batch 1)"] == ("not measured", None)
+    # the default mode against the floors, both dtypes and batches
+    assert found["AR step / floor, default mode (bfloat16, batch 1)"][1] is True                 # 1.2x
+    assert found["verify step / floor, default mode (bfloat16, batch 1, budget 64)"][1] is False  # 2.0x
+    assert found["AR step / floor, default mode (float32, batch 1)"] == \
+        ("1.25x floor (1.000 ms vs 0.800 ms, bytes-bound)", True)
+    for dtype in ("bfloat16", "float32"):
+        assert found[f"AR step / floor, default mode ({dtype}, batch 8)"] == ("not measured", None)
+        assert found[f"verify step, invariant / default mode ({dtype}, batch 8, budget 64)"] == ("not measured", None)
     assert found["kernels per layer, AR step (bfloat16, batch 1)"] == ("25.0 (250 launches a step)", False)
-    assert found["tree verify step (bfloat16, batch 1, budget 64)"][1] is False    # 2.0x
+    # round work but draft and verify, per mode: 20% (default), 8% (invariant)
     other = found["round work but draft and verify, worst point (default mode)"]
     assert other[1] is False and other[0].startswith("20.0%")
-    speedup = found["speedup / tau, budget 64, batch 1, bf16, default mode, random model, without the draft"]
-    assert speedup == ("0.75 at worst (tau 2.00; taus 5.0, 2.0)", False)          # 1.5 / 2.0 < 0.8
-    assert found["speedup / tau, budget 64, batch 1, bf16, default mode, random model, all in"][1] is False
-    peaked = found["speedup / tau, budget 64, batch 8, bf16, default mode, peaked model, without the draft"]
-    assert peaked == ("0.60 at worst (tau 5.00; taus 5.0)", True)                 # 3.0 / 5.0 >= 0.5
+    other = found["round work but draft and verify, worst point (invariant mode)"]
+    assert other[1] is True and other[0].startswith("8.0%")
+    # speedup / tau over the bound 0.55 / 1.0: tau 2: 0.9 / 2 = 0.45 -> 0.818 < 0.9 (all in 0.4 / 0.55)
+    assert found[bound_target(1, "default")] == ("0.82 at worst: speedup / tau 0.45 against the bound 0.55 (tau 2.00; "
+                                                 "all in 0.73 of the bound; taus 2.0, 5.0)", False)
+    assert found[bound_target(1, "invariant")][0].startswith("1.10 at worst")  # its own bound: 2.2 / 4 / 0.5
+    assert found[bound_target(8, "default")][0].startswith("1.00 at worst")    # the recorded bound 0.5: 2.0 / 4 / 0.5
+    assert found[bound_target(8, "invariant")] == ("not measured (no AR and verify steps for the bound)", None)
+    assert bound_target(1, "default", "float32") not in found                  # no peaked float32 point
     assert found["tokens identical to AR, float32 default"][1] is False
+
+
+def test_add_bounds_records_the_floor_ratio():
+    doc = sample_doc()
+    engine_report.add_bounds(doc)
+    tau_2 = doc["sweep"][3]                                     # peaked, bf16 default, batch 1, tau 2
+    assert tau_2["bound"] == pytest.approx(0.55) and tau_2["speedup_over_tau_over_bound"] == pytest.approx(0.45 / 0.55)
+    assert doc["sweep"][6]["bound"] == 0.5                      # recorded: kept
+    assert "bound" not in doc["sweep"][7]                       # batch 8: no steps
+
+
+def test_report_markdown_and_plot(tmp_path):
     path = tmp_path / "results.json"
-    path.write_text(json.dumps(doc))
+    path.write_text(json.dumps(sample_doc()))
     assert engine_report.main([str(path), str(tmp_path / "engine")]) == 0
     text = (tmp_path / "engine.md").read_text()
-    assert "| tree verify step (bfloat16, batch 1, budget 64) | 2.00x floor" in text and "| not met |" in text
-    assert "| `fused_moe_kernel` | 24 | 0.200 |" in text and "| 250 | 25.0 | 0.400 |" in text
+    assert "| verify step / floor, default mode (bfloat16, batch 1, budget 64) | 2.00x floor" in text
+    assert "| AR step, invariant / default mode (float32, batch 1) | not measured | <= 1.3x | not measured |" in text
+    assert "| bfloat16 | AR decode | 1 | 1 | 0.550 | bytes | 0.660 | 0.825 | 1.25 | 1.20 | 1.50 | 25.0 / 40.0 | " \
+           "4.0 | n/a | n/a |" in text
+    assert "| bfloat16 | verify (budget 64) | 1 | 65 | 1.000 | bytes | 2.000 | 2.800 | 1.40 | 2.00 | 2.55 | " \
+           "n/a / n/a | 4.0 | 0.100 | 0.200 |" in text
+    assert "| float32 | AR decode | 1 | 1 | 0.800 | bytes | 1.000 | n/a | n/a | 1.25 | n/a | n/a / n/a |" in text
+    assert "| float32 | AR decode | 8 |" + " not measured |" * 12 in text
+    assert "| peaked | bfloat16 | default | 1 | 64 | 0.9 | 2.00 | 0.80 | 0.90 | 0.45 | 0.55 | 0.82 | " in text
+    assert "| peaked | bfloat16 | invariant | 8 | 64 | 0.9 | 5.00 | 3.00 | 4.50 | 0.90 | n/a | n/a | " in text
+    assert "| `fused_moe_kernel` | 24 | 0.200 |" in text and "| `invariant_matmul` | 48 | 0.500 |" in text
     assert (tmp_path / "engine.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert engine_report.main([str(tmp_path / "missing.json"), str(tmp_path / "x")]) == 1
+
+
+def test_report_renders_the_old_h200_run():
+    """docs/results/engine-gpu-h200.json (2026-12-02): both modes' steps were measured, the
+    peaked model in the default mode only; the bound comes from the steps' floors."""
+    doc = json.loads((Path(__file__).parents[2] / "docs/results/engine-gpu-h200.json").read_text())
+    found = {name: (measured, met) for name, measured, _, met in engine_report.verdicts(doc)}
+    assert found[bound_target(1, "invariant")] == ("not measured", None)
+    assert found[bound_target(8, "invariant")] == ("not measured", None)
+    # 0.493 ms / 0.893 ms (bf16 batch 1 floors) = 0.55
+    assert "against the bound 0.55" in found[bound_target(1, "default")][0]
+    assert found["verify step, invariant / default mode (float32, batch 1, budget 64)"] == \
+        ("0.83x (24.555 ms vs 29.516 ms)", True)
+    text = engine_report.markdown(doc)
+    assert f"| {bound_target(1, 'invariant')} | not measured | >= 0.9 | not measured |" in text
+    assert "Not measured: targets this run did not measure" in text
 
 
 def test_peaked_model_leads_with_a_trained_like_margin():
