@@ -340,7 +340,7 @@ class Transformer:
         self.fused_forward = None
         if _use_fused(fused, self.device, dtype, invariant, world, moe):
             from .fused import FusedForward
-            self.fused_forward = FusedForward(cfg, self.layers, self.norm, self.lm_head)
+            self.fused_forward = FusedForward(cfg, self.layers, self.norm, self.lm_head, invariant=invariant)
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
         self.scale = softmax_scale(cfg)
 
@@ -508,14 +508,15 @@ def _use_fused(fused: bool | None, device: torch.device, dtype: torch.dtype, inv
     """Whether the forward takes the fused layers (engine/fused): asked for, or by default in
     bf16 on a CUDA device in default mode on one device with no MoE dispatch named, where Triton
     is. float32 keeps the unfused layers by default: its fused experts (exact float32 Triton
-    tiles) are slower than cuBLAS (docs/engine-fused.md)."""
+    tiles) are slower than cuBLAS (docs/engine-fused.md). Invariant mode takes the fused layers'
+    batch-invariant form when asked (fused=True); by default it keeps its tiled forward, which
+    has been measured on a GPU (docs/precision.md, section 3)."""
     if fused is None:
         return (device.type == "cuda" and dtype == torch.bfloat16 and not invariant and world is None
                 and moe is None and importlib.util.find_spec("triton") is not None)
     if not fused:
         return False
-    for ok, why in ((not invariant, "invariant mode keeps its own fixed-shape kernels"),
-                    (world is None, "the fused layers run on one device"),
+    for ok, why in ((world is None, "the fused layers run on one device"),
                     (moe is None, f"the fused layers have their own MoE dispatch, not moe={moe!r}"),
                     (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
                      f"the fused layers are Triton kernels: a CUDA device, or TRITON_INTERPRET=1 on {device}"),

@@ -25,6 +25,14 @@ rounded to the compute dtype where the unfused forward rounds it; the experts' h
 activations rounded once (after SiLU-and-mul) and their outputs kept in float32 to the combine.
 The fused forward meets the same tolerances as the unfused one (docs/engine-fused.md) and is
 deterministic: a CUDA-graph replay gives the bits of the eager call.
+
+Invariant mode (`FusedForward(..., invariant=True)`): the same launches with every choice that
+could depend on the number of rows M fixed, so a row's logits are bitwise the same whatever
+rows or requests share its call: the dense products are `linear`'s fixed-tile form (no cuBLAS,
+split-K from the weight's shape alone, the splits added in order), the per-head products take
+16-row tiles, the router computes its logits per row, the experts take 16-pair blocks and fixed
+tiles, and attention is the backend's invariant form (bound by the model). The norms, the latent
+step and the slot combine are per row already.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch
 
 from kdtr_format import ModelConfig
 
-from . import heads, moe, norms
+from . import heads, linear, moe, norms
 
 
 @dataclass
@@ -91,10 +99,13 @@ def fuse(cfg: ModelConfig, block) -> FusedLayer:
 
 
 class FusedForward:
-    """The fused layers and head of one model (module docstring)."""
+    """The fused layers and head of one model (module docstring). invariant: the batch-invariant
+    forward (module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, blocks, norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def __init__(self, cfg: ModelConfig, blocks, norm: torch.Tensor, lm_head: torch.Tensor,
+                 invariant: bool = False) -> None:
         self.cfg = cfg
+        self.invariant = invariant
         self.layers = [fuse(cfg, block) for block in blocks]
         self.norm, self.lm_head = norm, lm_head
         self._dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -107,6 +118,10 @@ class FusedForward:
                               torch.ones(m, 1, device=device, dtype=torch.float32))
         return self._dense[m]
 
+    def _project(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """a [M, K], w [N, K] -> a w^T [M, N]: cuBLAS, or in invariant mode the fixed-tile product."""
+        return linear.linear(a, w, self.invariant)
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                  real: torch.Tensor, cache, attend, scale: float, batch: int) -> torch.Tensor:
         """x [M, D] (embedded tokens), cos/sin float32 [M, dr/2], rows int64 [M] (the new tokens'
@@ -117,24 +132,27 @@ class FusedForward:
         q_cols = cfg.q_lora_rank or cfg.num_attention_heads * cfg.qk_head_dim
         eps, latent_eps = cfg.rms_norm_eps, cfg.latent_norm_eps
         y = None
+        invariant, project = self.invariant, self._project
         for layer, f in enumerate(self.layers):
             x, h, _ = norms.add_rms_norm(x, f.input_norm, eps, delta=y, real=real)
-            kv = h @ f.w_joint.T                                                    # [M, Q + R + dr]
+            kv = project(h, f.w_joint)                                                   # [M, Q + R + dr]
             c_kv_rows, k_pe_rows = cache.rows(layer)
             q_a = norms.latent(kv, q_cols, f.q_a_norm, f.kv_a_norm, latent_eps, cos, sin, cfg.rope_style,
                                rows, real, c_kv_rows, k_pe_rows)
-            q = (q_a @ f.wq_b.T if q_a is not None else kv[:, :q_cols]).view(m, -1, cfg.qk_head_dim)
-            q_lat, q_pe = heads.head_bmm(q, f.w_uk, w_transposed=False, rope=(cos, sin, cfg.rope_style))
+            q = (project(q_a, f.wq_b) if q_a is not None else kv[:, :q_cols]).view(m, -1, cfg.qk_head_dim)
+            q_lat, q_pe = heads.head_bmm(q, f.w_uk, w_transposed=False, rope=(cos, sin, cfg.rope_style),
+                                         invariant=invariant)
             o_lat = attend(q_lat.view(batch, n, *q_lat.shape[1:]), q_pe.view(batch, n, *q_pe.shape[1:]),
                            *cache.layer(layer), scale).view(q_lat.shape)          # [M, H, R]
-            o, _ = heads.head_bmm(o_lat, f.w_uv, w_transposed=True)               # [M, H, d_v]
-            a = o.view(m, -1) @ f.wo.T                                              # [M, D]
+            o, _ = heads.head_bmm(o_lat, f.w_uv, w_transposed=True, invariant=invariant)   # [M, H, d_v]
+            a = project(o.view(m, -1), f.wo)                                        # [M, D]
             x, h, h32 = norms.add_rms_norm(x, f.post_norm, eps, delta=a,
-                                           float32_copy=f.gate is not None and m > moe.ROUTER_ROWS)
+                                           float32_copy=f.gate is not None and m > moe.ROUTER_ROWS and not invariant)
             if f.gate is None:
                 idx, weight = self._dense_slots(m, x.device)
             else:
-                idx, weight = moe.route(cfg, h, h32, f.gate, f.bias)
-            y = moe.experts(h, idx, weight, real, f.w_gate, f.w_up, f.w_down)     # [M, S, D] float32
+                idx, weight = moe.route(cfg, h, h32, f.gate, f.bias, invariant)
+            y = moe.experts(h, idx, weight, real, f.w_gate, f.w_up, f.w_down,
+                            invariant=invariant)                          # [M, S, D] float32
         _, h, _ = norms.add_rms_norm(x, self.norm, eps, delta=y, real=real)
-        return (h @ self.lm_head.T).float()
+        return project(h, self.lm_head).float()

@@ -93,17 +93,18 @@ ROUTER_ROWS = 16     # up to this many rows `route` computes the logits itself; 
 
 
 def route(cfg: ModelConfig, h: torch.Tensor, h32: torch.Tensor | None, gate: torch.Tensor,
-          bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [M, D] (normed), h32 its float32 copy (needed past ROUTER_ROWS rows), gate float32
-    [E, D], bias float32 [E] -> (experts int32 [M, S], weights float32 [M, S]), S = k +
-    n_shared (module docstring). The logits h W_router^T are float32."""
+          bias: torch.Tensor, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, D] (normed), h32 its float32 copy (needed past ROUTER_ROWS rows outside invariant
+    mode), gate float32 [E, D], bias float32 [E] -> (experts int32 [M, S], weights float32
+    [M, S]), S = k + n_shared (module docstring). The logits h W_router^T are float32;
+    invariant: computed per row by the kernel whatever M (no GEMM chosen by M)."""
     m = h.shape[0]
     experts, width = gate.shape
     k, shared = cfg.num_experts_per_tok, cfg.n_shared_experts
     idx = torch.empty(m, k + shared, device=h.device, dtype=torch.int32)
     weight = torch.empty(m, k + shared, device=h.device, dtype=torch.float32)
     if m:
-        from_h = m <= ROUTER_ROWS
+        from_h = invariant or m <= ROUTER_ROWS
         logits = weight if from_h else h32 @ gate.T                       # [M, E]
         per_group = experts // cfg.n_group
         block_g, block_eg = triton.next_power_of_2(cfg.n_group), triton.next_power_of_2(per_group)
@@ -231,19 +232,31 @@ def tiles(blocks: int, n: int, dtype: torch.dtype) -> tuple[int, int]:
     return block_n, 128 if dtype == torch.bfloat16 else 32
 
 
+def invariant_tiles(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of both expert products in invariant mode: from the dtype alone."""
+    return 32, 128 if dtype == torch.bfloat16 else 32
+
+
+INVARIANT_BLOCK_M = 16
+
+
 def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torch.Tensor,
             w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-            tiling: tuple[int, int] | None = None) -> torch.Tensor:
+            tiling: tuple[int, int] | None = None, invariant: bool = False) -> torch.Tensor:
     """h [M, D], idx int32 [M, S], weight float32 [M, S], real uint8 [M], stacked experts
     w_gate, w_up [ET, I, D], w_down [ET, D, I] -> y float32 [M, S, D] (module docstring; the
     pairs of padding rows are left unwritten). tiling: (BLOCK_N, BLOCK_K) for both products
-    instead of `tiles`' (the tiling benchmark)."""
+    instead of `tiles`' (the tiling benchmark). invariant: blocks of INVARIANT_BLOCK_M pairs and
+    `invariant_tiles`, whatever M and the routing, so a pair's output does not depend on the
+    pairs beside it in its block."""
     m, slots = idx.shape
     stacked, inner, width = w_gate.shape
     y = torch.empty(m, slots, width, device=h.device, dtype=torch.float32)
     if m == 0 or slots == 0:
         return y
-    bm = block_m(m * slots, stacked)
+    if invariant:
+        tiling = invariant_tiles(h.dtype)
+    bm = INVARIANT_BLOCK_M if invariant else block_m(m * slots, stacked)
     sorted_pairs, block_expert, count = align(idx, real, stacked, bm)
     blocks = block_expert.shape[0]
     ieee = h.dtype == torch.float32

@@ -1,7 +1,9 @@
 """The fused layers (engine/fused) against torch references, kernel by kernel and whole.
 
 Each kernel beside the torch ops it replaces, over sizes, dtypes and both rotary pairings; then
-the fused forward against the unfused one and the float64 reference. On a GPU the kernels are
+the fused forward against the unfused one and the float64 reference; then the invariant form:
+each kernel whose tiling could follow the number of rows gives a row the same bits whatever rows
+share its call, and the whole invariant forward gives a token the same logits in any batch. On a GPU the kernels are
 compiled; without one they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
 so CI checks the same kernels' arithmetic on the CPU.
 """
@@ -15,7 +17,7 @@ import torch
 
 pytest.importorskip("triton", reason="the fused layers are Triton kernels; Triton is not installed")
 
-from engine.fused import heads, moe as fused_moe, norms  # noqa: E402
+from engine.fused import heads, linear, moe as fused_moe, norms  # noqa: E402
 from engine.model import Transformer, _use_fused, apply_rope, rms_norm, route  # noqa: E402
 from engine.moe import RoutedExperts, swiglu  # noqa: E402
 from kdtr_format import PRESETS  # noqa: E402
@@ -255,8 +257,6 @@ def test_fused_forward_in_bfloat16_stays_near_the_float64_reference(model_zoo):
 
 def test_fused_is_refused_where_it_cannot_run(model_zoo):
     case = model_zoo.get("tiny")
-    with pytest.raises(ValueError, match="invariant mode"):
-        Transformer(case.cfg, case.weights, device=DEVICE, invariant=True, fused=True)
     with pytest.raises(ValueError, match="moe='dense'"):
         Transformer(case.cfg, case.weights, device=DEVICE, moe="dense", fused=True)
     assert Transformer(case.cfg, case.weights, device="cpu").fused_forward is None
@@ -266,7 +266,135 @@ def test_the_fused_layers_are_the_default_for_bf16_on_cuda_only():
     cuda = torch.device("cuda")
     assert _use_fused(None, cuda, torch.bfloat16, False, None, None)
     assert not _use_fused(None, cuda, torch.float32, False, None, None)       # slower than cuBLAS there
-    assert not _use_fused(None, cuda, torch.bfloat16, True, None, None)       # invariant mode
+    assert not _use_fused(None, cuda, torch.bfloat16, True, None, None)       # invariant mode: when asked
+    assert _use_fused(True, cuda, torch.bfloat16, True, None, None)
     assert not _use_fused(None, cuda, torch.bfloat16, False, None, "grouped")
     assert not _use_fused(None, torch.device("cpu"), torch.bfloat16, False, None, None)
     assert _use_fused(True, cuda, torch.float32, False, None, None)
+
+
+# ---- the invariant form (invariant=True) ----
+
+def rows_alone_and_among_others(run, x: torch.Tensor) -> None:
+    """run(rows [M, ...]) -> [M, ...]: every probed row's output is bitwise the same in the whole
+    call (M past every tiling threshold), in a part of it, alone, and first among other rows."""
+    whole = run(x)
+    for part in (slice(7, 8), slice(16, 33)):
+        assert torch.equal(run(x[part]), whole[part]), f"rows {part} differ from the call of {x.shape[0]} rows"
+    among = torch.cat([x[5:6], randn(20, *x.shape[1:], dtype=x.dtype, seed=9)])
+    assert torch.equal(run(among)[0], whole[5]), "row 5 among other rows differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_count", [None, 3])
+def test_invariant_linear_is_the_product_and_row_invariant(dtype, split_count):
+    x, w = randn(40, 300, dtype=dtype), randn(100, 300, dtype=dtype, seed=1) / 16
+    out = linear.linear(x, w, invariant=True, split_count=split_count)
+    close(out, x.double() @ w.double().T, dtype, ulps=2)
+    rows_alone_and_among_others(lambda rows: linear.linear(rows, w, invariant=True, split_count=split_count), x)
+
+
+def test_invariant_linear_splits_follow_the_weight_alone():
+    assert linear.splits(2048, 2048, torch.bfloat16) == (1 if linear.INTERPRETED else 8)
+    assert linear.splits(32768, 2048, torch.bfloat16) == 1               # 512 column blocks stream alone
+    assert linear.splits(2112, 128, torch.bfloat16) == 1                 # one K-block: nothing to split
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_head_bmm_is_row_invariant(dtype):
+    q, w_uk = randn(40, 3, 48, dtype=dtype), randn(3, 32, 80, dtype=dtype, seed=1)
+    cos, sin = randn(40, 8, seed=2), randn(40, 8, seed=3)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        m = rows.shape[0]
+        q_lat, q_pe = heads.head_bmm(rows, w_uk, w_transposed=False, rope=(cos[:m], sin[:m], "neox"),
+                                     invariant=True)
+        return torch.cat([q_lat, q_pe], dim=2)
+    close(run(q)[..., :80], torch.einsum("mhd,hdr->mhr", q[..., :32].float(), w_uk.float()), dtype, ulps=4)
+    whole = run(q)
+    for part in (slice(0, 1), slice(16, 33)):           # the rotation reads its own row's cos and sin
+        q_lat, _ = heads.head_bmm(q[part], w_uk, w_transposed=False, rope=(cos[part], sin[part], "neox"),
+                                  invariant=True)
+        assert torch.equal(q_lat, whole[part, :, :80]), f"rows {part} differ"
+
+
+def test_invariant_route_computes_logits_per_row_past_the_gemm_threshold():
+    """Past ROUTER_ROWS rows the default mode takes the logits from one GEMM; invariant mode
+    computes every row's logits in the kernel, as for one row."""
+    cfg = PRESETS["tiny2"]
+    e, width = cfg.n_routed_experts, 96
+    h, gate, bias = randn(40, width), randn(e, width, seed=1) / 4, 0.1 * randn(e, seed=2)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        idx, weight = fused_moe.route(cfg, rows, None, gate, bias, invariant=True)
+        return torch.cat([idx.float(), weight], dim=1)
+    idx, weight = fused_moe.route(cfg, h, None, gate, bias, invariant=True)
+    expected_idx, expected_weight = route(cfg, h @ gate.T, torch.eye(e, device=DEVICE), bias)
+    k = cfg.num_experts_per_tok
+    assert torch.equal(idx[:, :k].long(), expected_idx)
+    torch.testing.assert_close(weight[:, :k], expected_weight, rtol=1e-5, atol=0)
+    rows_alone_and_among_others(run, h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_experts_give_a_row_its_bits_whatever_its_block_partners(dtype):
+    cfg = PRESETS["tiny2"]
+    e, ns, inner, width = cfg.n_routed_experts, cfg.n_shared_experts, 48, 64
+    w_gate, w_up = (randn(e + ns, inner, width, dtype=dtype, seed=s) / 8 for s in (1, 2))
+    w_down = randn(e + ns, width, inner, dtype=dtype, seed=3) / 8
+    gate = torch.eye(e, width, device=DEVICE)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        idx, weight = fused_moe.route(cfg, rows, None, gate, torch.zeros(e, device=DEVICE), invariant=True)
+        real = torch.ones(rows.shape[0], dtype=torch.uint8, device=DEVICE)
+        return fused_moe.experts(rows, idx, weight, real, w_gate, w_up, w_down, invariant=True)
+    rows_alone_and_among_others(run, randn(40, width, dtype=dtype, seed=4))
+
+
+@pytest.fixture(scope="module")
+def two_layers(model_zoo):
+    """tiny cut to two layers (a dense one and a MoE one): the interpreter runs every program."""
+    case = model_zoo.get("tiny")
+    cfg = dataclasses.replace(case.cfg, num_hidden_layers=2)
+    weights = {name: w for name, w in case.weights.items() if not name.startswith(("layers.2.", "layers.3."))}
+    return cfg, weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_fused_forward_gives_a_token_its_logits_in_any_batch(two_layers, dtype):
+    """Request 0 (five tokens) prefilled in chunks of 4 and 1 beside request 1 (chunks of 1 and 2,
+    its second forward with a padding row) gets bitwise the logits of its tokens fed one at a time
+    alone; the logits stay near the unfused forward's (float32: to rounding; bf16: within twice
+    the unfused bf16 error)."""
+    cfg, weights = two_layers
+    model = Transformer(cfg, weights, device=DEVICE, dtype=dtype, invariant=True, fused=True)
+    assert model.fused_forward is not None and model.fused_forward.invariant
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=g).to(DEVICE)
+    arange = torch.arange(6, device=DEVICE)
+
+    def forward(cache, chunk: torch.Tensor, starts: list[int], n_new: list[int]) -> torch.Tensor:
+        n = chunk.shape[1]
+        positions = torch.tensor(starts, device=DEVICE)[:, None] + arange[:n]
+        causal = torch.ones(n, n, dtype=torch.bool, device=DEVICE).tril().expand(len(starts), n, n)
+        return model(chunk, positions, causal, torch.tensor(n_new, device=DEVICE), torch.tensor(starts, device=DEVICE),
+                     cache)
+    batched = model.new_cache(2, 8)
+    first = forward(batched, torch.stack([tokens[0, :4], tokens[1, :4]]), [0, 0], [4, 1])
+    second = forward(batched, torch.stack([tokens[0, 4:6], tokens[1, 1:3]]), [4, 1], [1, 2])
+    together = torch.cat([first[0, :4], second[0, :1]])
+    alone_cache = model.new_cache(1, 8)
+    alone = torch.cat([forward(alone_cache, tokens[:1, i:i + 1], [i], [1])[0] for i in range(5)])
+    assert torch.equal(together, alone), "request 0's logits differ between the batch and one token at a time"
+
+    def unfused(dtype_: torch.dtype) -> torch.Tensor:
+        plain = Transformer(cfg, weights, device=DEVICE, dtype=dtype_)
+        return plain(tokens[:1, :5], arange[None, :5], torch.ones(1, 5, 5, dtype=torch.bool, device=DEVICE).tril(),
+                     torch.tensor([5], device=DEVICE), torch.tensor([0], device=DEVICE), plain.new_cache(1, 8))[0]
+    if dtype == torch.float32:
+        close(alone, unfused(torch.float32), torch.float32, ulps=64)
+    else:
+        exact = unfused(torch.float32)
+        plain_error = float((unfused(torch.bfloat16) - exact).abs().max())
+        error = float((alone - exact).abs().max())
+        assert error <= 2 * plain_error, f"invariant fused bf16 error {error:.3g}, unfused {plain_error:.3g}"

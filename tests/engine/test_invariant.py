@@ -6,7 +6,8 @@ equals AR greedy bit for bit, margins included (docs/precision.md, section 3).
   in lockstep with random companions, against each request alone one token per forward.
 - A verified tree's every node against AR decoding of that node's path.
 - ar_decode == ddtree_decode, tokens and margins, in float32 and bf16.
-- The CUDA variants of the first two (skipped without a GPU), and the verify-attention
+- The CUDA variants of the first two, with the tiled forward and with the fused layers'
+  invariant form (skipped without a GPU), and the verify-attention
   kernel's invariant plan: one query row's output bitwise across tree sizes, batches and the
   AR layout of its keys.
 """
@@ -28,27 +29,31 @@ from refgen import ddtree
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="CUDA variant: no CUDA GPU is visible (torch.cuda.is_available() is False)")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+# (device, forward): the tiled forward everywhere; the fused layers' invariant form on a GPU (on the
+# CPU it runs in Triton's interpreter, too slow for these properties: tests/engine/test_fused.py)
+FORWARDS = [("cpu", "tiled"), pytest.param("cuda", "tiled", marks=CUDA), pytest.param("cuda", "fused", marks=CUDA)]
 HYPOTHESIS = settings(max_examples=6, deadline=None, derandomize=True,
                       suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
 def engines(model_zoo):
-    """-> get(preset, dtype name, device): the invariant Transformer, built once (with the CUDA
-    attention kernel's invariant form when kernels_cuda loads)."""
+    """-> get(preset, dtype name, device, forward): the invariant Transformer, built once (with the
+    CUDA attention kernel's invariant form when kernels_cuda loads); forward "fused": the fused
+    layers' invariant form."""
     built = {}
 
-    def get(preset: str, dtype: str, device: str) -> Transformer:
-        if (preset, dtype, device) not in built:
+    def get(preset: str, dtype: str, device: str, forward: str = "tiled") -> Transformer:
+        if (preset, dtype, device, forward) not in built:
             case = model_zoo.get(preset)
             attention = None
             if device == "cuda":
                 from engine.adapter import cuda_backends
                 attention = cuda_backends()[1]
-            built[preset, dtype, device] = Transformer(case.cfg, case.weights, device=device, dtype=DTYPES[dtype],
-                                                       attention=attention, invariant=True)
-        return built[preset, dtype, device]
+            built[preset, dtype, device, forward] = Transformer(
+                case.cfg, case.weights, device=device, dtype=DTYPES[dtype], attention=attention, invariant=True,
+                fused=forward == "fused")
+        return built[preset, dtype, device, forward]
     return get
 
 
@@ -92,13 +97,13 @@ def chunked_requests(draw, vocab: int) -> list[list[list[int]]]:
     return requests
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, forward", FORWARDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("preset", ["tiny", "tiny2"])
 @HYPOTHESIS
 @given(data=st.data())
-def test_logits_bitwise_whatever_the_rows_and_the_batch(engines, preset, dtype, device, data):
-    engine = engines(preset, dtype, device)
+def test_logits_bitwise_whatever_the_rows_and_the_batch(engines, preset, dtype, device, forward, data):
+    engine = engines(preset, dtype, device, forward)
     requests = data.draw(chunked_requests(engine.cfg.vocab_size))
     together = lockstep(engine, requests, np.random.default_rng(0))
     for r, chunks in enumerate(requests):
@@ -125,15 +130,16 @@ def clone_cache(cache):
     return type(cache)(c_kv=cache.c_kv.clone(), k_pe=cache.k_pe.clone(), lengths=cache.lengths.clone())
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, forward", FORWARDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @HYPOTHESIS
 @given(seed=st.integers(0, 2**31 - 1), prompt=st.integers(1, 12), budget=st.integers(1, 12),
        depth=st.integers(1, 5))
-def test_tree_verify_rows_equal_ar_decode_of_their_paths(engines, dtype, device, seed, prompt, budget, depth):
+def test_tree_verify_rows_equal_ar_decode_of_their_paths(engines, dtype, device, forward, seed, prompt, budget,
+                                                         depth):
     """Each node of a verified tree (its ancestors at scattered slots, siblings beside it) gets
     the logits of AR decoding its path one token at a time after the prompt."""
-    engine = engines("tiny", dtype, device)
+    engine = engines("tiny", dtype, device, forward)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, engine.cfg.vocab_size, prompt).tolist()
     cache = engine.new_cache(1, prompt + budget + depth + 2)
