@@ -73,7 +73,7 @@ def bound_of(doc: dict, point: dict) -> float | None:
 
 def add_bounds(doc: dict) -> None:
     """Record "bound" and "speedup_over_tau_over_bound" (without the draft) in every sweep point
-    whose steps are measured (tests/engine_bench.Bench does after every part)."""
+    whose steps are measured (engine_bench.Bench in tests/engine_bench.py does after every part)."""
     for point in doc["sweep"]:
         bound = bound_of(doc, point)
         if bound is not None:
