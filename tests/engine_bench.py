@@ -260,6 +260,8 @@ class Plan:
     peaked_budgets: tuple[int, ...] = (64,)            # the peaked model: bf16, in these modes
     peaked_modes: tuple[str, ...] = ("default", "invariant")
     seconds: float = 300.0                             # work not begun by then is recorded as skipped
+    invariant_forward: str = "fused"                   # invariant mode's forward: the fused layers' invariant
+                                                       # form (engine/fused/linear.py), or "tiled"
 
     def runs(self) -> list[tuple[str, str, str]]:
         """(model, dtype, mode) in the order measured: the random model in every dtype and mode,
@@ -351,7 +353,7 @@ class Bench:
 
         dtype, invariant, plan = getattr(torch, dtype_name), mode == "invariant", self.plan
         model = Transformer(self.cfg, weights, device=self.device, dtype=dtype, attention=attention,
-                            invariant=invariant)
+                            invariant=invariant, fused=True if invariant and plan.invariant_forward == "fused" else None)
         self.doc.setdefault("layers", {})[f"{dtype_name} {mode}"] = "fused" if model.fused_forward else "unfused"
         graphed = GraphedModel(model)
         key = dict(model=model_name, dtype=dtype_name, mode=mode)

@@ -18,7 +18,7 @@ import triton.language as tl
 from .tiles import cast, dot, rope_pair
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])      # one compiled kernel for every M (no M == 1 or M % 16 variant)
 def _head_bmm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, q_pe_ptr, M, H, N, K,
                      sxm, sxh, swh, swk, swn, q_pe_offset,
                      ROPE: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,

@@ -32,7 +32,7 @@ PROGRAMS = 1 if INTERPRETED else 264
 MAX_SPLITS = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])      # one compiled kernel for every M (no M == 1 or M % 16 variant)
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, sxm, swn,
                    PARTIAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

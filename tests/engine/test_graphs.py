@@ -3,7 +3,7 @@
 On the GPU (skipped without one): a forward run under torch's sync debug mode "error" (any
 host synchronization raises); replayed logits and the cache it writes bitwise equal to the
 eager forward's, for decode (width 1) and tree verify (a bucket width), default and invariant
-mode, float32 and bf16; decoding through a GraphedModel gives the eager run's tokens (and, in
+mode (the tiled forward and the fused layers' invariant form), float32 and bf16; decoding through a GraphedModel gives the eager run's tokens (and, in
 invariant mode, its margins bit for bit; DDTree's too). On the CPU: the bucket choice and the
 refusals.
 """
@@ -21,6 +21,7 @@ from engine.model import Transformer
 from kdtr_format import DDTreeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MODES = ["default", "invariant", "invariant-fused"]    # invariant: the tiled forward; -fused: the fused layers' form
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="CUDA variant: no CUDA GPU is visible (torch.cuda.is_available() is False)")
 
@@ -39,8 +40,9 @@ def test_graphed_model_refuses_a_cpu_model(model_zoo):
 
 @pytest.fixture(scope="module")
 def cuda_models(model_zoo):
-    """-> get(preset, dtype, invariant, page_size=None): (Transformer on CUDA with the kernels'
-    attention, stages), its caches paged with a page size."""
+    """-> get(preset, dtype, mode, page_size=None): (Transformer on CUDA with the kernels'
+    attention, stages), its caches paged with a page size. mode: "default", "invariant" (the
+    tiled forward) or "invariant-fused" (the fused layers' invariant form)."""
     from engine.adapter import cuda_backends
 
     stages, attention, notes = cuda_backends()
@@ -48,12 +50,13 @@ def cuda_models(model_zoo):
         pytest.skip(f"kernels_cuda does not load: {notes}")
     built = {}
 
-    def get(preset: str, dtype: str, invariant: bool, page_size: int | None = None):
-        key = preset, dtype, invariant, page_size
+    def get(preset: str, dtype: str, mode: str, page_size: int | None = None):
+        key = preset, dtype, mode, page_size
         if key not in built:
             case = model_zoo.get(preset)
             built[key] = Transformer(case.cfg, case.weights, device="cuda", dtype=DTYPES[dtype], attention=attention,
-                                     invariant=invariant, page_size=page_size)
+                                     invariant=mode != "default", fused=True if mode == "invariant-fused" else None,
+                                     page_size=page_size)
         return built[key], stages
     return get
 
@@ -86,11 +89,11 @@ def tree_inputs(model, batch: int, width: int, starts: torch.Tensor, seed: int):
 
 
 @CUDA
-@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("preset", ["tiny", "kimi-k2"])
-def test_forward_reads_nothing_back_to_the_host(cuda_models, preset, dtype, invariant):
-    model, _ = cuda_models(preset, dtype, invariant)
+def test_forward_reads_nothing_back_to_the_host(cuda_models, preset, dtype, mode):
+    model, _ = cuda_models(preset, dtype, mode)
     cache, starts = prefilled(model, 2, 12, seed=0)
     tokens, positions, visibility, n_new = tree_inputs(model, 2, 9, starts, seed=1)
     torch.cuda.synchronize()
@@ -102,14 +105,14 @@ def test_forward_reads_nothing_back_to_the_host(cuda_models, preset, dtype, inva
 
 
 @CUDA
-@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("preset", ["tiny", "kimi-k2"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_replayed_logits_and_cache_bitwise_equal_to_eager(cuda_models, preset, dtype, invariant, batch):
+def test_replayed_logits_and_cache_bitwise_equal_to_eager(cuda_models, preset, dtype, mode, batch):
     """Decode (width 1) and verify (width 17, a bucket): the graph and the eager forward on
     the same inputs and copies of the same cache give the same bits, in the logits and the cache."""
-    model, _ = cuda_models(preset, dtype, invariant)
+    model, _ = cuda_models(preset, dtype, mode)
     graphed = GraphedModel(model)
     for width, seed in ((1, 2), (17, 3)):
         cache, starts = prefilled(model, batch, 12, seed=seed)
@@ -134,13 +137,14 @@ def clone_cache(cache):
 
 @CUDA
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_graphed_decoding_matches_eager(cuda_models, dtype, invariant, page_size):
+def test_graphed_decoding_matches_eager(cuda_models, dtype, mode, page_size):
     """AR through the step graph and DDTree through the round graphs: the eager AR tokens in
     float32 (margins within float32 rounding) and in invariant mode bit for bit, margins too;
     on a paged cache as on a contiguous one (the round graph compacts through the table)."""
-    model, stages = cuda_models("tiny", dtype, invariant, page_size)
+    model, stages = cuda_models("tiny", dtype, mode, page_size)
+    invariant = mode != "default"
     graphed = GraphedModel(model)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, model.cfg.vocab_size, m).tolist() for m in (4, 11, 7)]
