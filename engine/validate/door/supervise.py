@@ -21,8 +21,9 @@ the rest "not run"), when
   status, not from the pipe, which a process the adapter started may still hold open.
 
 Before the checking starts (the adapter's import, factory and set_dtype) either is bad input,
-a CliError naming --impl and the call. The child starts with SIGINT ignored: Ctrl-C is the
-parent's to answer (KeyboardInterrupt here): the parent sends the child SIGTERM, which the
+a CliError naming --impl and the call. The child ignores SIGINT from its start (the signal is
+held blocked while it starts, so that a Ctrl-C in that moment still reaches the parent): Ctrl-C
+is the parent's to answer (KeyboardInterrupt here): the parent sends the child SIGTERM, which the
 child raises as KeyboardInterrupt where it stands (its cleanups run; it exits 130), and kills
 it after STOP_S. A child that lingers after
 it returned (a thread of the adapter's) is killed after GRACE_S.
@@ -108,10 +109,11 @@ def supervise(job: ValidateJob, timeout: float, target: Callable[[Send, Validate
     context = multiprocessing.get_context(_start_method())
     here, there = context.Pipe()
     process = context.Process(target=_child, args=(there, job, target), name="kdtree-validate")
-    with _sigint_ignored():
+    with _sigint_held(process):
         process.start()
     there.close()
     try:
+        _release_sigint()                # a Ctrl-C held while the child started is raised here
         return _watch(job, process, here, timeout, log)
     except KeyboardInterrupt:            # Ctrl-C: the child stops (its finally blocks run), else is killed
         process.terminate()
@@ -135,24 +137,39 @@ def _start_method() -> str:
     return "fork" if not cuda and "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+def _can_hold_sigint() -> bool:
+    return threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
+
+
 @contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored while the child starts, which it keeps."""
-    if threading.current_thread() is not threading.main_thread():
+def _sigint_held(process: BaseProcess) -> Iterator[None]:
+    """SIGINT blocked (held pending, not lost) while the child starts: the child is born with it
+    blocked and ignores it before letting it through (`_child`); the parent's is raised by
+    `_release_sigint` once the child can be stopped. If the start fails, it is released here."""
+    if not _can_hold_sigint():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    except BaseException:
+        _release_sigint()
+        raise
+
+
+def _release_sigint() -> None:
+    """Unblock SIGINT: one held while the child started is raised now, as KeyboardInterrupt."""
+    if _can_hold_sigint():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _child(conn: Connection, job: ValidateJob, target: Callable[[Send, ValidateJob], Any]) -> None:
     """The child process: what target returns, or its exception, to the parent. What the child
     prints goes to stderr: stdout is the parent's. A Ctrl-C that reaches it (an adapter that
     handles SIGINT again) ends it quietly with status 130: the parent answers it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)         # a Ctrl-C held since its birth is dropped here
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGTERM, _stop)
     os.dup2(2, 1)
     try:
