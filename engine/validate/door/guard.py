@@ -95,16 +95,23 @@ def in_row(section: str, name: str, where: str = "") -> Iterator[None]:
 
 @contextmanager
 def watched(label: str) -> Iterator[None]:
-    """The block runs the adapter's code (`label` says which): the watcher, if any, is told."""
+    """The block runs the adapter's code (`label` says which): the watcher, if any, is told when
+    it starts and when it ends, but not when a Ctrl-C ends it: the run then stops inside it, and
+    the report names it."""
     watch = _WATCH.get()
     if watch is None:
         yield
         return
     watch(label, _ROW.get())
+    interrupted = False
     try:
         yield
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        watch(None, None)
+        if not interrupted:
+            watch(None, None)
 
 
 def call(method: str, function: Callable[..., T], *args: Any) -> T:
