@@ -115,8 +115,9 @@ def _server_options(command: Callable) -> Callable:
 
 @cli.command("validate")
 @click.option("--fixtures", type=click.Path(exists=True, path_type=Path), default=None,
-              help="A fixture directory, or one fixture file (then only that file is checked). "
-                   "Default: tests/golden, else fixtures generated once into a cache directory.")
+              help="A fixture directory (every .kdtr file under it, subfolders included; none is an error), "
+                   "or one fixture file (then only that file is checked). Default: tests/golden, else fixtures "
+                   "generated once into a cache directory.")
 @click.option("--device", type=Device(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
               help="The implementation's compute dtype, and the tolerance regime it is judged in "
@@ -132,7 +133,8 @@ def _server_options(command: Callable) -> Callable:
                    "matplotlib: the `plot` extra); - for stdout.")
 @click.option("--impl", type=str, default=None, callback=lambda ctx, param, value: _impl_given(value),
               help="Adapter factory to validate: module:factory (a module on PYTHONPATH or in the "
-                   "current directory) or path/to/file.py:factory (default: the built-in torch engine).")
+                   "current directory) or path/to/file.py:factory (a spec with a / is a path, and "
+                   "must name a .py file; default: the built-in torch engine).")
 @click.option("--require", type=str, default="declared", show_default=True,
               help="Capabilities whose checks must run, comma-separated (model, topk, tree, compile, accept, "
                    "sample_accept, compact, attention, paged_attention, paged_compact); `declared`: the "

@@ -29,9 +29,9 @@ GOLDEN_DIR = REPO_ROOT / "tests" / "golden"
 
 
 def find_fixtures(fixtures: str | os.PathLike | None, generate: bool = True) -> Path:
-    """The full fixtures to check: `fixtures` if given (one .kdtr file, or a directory holding
-    .kdtr files), else the committed tests/golden, else a cache directory filled by
-    `python -m refgen generate --all --full`; slim ones materialized (`full_fixtures`)."""
+    """The full fixtures to check: `fixtures` if given (one .kdtr file, or a directory with .kdtr
+    files anywhere under it: `kdtr_files`), else the committed tests/golden, else a cache directory
+    filled by `python -m refgen generate --all --full`; slim ones materialized (`full_fixtures`)."""
     if fixtures is not None:
         path = Path(fixtures)
         if path.is_file():
@@ -41,7 +41,7 @@ def find_fixtures(fixtures: str | os.PathLike | None, generate: bool = True) -> 
         if not path.is_dir():
             raise ValidateError(f"fixture directory or file {path} does not exist")
         if not kdtr_files(path):
-            raise ValidateError(f"no .kdtr fixtures in {path}")
+            raise ValidateError(f"no .kdtr fixtures under {path}")
         return full_fixtures(path)
     if kdtr_files(GOLDEN_DIR):
         return full_fixtures(GOLDEN_DIR)
@@ -78,11 +78,20 @@ def _is_slim(path: Path) -> bool:
 
 
 def kdtr_files(path: Path) -> list[Path]:
-    """The fixture files of a directory (its *.kdtr and kernels/*.kdtr), or [path] for a file."""
+    """[path] for a file; for a directory, every *.kdtr file under it at any depth (the files
+    `refgen materialize` copies: symlinked folders are not entered), in tree order: a folder's
+    own files by name, then each subfolder's in name order (tests/golden: tiny.kdtr, tiny2.kdtr,
+    then kernels/*.kdtr)."""
     if path.is_file():
         return [path]
-    files = sorted(path.glob("*.kdtr")) + sorted(path.glob("kernels/*.kdtr")) if path.is_dir() else []
-    return [file for file in files if file.is_file()]
+    files = [file for file in path.rglob("*.kdtr") if file.is_file()] if path.is_dir() else []
+    return sorted(files, key=lambda file: _tree_order(file.relative_to(path)))
+
+
+def _tree_order(relative: Path) -> tuple[tuple[int, str], ...]:
+    """Sort key putting a folder's files (0, name) before its subfolders (1, name)."""
+    *folders, name = relative.parts
+    return (*((1, folder) for folder in folders), (0, name))
 
 
 def model_fixture_config(reader, path: Path) -> ModelConfig:

@@ -25,8 +25,8 @@ def load_impl(spec: str) -> Any:
     target, sep, factory_name = spec.rpartition(":")
     if not sep or not target or not factory_name:
         raise ValueError(f"--impl {spec!r}: expected 'module:factory' or 'path/to/file.py:factory'")
-    if target.endswith(".py") and not Path(target).is_file():
-        raise ValueError(f"--impl {spec!r}: no file {target}")
+    if is_path(target):
+        refuse_non_python(spec, target)
     try:
         with watched(f"importing {target}"):
             module = _import(target)
@@ -35,6 +35,8 @@ def load_impl(spec: str) -> Any:
             (target == exc.name or target.startswith(exc.name + "."))
         how = ("; name a module on PYTHONPATH or in the current directory, or a file: path/to/file.py:factory"
                if missing else "")           # the module itself is not there, not one it imports
+        if missing and Path(target).is_file():          # `--impl notes.txt:X` in notes.txt's folder
+            refuse_non_python(spec, target)
         raise ValueError(f"--impl {spec!r}: cannot import {target!r} ({exc}){how}") from None
     except KeyboardInterrupt:
         raise
@@ -58,6 +60,27 @@ def refuse_empty(spec: str) -> None:
     if not spec.strip():
         raise ValueError(f"--impl {spec!r} is empty: name the adapter's factory, 'module:factory' or "
                          f"'path/to/file.py:factory' (without --impl, kdtree checks its built-in engine)")
+
+
+def is_path(target: str) -> bool:
+    """Whether the part of a spec before its last ':' names a file, not a module: it ends in .py,
+    holds a path separator, or is no dotted module name (a.b.c of Python identifiers)."""
+    separators = {"/", os.sep, os.altsep} - {None}
+    return (target.endswith(".py") or any(sep in target for sep in separators)
+            or not all(part.isidentifier() for part in target.split(".")))
+
+
+def refuse_non_python(spec: str, target: str) -> None:
+    """ValueError naming the spec unless `target` is an existing Python file (*.py)."""
+    path = Path(target)
+    if path.is_dir():
+        raise ValueError(f"--impl {spec!r}: {target} is a directory, not a Python file (.py): name the "
+                         f"adapter's file, path/to/file.py:factory")
+    if not path.exists():
+        raise ValueError(f"--impl {spec!r}: no file {target}" + (
+            "" if target.endswith(".py") else " (expected path/to/file.py:factory or module:factory)"))
+    if path.suffix != ".py":
+        raise ValueError(f"--impl {spec!r}: {target} is not a Python file (.py)")
 
 
 def _import(target: str) -> ModuleType:
