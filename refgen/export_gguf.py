@@ -11,11 +11,15 @@ by the hash of its ids for a test text, and knows published ones only).
 - Tensors: HF names mapped by gguf's own name map for `deepseek2`; routed experts stacked [E, ...];
   `kv_b_proj` split into `attn_k_b` [H, kv_lora, nope] (transposed per head) and `attn_v_b`
   [H, v, kv_lora], as the converter does for llama.cpp's absorbed MLA; the correction bias as
-  `exp_probs_b.bias`. float32 exports store F32, bfloat16 ones BF16 for matrices (vectors F32, as the
-  converter keeps them). The MTP layer is left out, as the converter leaves it out.
-- Tokenizer: llama.cpp's `whitespace` pre-tokenizer over a BPE vocabulary, token i the word `t<i>`
-  (the export's tokenizer.json), with the merges that spell each word from its characters, so that
-  text "t5 t17" is ids [5, 17] there too; no BOS is added.
+  `exp_probs_b.bias`. float32 exports store F32, bfloat16 ones BF16 for matrices (vectors and the
+  router `ffn_gate_inp` F32, as the converter keeps them). The MTP layer is left out, as the
+  converter leaves it out.
+- Tokenizer: llama.cpp's `rwkv` model (a trie of byte strings, longest match first, text out as
+  the tokens' bytes), token i the text " t<i>" (the export's word `t<i>` of tokenizer.json, a
+  space before it), normal tokens, no special ones: a reply detokenizes to " t762 t465 ...",
+  whose words the client reads back through tokenizer.json, and " t5 t17" tokenizes to [5, 17].
+  No token ends generation (`ignore_eos` masks none); no BOS is added. (A BPE vocabulary of the
+  words, as `whitespace` pre-tokenizes for it, detokenizes without spaces: "t762t465".)
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kdtr_format import ModelConfig
 
 GGUF_FILE = "model.gguf"
 ARCH = "deepseek2"
+F32_MATRICES = ("ffn_gate_inp.weight",)       # the router: F32 in a BF16 file, as the converter keeps it
 
 
 def _gguf():
@@ -55,13 +60,6 @@ def gguf_tensors(cfg: ModelConfig, hf_name: str, weight: np.ndarray) -> Iterator
     yield name, weight
 
 
-def vocabulary(vocab_size: int, token_text) -> tuple[list[str], list[str]]:
-    """The tokens (token_text(i)) and the BPE merges that build each from its characters, shortest first."""
-    tokens = [token_text(i) for i in range(vocab_size)]
-    prefixes = sorted({token[:n] for token in tokens for n in range(2, len(token) + 1)}, key=lambda p: (len(p), p))
-    return tokens, [f"{prefix[:-1]} {prefix[-1]}" for prefix in prefixes]
-
-
 def write_gguf(path: Path, cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
                token_text) -> int:
     """The GGUF file of `cfg` with the HF-named `tensors` (experts stacked) stored for `dtype`
@@ -69,20 +67,17 @@ def write_gguf(path: Path, cfg: ModelConfig, tensors: Iterable[tuple[str, np.nda
     gguf = _gguf()
     writer = gguf.GGUFWriter(str(path), ARCH)
     _metadata(writer, gguf, cfg, dtype)
-    tokens, merges = vocabulary(cfg.vocab_size, token_text)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("whitespace")
+    tokens = [f" {token_text(i)}" for i in range(cfg.vocab_size)]       # the vocabulary: module docstring
+    writer.add_tokenizer_model("rwkv")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
-    writer.add_token_merges(merges)
-    writer.add_add_bos_token(False)
-    writer.add_add_eos_token(False)
     for hf_name, weight in tensors:
         for name, value in gguf_tensors(cfg, hf_name, np.asarray(weight, np.float32)):
             value = np.ascontiguousarray(value, np.float32)
-            if dtype == "bfloat16" and value.ndim > 1:
+            if dtype == "bfloat16" and value.ndim > 1 and not name.endswith(F32_MATRICES):
+                # the quantized bytes: the writer takes their shape for a byte shape, [..., 2 n]
                 writer.add_tensor(name, gguf.quants.quantize(value, gguf.GGMLQuantizationType.BF16),
-                                  raw_shape=value.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+                                  raw_dtype=gguf.GGMLQuantizationType.BF16)
             else:
                 writer.add_tensor(name, value)
     writer.write_header_to_file()

@@ -220,8 +220,7 @@ VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model /t
         "difference this small at the prefixes they test.",
         """\
 ```
-refgen export tests/golden/tiny.kdtr --out /tmp/t        # yarn: factor 4, mscale 1.0, mscale_all_dim 0.707
-python3 scripts/engines/gguf_words.py LLAMA_CPP_SOURCE /tmp/t --outfile /tmp/t/model.gguf --outtype f32
+refgen export tests/golden/tiny.kdtr --out /tmp/t --gguf # yarn: factor 4, mscale 1.0, mscale_all_dim 0.707
 llama-server -m /tmp/t/model.gguf --host 127.0.0.1 --port 8080 -ctk f32 -ctv f32 &
 python3 scripts/engines/hf_rope_check.py /tmp/t --server http://127.0.0.1:8080
 # served = HF transformers with mscale := mscale_all_dim, != the export's own tokens (p0 at 15, p2 at 13)
@@ -243,8 +242,7 @@ python3 scripts/engines/hf_rope_check.py /tmp/t --server http://127.0.0.1:8080
         "YaRN where mscale = mscale_all_dim. The sampling row cannot see a difference this small.",
         """\
 ```
-refgen generate --preset mla-small --out /tmp/f && refgen export /tmp/f/mla-small.kdtr --out /tmp/m
-python3 scripts/engines/gguf_words.py LLAMA_CPP_SOURCE /tmp/m --outfile /tmp/m/model.gguf --outtype f32
+refgen generate --preset mla-small --out /tmp/f && refgen export /tmp/f/mla-small.kdtr --out /tmp/m --gguf
 llama-server -m /tmp/m/model.gguf --host 127.0.0.1 --port 8080 --cache-type-k f32 --cache-type-v f32 &
 python3 scripts/engines/hf_rope_check.py /tmp/m --server http://127.0.0.1:8080
 # HF on the export = the fixture's AR tokens; served p0 differs at token 4, p2 at token 1

