@@ -360,7 +360,13 @@ def two_layers(model_zoo):
     return cfg, weights
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# bf16 on a GPU only: in the interpreter the rounding to bf16 hides the float32-level differences
+# a wrong tiling makes (the float32 run is the CPU's check), and each forward costs seconds there
+FORWARD_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="bf16 invariant forward: on a GPU (in the interpreter bf16 rounding hides what float32 shows)"))]
+
+
+@pytest.mark.parametrize("dtype", FORWARD_DTYPES)
 def test_invariant_fused_forward_gives_a_token_its_logits_in_any_batch(two_layers, dtype):
     """Request 0 (five tokens) prefilled in chunks of 4 and 1 beside request 1 (chunks of 1 and 2,
     its second forward with a padding row) gets bitwise the logits of its tokens fed one at a time
