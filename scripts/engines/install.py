@@ -48,7 +48,8 @@ class InstallError(Exception):
 @dataclass(frozen=True)
 class Engine:
     """An installed engine: its name and version, its directory; python (vLLM's interpreter) or
-    server (llama-server); gguf_py: llama.cpp's gguf package and converter directory."""
+    server (llama-server); source: the llama.cpp source tree it is built from (its gguf-py and
+    converter, which the GGUF tests compare refgen's export with)."""
 
     name: str
     version: str
