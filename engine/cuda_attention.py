@@ -16,19 +16,22 @@ Paged caches (`bind_paged`): the kernel reads the pools [pages, page_size, w] th
 block table itself (`mla_verify_paged`), with the same split plan, so a paged forward gives
 the bits of the contiguous one over the same keys.
 
-invariant=True (`invariant_form()`): the kernel's CUDA-core path with one key split, where each
-query row folds its visible keys one at a time in slot order; a row's output is then a function
-of that key sequence alone, whatever the tree size, the batch and the cache size
-(docs/precision.md, section 3).
+invariant=True: the kernel's CUDA-core path with one key split, where each query row folds its
+visible keys one at a time in slot order; a row's output is then a function of that key sequence
+alone, whatever the tree size, the batch and the cache size (docs/precision.md, section 3).
+`invariant_form()` gives it only where Triton is missing: the tensor-core invariant kernel
+(engine/fused/attention.py) keeps the same promise at tensor-core speed.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
 from kernels_cuda.mla_ops import mla_verify, mla_verify_paged, pack_visibility
 
-from .attention import LayerAttention
+from .attention import AttentionBackend, LayerAttention
 
 
 def _key_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -51,7 +54,12 @@ class CudaAttention:
     def __init__(self, invariant: bool = False) -> None:
         self.invariant = invariant
 
-    def invariant_form(self) -> "CudaAttention":
+    def invariant_form(self) -> AttentionBackend:
+        """Invariant mode's attention on a GPU: the tensor-core invariant kernel
+        (engine/fused/attention.py) where Triton is, else this kernel's invariant plan."""
+        if importlib.util.find_spec("triton") is not None:
+            from .fused.attention import invariant_attention
+            return invariant_attention
         return CudaAttention(invariant=True)
 
     def bind(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,

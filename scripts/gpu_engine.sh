@@ -32,7 +32,7 @@ build_kernels
 if [[ "$stage" == all || "$stage" == tests ]]; then
     echo "== GPU tests (graphs, invariant mode, the model's CUDA variants)"
     timeout 400 python3 -m pytest tests/engine/test_graphs.py tests/engine/test_invariant.py tests/engine/test_model.py \
-        tests/engine/test_paged.py tests/engine/test_fused.py \
+        tests/engine/test_paged.py tests/engine/test_fused.py tests/engine/test_fused_attention.py \
         -k "cuda or graph or replay or host or mla_invariant or fused" -p no:cacheprovider -q -rfs --durations=10 \
         >"$OUT/gpu_tests.log" 2>&1
     echo "exit $?"

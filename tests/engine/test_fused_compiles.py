@@ -3,8 +3,9 @@
 Triton's interpreter (the CPU tests) runs the kernels' arithmetic but accepts code the compiler
 refuses. Here a child process imports the kernels compiled (no TRITON_INTERPRET), runs the fused
 forward of a small model on the CPU with every launch recorded instead of run (its outputs are
-garbage; nothing reads them), in default and invariant mode, float32 and bf16, for a 1-row and
-a 24-row call, and compiles each distinct launch for sm_90 with Triton's own ptxas (Hopper; the
+garbage; nothing reads them), in default and invariant mode (with the invariant attention),
+float32 and bf16, for a 1-row and a 24-row call, plus the invariant attention at K2's widths,
+and compiles each distinct launch for sm_90 with Triton's own ptxas (Hopper; the
 tiles take mma.sync as on sm_80, and a compile costs ~0.2 s: one architecture keeps the suite short).
 
     python tests/engine/test_fused_compiles.py     # prints each compiled kernel, exits 1 on an error
@@ -36,7 +37,8 @@ def test_every_fused_launch_compiles_for_sm90():
     compiled = [line for line in done.stdout.splitlines() if line.startswith("compiled ")]
     kernels = {line.split()[1] for line in compiled}
     assert kernels == {"_add_rms_norm_kernel", "_latent_kernel", "_head_bmm_kernel", "_route_kernel", "_align_kernel",
-                       "_expert_matmul_kernel", "_linear_kernel", "_sum_splits_kernel"}, done.stdout
+                       "_expert_matmul_kernel", "_linear_kernel", "_sum_splits_kernel", "_split_kernel",
+                       "_combine_kernel"}, done.stdout
 
 
 def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
@@ -64,6 +66,7 @@ def launches() -> dict:
     from triton.runtime.jit import JITFunction
 
     import engine.fused  # noqa: F401  (the kernels, compiled: imported before the next line)
+    from engine.fused.attention import BLOCK_KEYS, InvariantAttention
     from engine.model import Transformer
     from engine.validate import random_weights
     from kdtr_format import PRESETS
@@ -82,12 +85,18 @@ def launches() -> dict:
         cfg = dataclasses.replace(PRESETS[preset], num_hidden_layers=2)
         weights = random_weights(cfg)
         for dtype in (torch.float32, torch.bfloat16):
-            for invariant in (False, True):
-                model = Transformer(cfg, weights, dtype=dtype, invariant=invariant, fused=True)
+            for invariant in (False, True):        # invariant: its tensor-core attention, in two splits
+                model = Transformer(cfg, weights, dtype=dtype, invariant=invariant, fused=True,
+                                    attention=InvariantAttention(BLOCK_KEYS) if invariant else None)
                 for n in (1, 24):
-                    cache = model.new_cache(1, 32)
+                    cache = model.new_cache(1, 2 * BLOCK_KEYS)
                     model(torch.zeros(1, n, dtype=torch.int64), torch.arange(n)[None],
                           torch.ones(1, n, n, dtype=torch.bool).tril(), torch.tensor([n]), torch.tensor([0]), cache)
+    for dtype in (torch.float32, torch.bfloat16):          # the invariant attention at K2's widths
+        q_lat, q_pe = torch.zeros(1, 2, 64, 512, dtype=dtype), torch.zeros(1, 2, 64, 64, dtype=dtype)
+        c_kv, k_pe = torch.zeros(1, 2 * BLOCK_KEYS, 512, dtype=dtype), torch.zeros(1, 2 * BLOCK_KEYS, 64, dtype=dtype)
+        InvariantAttention(BLOCK_KEYS)(q_lat, q_pe, c_kv, k_pe, torch.tensor([0]), torch.tensor([2]),
+                                       torch.ones(1, 2, 2, dtype=torch.bool), 0.1)
     return seen
 
 
