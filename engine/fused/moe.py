@@ -151,9 +151,16 @@ def _align_kernel(idx_ptr, real_ptr, sorted_ptr, block_expert_ptr, blocks_ptr, p
         taken += tl.sum(match, axis=1)
 
 
-def block_m(pairs: int, experts: int) -> int:
-    """Rows per expert block: the smallest of 16, 32, 64 that the mean run fills."""
+GEMV_BLOCK_M = 4     # float32 blocks of a few pairs: CUDA-core products (below the tile product's 16 rows)
+
+
+def block_m(pairs: int, experts: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Rows per expert block: the smallest of 16, 32, 64 that the mean run fills; in float32,
+    GEMV_BLOCK_M where the mean run is that short (decode: an exact float32 tile product
+    costs its 16 rows whatever the pairs in it)."""
     per_expert = pairs / max(experts, 1)
+    if dtype == torch.float32 and per_expert <= GEMV_BLOCK_M:
+        return GEMV_BLOCK_M
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
@@ -182,7 +189,8 @@ def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_exper
                           GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """GATED: out[sorted row] = silu(a W^T) * (a W2^T), a = h[pair // S] (the gate-up pass);
-    else out[pair] = weight[pair] * (a W^T), a = the block's rows of the first pass (down)."""
+    else out[pair] = weight[pair] * (a W^T), a = the block's rows of the first pass (down).
+    Blocks of fewer than 16 rows multiply on the CUDA cores (float32 only: `block_m`)."""
     block = tl.program_id(0)
     if block >= tl.load(blocks_ptr):
         return
@@ -204,10 +212,16 @@ def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_exper
         a = tl.load(a_ptr + source[:, None] * K + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0)
         w_mask = (k[:, None] < K) & (cols[None, :] < N)
         b = tl.load(w_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
-        acc = dot(a, b, acc, IEEE)
+        if BLOCK_M < 16:                                                   # CUDA cores (float32)
+            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        else:
+            acc = dot(a, b, acc, IEEE)
         if GATED:
             b2 = tl.load(w2_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
-            acc2 = dot(a, b2, acc2, IEEE)
+            if BLOCK_M < 16:
+                acc2 += tl.sum(a[:, :, None] * b2[None, :, :], axis=1)
+            else:
+                acc2 = dot(a, b2, acc2, IEEE)
     out_mask = valid[:, None] & (cols[None, :] < N)
     if GATED:
         h = acc / (1.0 + tl.exp(-acc)) * acc2
@@ -256,7 +270,7 @@ def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torc
         return y
     if invariant:
         tiling = invariant_tiles(h.dtype)
-    bm = INVARIANT_BLOCK_M if invariant else block_m(m * slots, stacked)
+    bm = INVARIANT_BLOCK_M if invariant else block_m(m * slots, stacked, h.dtype)
     sorted_pairs, block_expert, count = align(idx, real, stacked, bm)
     blocks = block_expert.shape[0]
     ieee = h.dtype == torch.float32
