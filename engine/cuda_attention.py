@@ -19,8 +19,9 @@ the bits of the contiguous one over the same keys.
 invariant=True: the kernel's CUDA-core path with one key split, where each query row folds its
 visible keys one at a time in slot order; a row's output is then a function of that key sequence
 alone, whatever the tree size, the batch and the cache size (docs/precision.md, section 3).
-`invariant_form()` gives it only where Triton is missing: the tensor-core invariant kernel
-(engine/fused/attention.py) keeps the same promise at tensor-core speed.
+`invariant_form()` gives `InvariantCudaAttention`: bf16 on the tensor-core invariant kernel
+(engine/fused/attention.py, the same promise at tensor-core speed), float32 on this plan (and
+this plan alone where Triton is missing).
 """
 
 from __future__ import annotations
@@ -55,11 +56,10 @@ class CudaAttention:
         self.invariant = invariant
 
     def invariant_form(self) -> AttentionBackend:
-        """Invariant mode's attention on a GPU: the tensor-core invariant kernel
-        (engine/fused/attention.py) where Triton is, else this kernel's invariant plan."""
+        """Invariant mode's attention on a GPU: `InvariantCudaAttention` where Triton is, else this
+        kernel's invariant plan."""
         if importlib.util.find_spec("triton") is not None:
-            from .fused.attention import invariant_attention
-            return invariant_attention
+            return InvariantCudaAttention()
         return CudaAttention(invariant=True)
 
     def bind(self, starts: torch.Tensor, n_new: torch.Tensor, new_visibility: torch.Tensor,
@@ -114,6 +114,46 @@ class CudaAttention:
                    q_pe.reshape(batch * n, heads, q_pe.shape[3]).contiguous(), c_kv, k_pe, context, tree,
                    q_offsets, bits, scale, n, (o_lat.view(batch * n, heads, kv_lora), lse))
             return o_lat
+        return attend
+
+    def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                 k_pe: torch.Tensor, starts: torch.Tensor, n_new: torch.Tensor,
+                 new_visibility: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.bind(starts, n_new, new_visibility, c_kv.shape[1])(q_lat, q_pe, c_kv, k_pe, scale)
+
+
+class InvariantCudaAttention:
+    """Invariant mode's attention on a GPU, by the dtype of the call: bf16 on the tensor-core
+    invariant kernel (engine/fused/attention.py), float32 on this kernel's one-split CUDA-core
+    plan (the tensor-core kernel's exact float32 tiles are FMA loops: 2x slower there, measured on
+    an H100 on 2026-12-06). Both make a row's output a function of its keys in order alone."""
+
+    reuses_out = True
+
+    def __init__(self) -> None:
+        from .fused.attention import invariant_attention
+        self.by_dtype: dict[torch.dtype, AttentionBackend] = {torch.bfloat16: invariant_attention,
+                                                              torch.float32: CudaAttention(invariant=True)}
+
+    def invariant_form(self) -> "InvariantCudaAttention":
+        return self
+
+    def bind(self, *args, **options) -> LayerAttention:
+        return self._bound("bind", args, options)
+
+    def bind_paged(self, *args, **options) -> LayerAttention:
+        return self._bound("bind_paged", args, options)
+
+    def _bound(self, method: str, args: tuple, options: dict) -> LayerAttention:
+        """The per-layer call; the first call in a dtype binds that dtype's backend (every layer of
+        a forward has one)."""
+        bound: dict[torch.dtype, LayerAttention] = {}
+
+        def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+            if q_lat.dtype not in bound:
+                bound[q_lat.dtype] = getattr(self.by_dtype[q_lat.dtype], method)(*args, **options)
+            return bound[q_lat.dtype](q_lat, q_pe, c_kv, k_pe, scale)
         return attend
 
     def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,

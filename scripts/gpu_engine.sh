@@ -20,7 +20,8 @@
 #
 # The paged-KV cycle (its tests, validate on a paged cache, the paged-vs-contiguous benchmark)
 # is scripts/gpu_paged.sh. Also under $OUT (default ./out): gpu.txt, build.log. KDTREE_BENCH=1 decodes 256 tokens a request
-# instead of 96 (longer). A kernels library named by $KDTREE_KERNELS_LIB is used as it is.
+# instead of 96 (longer); KDTREE_BENCH=quick sweeps three accuracies (0.4, 0.82, 0.97), one (0.97) at the
+# side budgets (about half the DDTree time, for a call that also runs the tests). A kernels library named by $KDTREE_KERNELS_LIB is used as it is.
 set -uo pipefail
 stage="${1:-all}"
 source "$(dirname "$0")/gpu_env.sh"

@@ -30,8 +30,9 @@ Invariant mode (`FusedForward(..., invariant=True)`): the same launches with eve
 could depend on the number of rows M fixed, so a row's logits are bitwise the same whatever
 rows or requests share its call: the dense products are `linear`'s fixed-tile form (no cuBLAS,
 split-K from the weight's shape alone, the splits added in order), the per-head products take
-16-row tiles, the router computes its logits per row, the experts take 16-pair blocks and fixed
-tiles, and attention is the backend's invariant form (bound by the model). The norms, the latent
+64-row tiles (float32: 16), the router computes its logits per row, the experts take 64-pair
+blocks (float32: 16) and fixed tiles, and attention is the backend's invariant form (bound by
+the model). The norms, the latent
 step and the slot combine are per row already.
 """
 

@@ -9,7 +9,7 @@ made from (N, K, dtype) alone, never from M:
     out[m, n] = sum over splits s in order of  P_s[m, n],
     P_s[m, n] = sum over K-blocks k of split s, in order, of  tile_dot(x[m, k], W[n, k])
 
-with tiles of BLOCK_M x BLOCK_N x BLOCK_K fixed, the K range cut into `splits(N, K)` equal
+with tiles of BLOCK_M x BLOCK_N x BLOCK_K fixed per dtype, the K range cut into `splits(N, K)` equal
 runs of whole K-blocks (enough programs to stream the weight when M is small), the partial sums
 P_s kept in float32 and added in split order by a second kernel. A row is computed by the same
 instructions in the same order whatever M is (M only sizes the grid and masks rows), so its
@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import INTERPRETED, cast, dot
+from .tiles import INTERPRETED, INVARIANT_BLOCK_M, cast, dot
 
-BLOCK_M, BLOCK_N = 16, 64
-BLOCK_K = {torch.bfloat16: 128, torch.float32: 32}      # exact float32 tiles are FMA loops: small ones
+BLOCK_N = 64
+BLOCK_K = {torch.bfloat16: 128, torch.float32: 32}
 # programs for one row block to stream a weight (two per SM of an H100 / H200); the interpreter
 # runs programs one by one: one split (the tests force more)
 PROGRAMS = 1 if INTERPRETED else 264
@@ -100,9 +100,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, invariant: bool = False, split_coun
     count = split_count or splits(n, k, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, count), block_k) * block_k
     partial = torch.empty(count, m, n, device=x.device, dtype=torch.float32) if count > 1 else out
-    _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), count)](
+    block_m = INVARIANT_BLOCK_M[x.dtype]
+    _linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N), count)](
         x, w, partial, m, n, k, k_per_split, x.stride(0), w.stride(0), PARTIAL=count > 1,
-        IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4)
+        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4)
     if count > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLITS=count, BLOCK=block,

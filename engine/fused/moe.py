@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kdtr_format import ModelConfig
 
-from .tiles import INTERPRETED, cast, dot
+from .tiles import INTERPRETED, INVARIANT_BLOCK_M, cast, dot
 
 
 @triton.jit
@@ -251,7 +251,6 @@ def invariant_tiles(dtype: torch.dtype) -> tuple[int, int]:
     return 32, 128 if dtype == torch.bfloat16 else 32
 
 
-INVARIANT_BLOCK_M = 16
 
 
 def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torch.Tensor,
@@ -270,7 +269,7 @@ def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torc
         return y
     if invariant:
         tiling = invariant_tiles(h.dtype)
-    bm = INVARIANT_BLOCK_M if invariant else block_m(m * slots, stacked, h.dtype)
+    bm = INVARIANT_BLOCK_M[h.dtype] if invariant else block_m(m * slots, stacked, h.dtype)
     sorted_pairs, block_expert, count = align(idx, real, stacked, bm)
     blocks = block_expert.shape[0]
     ieee = h.dtype == torch.float32

@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _BY_HAND = tl.constexpr(INTERPRETED)
+
+# Rows a tile in invariant mode's products (linear, head_bmm, the experts' pair blocks), fixed per
+# dtype and never chosen from M. bf16: 64, one wgmma M, so a large M streams each weight a quarter as
+# often as 16-row tiles would, at no cost for a decode (bandwidth-bound either way); float32: 16, as
+# exact float32 tiles are FMA loops whose cost follows the tile.
+INVARIANT_BLOCK_M = {torch.bfloat16: 64, torch.float32: 16}
 
 
 @triton.jit

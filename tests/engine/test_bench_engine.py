@@ -42,6 +42,7 @@ from engine_bench import BatchedOracle, Bench, Plan, forward_cost
 from kdtr_format import CONFIGS, PRESETS, DDTreeConfig
 
 BIG = os.environ.get("KDTREE_BENCH") == "1"
+QUICK = os.environ.get("KDTREE_BENCH") == "quick"     # the GPU plan with three accuracies, one at the side budgets
 
 
 def run_side_by_side(model, drafter_for, prompts, ddtree: DDTreeConfig, tokens: int, stages=None
@@ -87,7 +88,7 @@ def test_bench_cpu_tiny(benchmark, model_zoo, drafter):
                     reason="GPU engine benchmark: no CUDA GPU is visible (torch.cuda.is_available() is False)")
 def test_bench_gpu_k2_mid(benchmark):
     """The whole plan (engine_bench.Plan) in one call; nothing is asserted about speed."""
-    plan = Plan(tokens=256) if BIG else Plan()
+    plan = Plan(tokens=256) if BIG else Plan(accuracies=(0.4, 0.82, 0.97), side_accuracies=(0.97,)) if QUICK else Plan()
     bench = Bench(CONFIGS["k2-mid"], plan, os.environ.get("KDTREE_BENCH_OUT"))
     doc = benchmark.pedantic(bench.run, rounds=1, iterations=1)
     record_figures(benchmark, {"timing_s": doc["timing_s"], "ceilings": doc["ceilings"], "sweep": doc["sweep"],

@@ -277,9 +277,10 @@ def test_the_fused_layers_are_the_default_for_bf16_on_cuda_only():
 
 def rows_alone_and_among_others(run, x: torch.Tensor) -> None:
     """run(rows [M, ...]) -> [M, ...]: every probed row's output is bitwise the same in the whole
-    call (M past every tiling threshold), in a part of it, alone, and first among other rows."""
+    call (M past every tiling threshold: 80 rows span two 64-row tiles), in a part of it (one that
+    crosses a tile boundary), alone, and first among other rows."""
     whole = run(x)
-    for part in (slice(7, 8), slice(16, 33)):
+    for part in (slice(7, 8), slice(16, 33), slice(60, 75)):
         assert torch.equal(run(x[part]), whole[part]), f"rows {part} differ from the call of {x.shape[0]} rows"
     among = torch.cat([x[5:6], randn(20, *x.shape[1:], dtype=x.dtype, seed=9)])
     assert torch.equal(run(among)[0], whole[5]), "row 5 among other rows differs"
@@ -288,7 +289,7 @@ def rows_alone_and_among_others(run, x: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split_count", [None, 3])
 def test_invariant_linear_is_the_product_and_row_invariant(dtype, split_count):
-    x, w = randn(40, 300, dtype=dtype), randn(100, 300, dtype=dtype, seed=1) / 16
+    x, w = randn(80, 300, dtype=dtype), randn(100, 300, dtype=dtype, seed=1) / 16
     out = linear.linear(x, w, invariant=True, split_count=split_count)
     close(out, x.double() @ w.double().T, dtype, ulps=2)
     rows_alone_and_among_others(lambda rows: linear.linear(rows, w, invariant=True, split_count=split_count), x)
@@ -302,8 +303,8 @@ def test_invariant_linear_splits_follow_the_weight_alone():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_invariant_head_bmm_is_row_invariant(dtype):
-    q, w_uk = randn(40, 3, 48, dtype=dtype), randn(3, 32, 80, dtype=dtype, seed=1)
-    cos, sin = randn(40, 8, seed=2), randn(40, 8, seed=3)
+    q, w_uk = randn(80, 3, 48, dtype=dtype), randn(3, 32, 80, dtype=dtype, seed=1)
+    cos, sin = randn(80, 8, seed=2), randn(80, 8, seed=3)
 
     def run(rows: torch.Tensor) -> torch.Tensor:
         m = rows.shape[0]
@@ -312,7 +313,7 @@ def test_invariant_head_bmm_is_row_invariant(dtype):
         return torch.cat([q_lat, q_pe], dim=2)
     close(run(q)[..., :80], torch.einsum("mhd,hdr->mhr", q[..., :32].float(), w_uk.float()), dtype, ulps=4)
     whole = run(q)
-    for part in (slice(0, 1), slice(16, 33)):           # the rotation reads its own row's cos and sin
+    for part in (slice(0, 1), slice(16, 33), slice(60, 75)):   # the rotation reads its own row's cos and sin
         q_lat, _ = heads.head_bmm(q[part], w_uk, w_transposed=False, rope=(cos[part], sin[part], "neox"),
                                   invariant=True)
         assert torch.equal(q_lat, whole[part, :, :80]), f"rows {part} differ"
@@ -323,7 +324,7 @@ def test_invariant_route_computes_logits_per_row_past_the_gemm_threshold():
     computes every row's logits in the kernel, as for one row."""
     cfg = PRESETS["tiny2"]
     e, width = cfg.n_routed_experts, 96
-    h, gate, bias = randn(40, width), randn(e, width, seed=1) / 4, 0.1 * randn(e, seed=2)
+    h, gate, bias = randn(80, width), randn(e, width, seed=1) / 4, 0.1 * randn(e, seed=2)
 
     def run(rows: torch.Tensor) -> torch.Tensor:
         idx, weight = fused_moe.route(cfg, rows, None, gate, bias, invariant=True)
@@ -348,7 +349,7 @@ def test_invariant_experts_give_a_row_its_bits_whatever_its_block_partners(dtype
         idx, weight = fused_moe.route(cfg, rows, None, gate, torch.zeros(e, device=DEVICE), invariant=True)
         real = torch.ones(rows.shape[0], dtype=torch.uint8, device=DEVICE)
         return fused_moe.experts(rows, idx, weight, real, w_gate, w_up, w_down, invariant=True)
-    rows_alone_and_among_others(run, randn(40, width, dtype=dtype, seed=4))
+    rows_alone_and_among_others(run, randn(80, width, dtype=dtype, seed=4))
 
 
 @pytest.fixture(scope="module")
