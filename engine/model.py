@@ -303,7 +303,7 @@ class Transformer:
     page_size: `new_cache` hands out paged caches of this page size (engine/cache.py);
     None, contiguous ones. `forward` takes either layout. fused: the layers as the fused
     Triton launches (engine/fused; a forward with a capture hook takes the unfused layers);
-    None: in bf16 on a CUDA device in default mode on one device, with no `moe` named.
+    None: in bf16 on a CUDA device on one device, with no `moe` named (either mode).
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor | np.ndarray],
@@ -506,13 +506,12 @@ class Transformer:
 def _use_fused(fused: bool | None, device: torch.device, dtype: torch.dtype, invariant: bool,
                world: World | None, moe: str | None) -> bool:
     """Whether the forward takes the fused layers (engine/fused): asked for, or by default in
-    bf16 on a CUDA device in default mode on one device with no MoE dispatch named, where Triton
-    is. float32 keeps the unfused layers by default: its fused experts (exact float32 Triton
-    tiles) are slower than cuBLAS (docs/engine-fused.md). Invariant mode takes the fused layers'
-    batch-invariant form when asked (fused=True); by default it keeps its tiled forward, which
-    has been measured on a GPU (docs/precision.md, section 3)."""
+    bf16 on a CUDA device on one device with no MoE dispatch named, where Triton is, in either
+    mode (invariant mode: their batch-invariant form). float32 keeps the unfused layers by
+    default: its fused experts (exact float32 Triton tiles) are slower than cuBLAS
+    (docs/engine-fused.md), and invariant mode's tiled forward (docs/precision.md, section 3)."""
     if fused is None:
-        return (device.type == "cuda" and dtype == torch.bfloat16 and not invariant and world is None
+        return (device.type == "cuda" and dtype == torch.bfloat16 and world is None
                 and moe is None and importlib.util.find_spec("triton") is not None)
     if not fused:
         return False

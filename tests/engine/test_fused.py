@@ -266,7 +266,8 @@ def test_the_fused_layers_are_the_default_for_bf16_on_cuda_only():
     cuda = torch.device("cuda")
     assert _use_fused(None, cuda, torch.bfloat16, False, None, None)
     assert not _use_fused(None, cuda, torch.float32, False, None, None)       # slower than cuBLAS there
-    assert not _use_fused(None, cuda, torch.bfloat16, True, None, None)       # invariant mode: when asked
+    assert _use_fused(None, cuda, torch.bfloat16, True, None, None)           # invariant mode: its fused form
+    assert not _use_fused(None, cuda, torch.float32, True, None, None)
     assert _use_fused(True, cuda, torch.bfloat16, True, None, None)
     assert not _use_fused(None, cuda, torch.bfloat16, False, None, "grouped")
     assert not _use_fused(None, torch.device("cpu"), torch.bfloat16, False, None, None)

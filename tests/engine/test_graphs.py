@@ -55,7 +55,7 @@ def cuda_models(model_zoo):
         if key not in built:
             case = model_zoo.get(preset)
             built[key] = Transformer(case.cfg, case.weights, device="cuda", dtype=DTYPES[dtype], attention=attention,
-                                     invariant=mode != "default", fused=True if mode == "invariant-fused" else None,
+                                     invariant=mode != "default", fused={"invariant": False, "invariant-fused": True}.get(mode),
                                      page_size=page_size)
         return built[key], stages
     return get
