@@ -137,3 +137,32 @@ def test_a_row_gets_the_bits_of_its_key_list_alone(dtype):
 def test_split_keys_must_be_whole_blocks():
     with pytest.raises(ValueError, match="split_keys must be a positive multiple"):
         InvariantAttention(BLOCK_KEYS + 1)
+
+
+def test_invariant_cuda_attention_binds_each_dtype_to_its_backend():
+    """`CudaAttention().invariant_form()`: bf16 calls go to the tensor-core kernel, float32 calls to
+    the CUDA-core plan, each bound once per forward with the forward's metadata."""
+    pytest.importorskip("kernels_cuda.mla_ops")
+    from engine.cuda_attention import CudaAttention, InvariantCudaAttention
+
+    attention = CudaAttention().invariant_form()
+    assert isinstance(attention, InvariantCudaAttention)
+    assert isinstance(attention.by_dtype[torch.bfloat16], InvariantAttention)
+    assert attention.by_dtype[torch.float32].invariant
+    calls = []
+
+    class Recording:
+        def __init__(self, name):
+            self.name = name
+
+        def bind(self, *args, **options):
+            calls.append((self.name, "bind", args, options))
+            return lambda q_lat, *rest: calls.append((self.name, "call", q_lat.dtype)) or q_lat
+    attention.by_dtype = {torch.bfloat16: Recording("tensor cores"), torch.float32: Recording("cuda cores")}
+    attend = attention.bind("starts", "n_new", "visibility", 64, reuse_out=True)
+    for dtype in (torch.bfloat16, torch.bfloat16, torch.float32):
+        attend(torch.zeros(1, dtype=dtype), None, None, None, 0.1)
+    metadata = (("starts", "n_new", "visibility", 64), {"reuse_out": True})
+    assert calls == [("tensor cores", "bind", *metadata), ("tensor cores", "call", torch.bfloat16),
+                     ("tensor cores", "call", torch.bfloat16),
+                     ("cuda cores", "bind", *metadata), ("cuda cores", "call", torch.float32)]
