@@ -32,8 +32,7 @@ rows or requests share its call: the dense products are `linear`'s fixed-tile fo
 split-K from the weight's shape alone, the splits added in order), the per-head products take
 64-row tiles (float32: 16), the router computes its logits per row, the experts take 64-pair
 blocks (float32: 16) and fixed tiles, and attention is the backend's invariant form (bound by
-the model). The norms, the latent
-step and the slot combine are per row already.
+the model). The norms, the latent step and the slot combine are per row already.
 """
 
 from __future__ import annotations

@@ -184,6 +184,16 @@ def align(idx: torch.Tensor, real: torch.Tensor, experts: int, rows_per_block: i
 
 
 @triton.jit
+def _product(a, b, acc, IEEE: tl.constexpr, CUDA_CORES: tl.constexpr):
+    """acc + a b: on the CUDA cores (blocks of fewer than 16 rows), else the tile product."""
+    if CUDA_CORES:
+        acc = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    else:
+        acc = dot(a, b, acc, IEEE)
+    return acc
+
+
+@triton.jit
 def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_expert_ptr, blocks_ptr,
                           weight_ptr, N, K, S, sw_e, sw_n,
                           GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -212,16 +222,10 @@ def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_exper
         a = tl.load(a_ptr + source[:, None] * K + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0)
         w_mask = (k[:, None] < K) & (cols[None, :] < N)
         b = tl.load(w_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
-        if BLOCK_M < 16:                                                   # CUDA cores (float32)
-            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-        else:
-            acc = dot(a, b, acc, IEEE)
+        acc = _product(a, b, acc, IEEE, BLOCK_M < 16)
         if GATED:
             b2 = tl.load(w2_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
-            if BLOCK_M < 16:
-                acc2 += tl.sum(a[:, :, None] * b2[None, :, :], axis=1)
-            else:
-                acc2 = dot(a, b2, acc2, IEEE)
+            acc2 = _product(a, b2, acc2, IEEE, BLOCK_M < 16)
     out_mask = valid[:, None] & (cols[None, :] < N)
     if GATED:
         h = acc / (1.0 + tl.exp(-acc)) * acc2
@@ -249,8 +253,6 @@ def tiles(blocks: int, n: int, dtype: torch.dtype) -> tuple[int, int]:
 def invariant_tiles(dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of both expert products in invariant mode: from the dtype alone."""
     return 32, 128 if dtype == torch.bfloat16 else 32
-
-
 
 
 def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torch.Tensor,
