@@ -176,7 +176,8 @@ class InvariantAttention:
         batch, n = new_visibility.shape[:2]
         new_index, length = key_lists(starts, n_new, new_visibility)
         context = starts.to(torch.int32).contiguous()
-        kept: dict[str, torch.Tensor] = {}
+        kept: list[torch.Tensor] = []         # reuse_out: the o_lat every call returns
+        parts: list[torch.Tensor] = []        # the splits' partials, allocated at the first call
 
         def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                    scale: float) -> torch.Tensor:
@@ -185,19 +186,17 @@ class InvariantAttention:
             rows = batch * n
             page = c_kv.shape[1]
             splits = triton.cdiv(max(table.shape[1] * page, 1), self.split_keys)
-            o_lat = kept.get("o_lat")
-            if o_lat is None:
-                o_lat = torch.empty(batch, n, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
-                if splits > 1:
-                    kept["part_o"] = torch.empty(splits, rows, heads, rank, dtype=torch.float32, device=q_lat.device)
-                    kept["part_lse"] = torch.empty(splits, rows, heads, dtype=torch.float32, device=q_lat.device)
-                if reuse_out:
-                    kept["o_lat"] = o_lat
+            o_lat = kept[0] if kept else torch.empty(batch, n, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+            if reuse_out and not kept:
+                kept.append(o_lat)
+            if splits > 1 and not parts:
+                parts.extend([torch.empty(splits, rows, heads, rank, dtype=torch.float32, device=q_lat.device),
+                              torch.empty(splits, rows, heads, dtype=torch.float32, device=q_lat.device)])
             if rows == 0 or heads == 0:
                 return o_lat
             c_rows, c_stride = _rows(c_kv)
             k_rows, k_stride = _rows(k_pe)
-            part_o, part_lse = kept.get("part_o", o_lat), kept.get("part_lse", o_lat)
+            part_o, part_lse = parts or (o_lat, o_lat)        # one split: the kernel writes o_lat itself
             block_r, block_dr = triton.next_power_of_2(rank), max(16, triton.next_power_of_2(rope))
             grid = (rows, triton.cdiv(heads, BLOCK_H))
             _split_kernel[grid + (splits,)](
