@@ -142,7 +142,7 @@ def test_split_keys_must_be_whole_blocks():
 def test_invariant_cuda_attention_binds_each_dtype_to_its_backend():
     """`CudaAttention().invariant_form()`: bf16 calls go to the tensor-core kernel, float32 calls to
     the CUDA-core plan, each bound once per forward with the forward's metadata."""
-    pytest.importorskip("kernels_cuda.mla_ops")
+    pytest.importorskip("kernels_cuda.mla_ops", reason="engine.cuda_attention imports kernels_cuda.mla_ops")
     from engine.cuda_attention import CudaAttention, InvariantCudaAttention
 
     attention = CudaAttention().invariant_form()
