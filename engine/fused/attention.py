@@ -15,11 +15,14 @@ combined in split order.
 Block and split boundaries are fixed points of the list, the heads of one row are the rows of
 every tile, and no tile mixes query rows, so a row's output is a function of its key list alone:
 the same bits whatever the tree beside it, its gaps (an AR step sees the same list with no gaps),
-the batch, the cache's size or layout. A split past a row's list contributes exact zeros.
+the batch, the cache's size or layout.
 
 Launches per layer: one (one split: the cache holds at most split_keys slots a request), else two
-(the splits, then their combine). `InvariantAttention.bind` builds the key lists once per forward
-on the device (no host read: a CUDA graph can hold it).
+(the splits, then their combine). Only the splits holding a row's keys run for it, and a row whose
+list fits in the first split gets its output from that split's program directly, which is what
+the combine would give (one split that saw keys: weight exp(0) = 1, o x 1 / 1 = o), so the
+combine passes it by. `InvariantAttention.bind` builds the key lists once per forward on the
+device (no host read: a CUDA graph can hold it).
 """
 
 from __future__ import annotations
@@ -40,13 +43,17 @@ def _split_kernel(q_lat_ptr, q_pe_ptr, c_kv_ptr, k_pe_ptr, table_ptr, new_index_
                   out_ptr, part_o_ptr, part_lse_ptr, scale, rows, N, H, R, DR, pages_per_request, page_size,
                   c_page_stride, k_page_stride,
                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_KEYS: tl.constexpr,
-                  SPLIT_KEYS: tl.constexpr, ONE_SPLIT: tl.constexpr, IEEE: tl.constexpr):
-    """Program (row, head block, split): the split's keys of the row's list -> out (one split) or
-    the split's normalized partial output and log-sum-exp (float32)."""
+                  SPLIT_KEYS: tl.constexpr, IEEE: tl.constexpr):
+    """Program (row, head block, split): the split's keys of the row's list -> out (the whole list
+    in split 0) or the split's normalized partial output and log-sum-exp (float32); nothing for a
+    split past the list."""
     row = tl.program_id(0)
     split = tl.program_id(2)
     b = row // N
     length = tl.load(length_ptr + row)
+    lo = split * SPLIT_KEYS
+    if lo >= length and split > 0:        # past the row's list: the combine reads no partial of it
+        return
     start = tl.load(starts_ptr + b)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
@@ -58,7 +65,6 @@ def _split_kernel(q_lat_ptr, q_pe_ptr, c_kv_ptr, k_pe_ptr, table_ptr, new_index_
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    lo = split * SPLIT_KEYS
     hi = tl.minimum(lo + SPLIT_KEYS, length)
     for c0 in range(lo, hi, BLOCK_KEYS):
         c = c0 + tl.arange(0, BLOCK_KEYS)
@@ -84,7 +90,7 @@ def _split_kernel(q_lat_ptr, q_pe_ptr, c_kv_ptr, k_pe_ptr, table_ptr, new_index_
     seen = l_i > 0.0
     o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     inside = (h < H)[:, None] & (r < R)[None, :]
-    if ONE_SPLIT:
+    if length <= SPLIT_KEYS:              # the whole list in this split: the output itself
         tl.store(out_ptr + head_row[:, None] * R + r[None, :], cast(o, out_ptr.dtype.element_ty), mask=inside)
     else:
         part = split.to(tl.int64) * rows * H + head_row                    # [BH]
@@ -94,11 +100,16 @@ def _split_kernel(q_lat_ptr, q_pe_ptr, c_kv_ptr, k_pe_ptr, table_ptr, new_index_
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, rows, H, R, splits,
-                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Program (row, head block): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse), in
-    split order; splits that saw no key weigh exactly 0, a row that saw none gets 0."""
+def _combine_kernel(part_o_ptr, part_lse_ptr, length_ptr, out_ptr, rows, H, R,
+                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+    """Program (row, head block) of a row whose list spans several splits: out = sum_s w_s o_s /
+    sum_s w_s over the splits holding its keys, w_s = exp(lse_s - max lse), in split order; a
+    split that saw no key weighs exactly 0. Rows within one split have their output already."""
     row = tl.program_id(0)
+    length = tl.load(length_ptr + row)
+    if length <= SPLIT_KEYS:
+        return
+    splits = tl.cdiv(length, SPLIT_KEYS)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
     head_row = row.to(tl.int64) * H + h
@@ -149,11 +160,11 @@ class InvariantAttention:
 
     reuses_out = True           # bind(..., reuse_out=True): engine.attention.bind_attention
 
-    def __init__(self, split_keys: int = SPLIT_KEYS) -> None:
+    def __init__(self, split_keys: int = SPLIT_KEYS, block_h: int = BLOCK_H, num_warps: int = 4) -> None:
         if split_keys <= 0 or split_keys % BLOCK_KEYS:
             raise ValueError(f"InvariantAttention: split_keys must be a positive multiple of {BLOCK_KEYS}, "
                              f"got {split_keys}")
-        self.split_keys = split_keys
+        self.split_keys, self.block_h, self.num_warps = split_keys, block_h, num_warps
 
     def invariant_form(self) -> "InvariantAttention":
         return self
@@ -196,17 +207,18 @@ class InvariantAttention:
                 return o_lat
             c_rows, c_stride = _rows(c_kv)
             k_rows, k_stride = _rows(k_pe)
-            part_o, part_lse = parts or (o_lat, o_lat)        # one split: the kernel writes o_lat itself
+            part_o, part_lse = parts or (o_lat, o_lat)        # one split: no partial is written
             block_r, block_dr = triton.next_power_of_2(rank), max(16, triton.next_power_of_2(rope))
-            grid = (rows, triton.cdiv(heads, BLOCK_H))
+            grid = (rows, triton.cdiv(heads, self.block_h))
             _split_kernel[grid + (splits,)](
                 q_lat.contiguous(), q_pe.contiguous(), c_rows, k_rows, table, new_index, context, length, o_lat,
                 part_o, part_lse, scale, rows, n, heads, rank, rope, table.shape[1], page, c_stride, k_stride,
-                BLOCK_H=BLOCK_H, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_KEYS=BLOCK_KEYS, SPLIT_KEYS=self.split_keys,
-                ONE_SPLIT=splits == 1, IEEE=q_lat.dtype == torch.float32, num_warps=4)
+                BLOCK_H=self.block_h, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_KEYS=BLOCK_KEYS,
+                SPLIT_KEYS=self.split_keys, IEEE=q_lat.dtype == torch.float32, num_warps=self.num_warps)
             if splits > 1:
-                _combine_kernel[grid](part_o, part_lse, o_lat, rows, heads, rank, splits,
-                                      BLOCK_H=BLOCK_H, BLOCK_R=block_r, num_warps=4)
+                _combine_kernel[grid](part_o, part_lse, length, o_lat, rows, heads, rank,
+                                      BLOCK_H=self.block_h, BLOCK_R=block_r, SPLIT_KEYS=self.split_keys,
+                                      num_warps=self.num_warps)
             return o_lat
         return attend
 

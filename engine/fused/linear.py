@@ -11,9 +11,12 @@ made from (N, K, dtype) alone, never from M:
 
 with tiles of BLOCK_M x BLOCK_N x BLOCK_K fixed per dtype, the K range cut into `splits(N, K)` equal
 runs of whole K-blocks (enough programs to stream the weight when M is small), the partial sums
-P_s kept in float32 and added in split order by a second kernel. A row is computed by the same
-instructions in the same order whatever M is (M only sizes the grid and masks rows), so its
-output is bitwise the same in a 1-row decode, a 65-row verify or a batched call.
+P_s kept in float32 and added in split order. Where the row and column blocks alone give PROGRAMS
+programs, one program computes every P_s of its tile in turn and adds them in registers; else
+each split is a program and a second kernel adds their float32 partials. Both add the same
+values in the same order. A row is computed by the same instructions in the same order whatever
+M is (M only sizes the grid, masks rows and picks where the splits are added), so its output is
+bitwise the same in a 1-row decode, a 65-row verify or a batched call.
 """
 
 from __future__ import annotations
@@ -34,30 +37,36 @@ MAX_SPLITS = 8
 
 @triton.jit(do_not_specialize=["M"])      # one compiled kernel for every M (no M == 1 or M % 16 variant)
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, sxm, swn,
-                   PARTIAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   PARTIAL: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """PARTIAL: out float32 [splits, M, N] gets split program_id(2)'s sum; else out [M, N] the
-    whole product in out's dtype."""
-    split = tl.program_id(2)
+    """Splits program_id(2) x SPLITS ... + SPLITS - 1 of the tile, each summed from zero and the
+    sums added in order. PARTIAL (SPLITS 1): out float32 [splits, M, N] gets the split's sum; else
+    out [M, N] the whole product in out's dtype."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k = k0 + ks
-        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxm + k[None, :],
-                    mask=(rows[:, None] < M) & (k[None, :] < k_end), other=0.0)
-        b = tl.load(w_ptr + cols[None, :].to(tl.int64) * swn + k[:, None],
-                    mask=(k[:, None] < k_end) & (cols[None, :] < N), other=0.0)
-        acc = dot(a, b, acc, IEEE)
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        k_begin = (tl.program_id(2) * SPLITS + s) * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            k = k0 + ks
+            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxm + k[None, :],
+                        mask=(rows[:, None] < M) & (k[None, :] < k_end), other=0.0)
+            b = tl.load(w_ptr + cols[None, :].to(tl.int64) * swn + k[:, None],
+                        mask=(k[:, None] < k_end) & (cols[None, :] < N), other=0.0)
+            acc = dot(a, b, acc, IEEE)
+        if s == 0:
+            total = acc
+        else:
+            total += acc
     inside = (rows[:, None] < M) & (cols[None, :] < N)
     if PARTIAL:
-        at = (split * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(out_ptr + at, acc, mask=inside)
+        at = (tl.program_id(2) * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(out_ptr + at, total, mask=inside)
     else:
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], cast(acc, out_ptr.dtype.element_ty),
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], cast(total, out_ptr.dtype.element_ty),
                  mask=inside)
 
 
@@ -81,12 +90,13 @@ def splits(n: int, k: int, dtype: torch.dtype) -> int:
     return count
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, invariant: bool = False, split_count: int | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, invariant: bool = False, split_count: int | None = None,
+           in_program: bool | None = None) -> torch.Tensor:
     """x [M, K] (last dim contiguous), w [N, K] (last dim contiguous), both of one dtype -> x w^T
     [M, N] in that dtype, float32 accumulation (float32 exact: no TF32). invariant: the
     batch-invariant product (module docstring); split_count: its number of K runs instead of
-    `splits`' (the tests)."""
+    `splits`', in_program: whether one program adds them instead of the tiles' count deciding
+    (the tests)."""
     if not invariant:
         return x @ w.T
     m, k = x.shape
@@ -99,12 +109,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, invariant: bool = False, split_coun
     block_k = BLOCK_K[x.dtype]
     count = split_count or splits(n, k, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, count), block_k) * block_k
-    partial = torch.empty(count, m, n, device=x.device, dtype=torch.float32) if count > 1 else out
     block_m = INVARIANT_BLOCK_M[x.dtype]
-    _linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N), count)](
-        x, w, partial, m, n, k, k_per_split, x.stride(0), w.stride(0), PARTIAL=count > 1,
-        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4)
-    if count > 1:
+    tiles = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+    if in_program is None:
+        in_program = tiles[0] * tiles[1] >= PROGRAMS
+    partial = torch.empty(count, m, n, device=x.device, dtype=torch.float32) if count > 1 and not in_program else out
+    _linear_kernel[tiles + (1 if in_program else count,)](
+        x, w, partial, m, n, k, k_per_split, x.stride(0), w.stride(0), PARTIAL=partial is not out,
+        SPLITS=count if in_program else 1, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_K=block_k, num_warps=4)
+    if partial is not out:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLITS=count, BLOCK=block,
                                                          num_warps=4)

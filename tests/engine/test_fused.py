@@ -308,6 +308,17 @@ def test_invariant_linear_is_the_product_and_row_invariant(dtype, split_count):
     rows_alone_and_among_others(lambda rows: linear.linear(rows, w, invariant=True, split_count=split_count), x)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_linear_adds_its_splits_alike_in_one_program_or_two(dtype):
+    """Three K runs added in the tile's program or by the partials' kernel: the same bits, so a
+    call may pick either by its number of rows (here: one program from 40 rows)."""
+    x, w = randn(80, 300, dtype=dtype), randn(100, 300, dtype=dtype, seed=1) / 16
+    assert torch.equal(linear.linear(x, w, invariant=True, split_count=3, in_program=True),
+                       linear.linear(x, w, invariant=True, split_count=3, in_program=False))
+    rows_alone_and_among_others(lambda rows: linear.linear(rows, w, invariant=True, split_count=3,
+                                                           in_program=rows.shape[0] >= 40), x)
+
+
 def test_invariant_linear_splits_follow_the_weight_alone():
     assert linear.splits(2048, 2048, torch.bfloat16) == (1 if linear.INTERPRETED else 8)
     assert linear.splits(32768, 2048, torch.bfloat16) == 1               # 512 column blocks stream alone

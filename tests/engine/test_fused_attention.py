@@ -134,6 +134,25 @@ def test_a_row_gets_the_bits_of_its_key_list_alone(dtype):
     assert torch.equal(ar[0, 0], alone), "the AR layout of the same keys changes the row"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_list_within_the_first_split_is_written_there_and_a_longer_one_combined(dtype):
+    """split_keys 64 over a cache of 100 slots (two splits): request 0's tree after 61 cached slots
+    has rows of 62-64 keys, which the first split finishes (the bits of a one-split call), and
+    node 6 with 65, which spans both (the combine: the reference's value)."""
+    q_lat, q_pe, c_kv, k_pe, _, n_new, vis = case(dtype)
+    starts = torch.tensor([61, 70], device=DEVICE)
+    lengths = key_lists(starts, n_new, vis)[1].view(2, 7)[0].tolist()
+    assert lengths == [62, 63, 63, 64, 64, 64, 65]
+    split = InvariantAttention(64)(q_lat, q_pe, c_kv, k_pe, starts, n_new, vis, 0.3)
+    whole = InvariantAttention(128)(q_lat, q_pe, c_kv, k_pe, starts, n_new, vis, 0.3)
+    assert torch.equal(split[0, :6], whole[0, :6]), "a list within the first split is not that split's output"
+    expected = torch_attention(q_lat.double(), q_pe.double(), c_kv.double(), k_pe.double(), starts, n_new, vis, 0.3)
+    tolerance = 2e-5 if dtype == torch.float32 else 2 ** -7
+    error = float((split[0, 6].double() - expected[0, 6]).abs().max())
+    assert error <= tolerance * float(expected[0, 6].abs().max()), f"the combined row is off by {error:.3g}"
+    assert torch.equal(split[1, 4:], torch.zeros_like(split[1, 4:])), "padding rows are not 0"
+
+
 def test_split_keys_must_be_whole_blocks():
     with pytest.raises(ValueError, match="split_keys must be a positive multiple"):
         InvariantAttention(BLOCK_KEYS + 1)
