@@ -20,13 +20,12 @@ included, as the fixtures' `ar/tokens` do.
 AR runs each step as one CUDA graph, and greedy DDTree with `CudaStages` runs each round
 after the draft as three (build, verify, accept; record=True takes the eager path): the
 host reads back the committed tokens once per step or round. The device times of the
-graphs go to the stages "build", "verify" and "accept", the rest of the round's wall
-time to "host".
+graphs go to the stages "build", "verify" and "accept". In every decode the rest of a round's
+wall time (its inputs' copy, committing its tokens) goes to "host" (`StageTimer.round`).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -98,27 +97,28 @@ def ar_decode(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
         step.load(first.to(batch.device), batch.starts.to(batch.device))
     last = first
     while batch.any_active:
-        active = batch.active_mask()
-        if step is not None:
-            with batch.timer("verify"):
-                choices, margins = (t[:, None] for t in step(active))
-        else:
-            with batch.timer("verify"):
-                logits = model.forward(last[:, None].to(batch.device), batch.starts[:, None].to(batch.device),
-                                       torch.ones(batch.size, 1, 1, dtype=torch.bool, device=batch.device),
-                                       active.long().to(batch.device), batch.starts.to(batch.device), batch.cache,
-                                       check=False)
-            with batch.timer("accept"):
-                uniforms = _uniforms(generator, batch.size, 1) if temperature > 0 else None
-                choices, margins = (t.cpu() for t in _choose(stages, logits, temperature, uniforms))
-        batch.rounds += 1
-        for b in range(batch.size):
-            if active[b]:
-                batch.starts[b] += 1
-                batch.requests[b].acceptance_lengths.append(1)
-                batch.commit(b, [int(choices[b, 0])], [float(margins[b, 0])])
-        batch.sync_cache_lengths()
-        last = choices[:, :1].reshape(-1)
+        with batch.timer.round():
+            active = batch.active_mask()
+            if step is not None:
+                with batch.timer("verify"):
+                    choices, margins = (t[:, None] for t in step(active))
+            else:
+                with batch.timer("verify"):
+                    logits = model.forward(last[:, None].to(batch.device), batch.starts[:, None].to(batch.device),
+                                           torch.ones(batch.size, 1, 1, dtype=torch.bool, device=batch.device),
+                                           active.long().to(batch.device), batch.starts.to(batch.device), batch.cache,
+                                           check=False)
+                with batch.timer("accept"):
+                    uniforms = _uniforms(generator, batch.size, 1) if temperature > 0 else None
+                    choices, margins = (t.cpu() for t in _choose(stages, logits, temperature, uniforms))
+            batch.rounds += 1
+            for b in range(batch.size):
+                if active[b]:
+                    batch.starts[b] += 1
+                    batch.requests[b].acceptance_lengths.append(1)
+                    batch.commit(b, [int(choices[b, 0])], [float(margins[b, 0])])
+            batch.sync_cache_lengths()
+            last = choices[:, :1].reshape(-1)
     return batch.result()
 
 
@@ -159,67 +159,66 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
                if isinstance(model, GraphedModel) and isinstance(stages, CudaStages) and depth > 0
                and not sampled and not record else None)
     while batch.any_active:
-        active = batch.active_mask()
-        round_budgets = torch.tensor([request_budgets[b] if active[b] else 0 for b in range(batch.size)],
-                                     dtype=torch.int64, device=batch.device)
-        roots_dev = roots.to(batch.device)
-        with batch.timer("draft"):
-            if depth > 0:
-                draft_logits = drafter.draft(batch.contexts(), roots_dev, depth)
-        starts_dev = batch.starts.to(batch.device)
-        if graphed is not None:
-            began = time.perf_counter()
-            result = graphed(draft_logits, round_budgets, roots_dev, starts_dev, active.to(batch.device))
-            for stage, seconds in result.seconds.items():
-                batch.timer.seconds[stage] += seconds
-            host = time.perf_counter() - began - sum(result.seconds.values())
-            batch.timer.seconds["host"] = batch.timer.seconds.get("host", 0.0) + max(host, 0.0)
-            accept_len, next_root = result.accept_len, result.next_root
-            path_tokens, path_margins = result.path_tokens, result.path_margins
-        else:
-            with batch.timer("build"):
+        with batch.timer.round():
+            active = batch.active_mask()
+            round_budgets = torch.tensor([request_budgets[b] if active[b] else 0 for b in range(batch.size)])
+            # the round's inputs in one copy to the device: budgets, roots, starts, activity
+            round_budgets, roots_dev, starts_dev, active_dev = torch.stack(
+                [round_budgets, roots, batch.starts, active.long()]).to(batch.device)
+            active_dev = active_dev.bool()
+            with batch.timer("draft"):
                 if depth > 0:
-                    topk_lp, topk_id = stages.topk_logprobs(draft_logits, k)
-                else:
-                    topk_lp = torch.zeros(batch.size, 0, k, dtype=torch.float32, device=batch.device)
-                    topk_id = torch.zeros(batch.size, 0, k, dtype=torch.int64, device=batch.device)
-                trees = stages.build_trees(topk_lp, topk_id, round_budgets, roots_dev)
-            with batch.timer("compile"):
-                compiled = stages.compile_trees(trees, starts_dev)
-            n_new = trees.n.to(batch.device) + 1
-            with batch.timer("verify"):
-                logits = model.forward(trees.tokens.clamp(min=0), compiled.positions, compiled.visibility,
-                                       torch.where(active.to(batch.device), n_new, 0), starts_dev, batch.cache,
-                                       check=False)
-            with batch.timer("accept"):
-                round_uniforms = None
-                if sampled:
-                    round_uniforms = (uniforms[batch.rounds + 1] if uniforms is not None
-                                      else _uniforms(generator, batch.size, logits.shape[1]))
-                    round_uniforms = round_uniforms[:, :logits.shape[1]]
-                choices, margins = _choose(stages, logits, ddtree.temperature, round_uniforms)
-                accepted, accept_len, next_root = stages.accept(trees, choices)
-            with batch.timer("compact"):
-                stages.compact_kv(batch.cache, starts_dev, accepted, accept_len)
-            path = accepted.clamp(min=0)
-            path_tokens = trees.tokens.gather(1, path).cpu()
-            path_margins = margins.to(path.device).gather(1, path).cpu()
-            accepted, accept_len, next_root = accepted.cpu(), accept_len.cpu(), next_root.cpu()
-        batch.rounds += 1
-        for b in range(batch.size):
-            if not active[b]:
-                continue
-            a = int(accept_len[b])
-            if record:
-                batch.requests[b].rounds.append(_record(b, int(batch.starts[b]), int(roots[b]), topk_lp,
-                                                        topk_id, trees, choices.cpu(), accepted[b, :a],
-                                                        int(next_root[b])))
-            committed = path_tokens[b, 1:a].tolist() + [int(next_root[b])]
-            batch.starts[b] += a
-            batch.requests[b].acceptance_lengths.append(a)
-            batch.commit(b, committed, path_margins[b, :a].tolist())
-        batch.sync_cache_lengths()
-        roots = next_root
+                    draft_logits = drafter.draft(batch.contexts(), roots_dev, depth)
+            if graphed is not None:
+                result = graphed(draft_logits, round_budgets, roots_dev, starts_dev, active_dev)
+                for stage, seconds in result.seconds.items():
+                    batch.timer.seconds[stage] += seconds
+                accept_len, next_root = result.accept_len, result.next_root
+                path_tokens, path_margins = result.path_tokens, result.path_margins
+            else:
+                with batch.timer("build"):
+                    if depth > 0:
+                        topk_lp, topk_id = stages.topk_logprobs(draft_logits, k)
+                    else:
+                        topk_lp = torch.zeros(batch.size, 0, k, dtype=torch.float32, device=batch.device)
+                        topk_id = torch.zeros(batch.size, 0, k, dtype=torch.int64, device=batch.device)
+                    trees = stages.build_trees(topk_lp, topk_id, round_budgets, roots_dev)
+                with batch.timer("compile"):
+                    compiled = stages.compile_trees(trees, starts_dev)
+                n_new = trees.n.to(batch.device) + 1
+                with batch.timer("verify"):
+                    logits = model.forward(trees.tokens.clamp(min=0), compiled.positions, compiled.visibility,
+                                           torch.where(active_dev, n_new, 0), starts_dev, batch.cache,
+                                           check=False)
+                with batch.timer("accept"):
+                    round_uniforms = None
+                    if sampled:
+                        round_uniforms = (uniforms[batch.rounds + 1] if uniforms is not None
+                                          else _uniforms(generator, batch.size, logits.shape[1]))
+                        round_uniforms = round_uniforms[:, :logits.shape[1]]
+                    choices, margins = _choose(stages, logits, ddtree.temperature, round_uniforms)
+                    accepted, accept_len, next_root = stages.accept(trees, choices)
+                with batch.timer("compact"):
+                    stages.compact_kv(batch.cache, starts_dev, accepted, accept_len)
+                path = accepted.clamp(min=0)
+                path_tokens = trees.tokens.gather(1, path).cpu()
+                path_margins = margins.to(path.device).gather(1, path).cpu()
+                accepted, accept_len, next_root = accepted.cpu(), accept_len.cpu(), next_root.cpu()
+            batch.rounds += 1
+            for b in range(batch.size):
+                if not active[b]:
+                    continue
+                a = int(accept_len[b])
+                if record:
+                    batch.requests[b].rounds.append(_record(b, int(batch.starts[b]), int(roots[b]), topk_lp,
+                                                            topk_id, trees, choices.cpu(), accepted[b, :a],
+                                                            int(next_root[b])))
+                committed = path_tokens[b, 1:a].tolist() + [int(next_root[b])]
+                batch.starts[b] += a
+                batch.requests[b].acceptance_lengths.append(a)
+                batch.commit(b, committed, path_margins[b, :a].tolist())
+            batch.sync_cache_lengths()
+            roots = next_root
     return batch.result()
 
 

@@ -3,6 +3,9 @@
 A `StageTimer` accumulates wall time per stage name; on a CUDA device it calls
 `torch.cuda.synchronize` before reading the clock, so each stage is charged
 for its own kernels and not for the ones still queued from the stage before.
+`StageTimer.round` charges the part of a round's wall time that no stage inside it
+took (the host's bookkeeping: copies of the round's inputs, committing tokens) to
+"host", so the stages add up to the decode's wall time.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-# The DDTree round, in order; AR decoding uses prefill, verify (its one-token forwards) and accept.
-STAGES = ("prefill", "draft", "build", "compile", "verify", "accept", "compact")
+# The DDTree round, in order, then the round's remaining wall time; AR decoding uses prefill,
+# verify (its one-token forwards), accept and host.
+STAGES = ("prefill", "draft", "build", "compile", "verify", "accept", "compact", "host")
 
 
 class StageTimer:
@@ -39,6 +43,21 @@ class StageTimer:
             if self.sync:
                 torch.cuda.synchronize()
             self.seconds[stage] += time.perf_counter() - t0
+
+    @contextmanager
+    def round(self) -> Iterator[None]:
+        """One decoding round: its wall time less what its stages were charged goes to "host"."""
+        if self.sync:
+            torch.cuda.synchronize()
+        charged = sum(self.seconds.values())
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            self.seconds["host"] += max(wall - (sum(self.seconds.values()) - charged), 0.0)
 
 
 @dataclass

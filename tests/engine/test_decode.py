@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import kdtr_format
 from kdtr_format import PRESETS, ConfigError, DDTreeConfig
+from engine import metrics
 from engine.decode import ar_decode, ddtree_decode
 from engine.drafters import LayerSkipDrafter, OracleDrafter, RandomDrafter, ReplayDrafter
 from engine.validate import Status, compare_tokens
@@ -243,7 +244,24 @@ def test_metrics(model_zoo):
     assert m.mean_acceptance == 4.0
     assert m.acceptance_histogram().tolist() == [0, 0, 0, 0, 4]
     assert all(m.stage_seconds[s] > 0 for s in ("prefill", "draft", "build", "compile", "verify", "accept",
-                                                  "compact"))
+                                                  "compact", "host"))
+    assert ar.metrics.stage_seconds["host"] > 0
+
+
+def test_a_round_charges_the_time_no_stage_took_to_host(monkeypatch):
+    """Round from t = 0 to 10 with a verify stage from 1 to 3 and an accept from 4 to 5: verify
+    2, accept 1, host the other 7; a second round adds to each."""
+    clock = iter([0.0, 1.0, 3.0, 4.0, 5.0, 10.0, 20.0, 21.0, 22.0, 24.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    timer = metrics.StageTimer("cpu")
+    for _ in range(2):
+        with timer.round():
+            with timer("verify"):
+                pass
+            if timer.seconds["accept"] == 0:
+                with timer("accept"):
+                    pass
+    assert (timer.seconds["verify"], timer.seconds["accept"], timer.seconds["host"]) == (3.0, 1.0, 10.0)
 
 
 def test_bad_input(model_zoo):
