@@ -7,8 +7,8 @@ tests/engine/test_bench_engine.py (AR batch 1 and 8, verify of 17 / 65 / 257 row
 one layer's call of `InvariantAttention` for each (heads a program, warps) against the
 default mode's kernel (`CudaAttention`) on the same inputs, median of CUDA-event timings
 (tests/kernels/gpu_bench.py), and each output's largest difference from the default kernel's (a
-tile shape that computes something else shows). The engine's shape is chosen from this run
-(docs/engine-fused.md).
+tile shape that computes something else shows). The engine's shape was chosen from its run
+(docs/results/invariant-attention-sweep-h100.md).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ import triton.language as tl
 
 from .tiles import cast, dot
 
-BLOCK_H = 16           # heads per program: the rows of every tile product
+BLOCK_H = 64           # heads per program: the rows of every tile product (all of K2's: a row's keys
+                       # read once; docs/results/invariant-attention-sweep-h100.md, with 8 warps)
 BLOCK_KEYS = 32        # keys per tile
 SPLIT_KEYS = 512       # keys per split (a multiple of BLOCK_KEYS)
 
@@ -160,7 +161,7 @@ class InvariantAttention:
 
     reuses_out = True           # bind(..., reuse_out=True): engine.attention.bind_attention
 
-    def __init__(self, split_keys: int = SPLIT_KEYS, block_h: int = BLOCK_H, num_warps: int = 4) -> None:
+    def __init__(self, split_keys: int = SPLIT_KEYS, block_h: int = BLOCK_H, num_warps: int = 8) -> None:
         if split_keys <= 0 or split_keys % BLOCK_KEYS:
             raise ValueError(f"InvariantAttention: split_keys must be a positive multiple of {BLOCK_KEYS}, "
                              f"got {split_keys}")
