@@ -157,7 +157,8 @@ class InvariantAttention:
     k_pe [B, T, dr] (or pools and a block table: `bind_paged`), starts [B], n_new [B],
     new_visibility [B, N, N] -> o_lat [B, N, H, R] in q_lat's dtype, bitwise a function of each
     row's key list (module docstring). float32 or bfloat16 on one CUDA device (or Triton's
-    interpreter)."""
+    interpreter). split_keys, block_h (heads a program, a power of two) and num_warps are one
+    choice for every call: a row's bits follow them."""
 
     reuses_out = True           # bind(..., reuse_out=True): engine.attention.bind_attention
 
