@@ -161,10 +161,10 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
     while batch.any_active:
         with batch.timer.round():
             active = batch.active_mask()
-            round_budgets = torch.tensor([request_budgets[b] if active[b] else 0 for b in range(batch.size)])
+            budgets = torch.tensor([request_budgets[b] if active[b] else 0 for b in range(batch.size)])
             # the round's inputs in one copy to the device: budgets, roots, starts, activity
             round_budgets, roots_dev, starts_dev, active_dev = torch.stack(
-                [round_budgets, roots, batch.starts, active.long()]).to(batch.device)
+                [budgets, roots, batch.starts, active.long()]).to(batch.device)
             active_dev = active_dev.bool()
             with batch.timer("draft"):
                 if depth > 0:

@@ -30,33 +30,31 @@ class StageTimer:
         self.sync = torch.device(device).type == "cuda"
         self.seconds: dict[str, float] = dict.fromkeys(STAGES, 0.0)
 
+    def _now(self) -> float:
+        """The clock once the device's queued work is done."""
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
         if stage not in self.seconds:
             raise ValueError(f"unknown stage {stage!r}; stages are {STAGES}")
-        if self.sync:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = self._now()
         try:
             yield
         finally:
-            if self.sync:
-                torch.cuda.synchronize()
-            self.seconds[stage] += time.perf_counter() - t0
+            self.seconds[stage] += self._now() - t0
 
     @contextmanager
     def round(self) -> Iterator[None]:
         """One decoding round: its wall time less what its stages were charged goes to "host"."""
-        if self.sync:
-            torch.cuda.synchronize()
         charged = sum(self.seconds.values())
-        t0 = time.perf_counter()
+        t0 = self._now()
         try:
             yield
         finally:
-            if self.sync:
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
+            wall = self._now() - t0
             self.seconds["host"] += max(wall - (sum(self.seconds.values()) - charged), 0.0)
 
 

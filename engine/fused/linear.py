@@ -113,12 +113,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, invariant: bool = False, split_coun
     tiles = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
     if in_program is None:
         in_program = tiles[0] * tiles[1] >= PROGRAMS
-    partial = torch.empty(count, m, n, device=x.device, dtype=torch.float32) if count > 1 and not in_program else out
-    _linear_kernel[tiles + (1 if in_program else count,)](
-        x, w, partial, m, n, k, k_per_split, x.stride(0), w.stride(0), PARTIAL=partial is not out,
-        SPLITS=count if in_program else 1, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+    apart = count > 1 and not in_program          # a program a run, their partials added by a second kernel
+    partial = torch.empty(count, m, n, device=x.device, dtype=torch.float32) if apart else out
+    _linear_kernel[tiles + (count if apart else 1,)](
+        x, w, partial, m, n, k, k_per_split, x.stride(0), w.stride(0), PARTIAL=apart,
+        SPLITS=1 if apart else count, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_K=block_k, num_warps=4)
-    if partial is not out:
+    if apart:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLITS=count, BLOCK=block,
                                                          num_warps=4)
