@@ -12,6 +12,9 @@ The golden fixtures are committed slim (docs/fixtures.md, "Slim and full"):
   content, written all or nothing, so pytest-xdist workers may race for it);
 - `open_golden("tiny.kdtr")`: a reader of one full fixture, closed after the test;
 - `committed_golden`: tests/golden itself, for the tests of the committed files.
+
+Under `--dist loadfile` (ci/gate's), the files whose few tests run long start first
+(LONG_FEW_TEST_FILES).
 """
 
 from __future__ import annotations
@@ -40,6 +43,31 @@ if "TRITON_INTERPRET" not in os.environ and _no_cuda_gpu():
     os.environ["TRITON_INTERPRET"] = "1"
 
 COMMITTED_GOLDEN = Path(__file__).resolve().parent / "golden"
+
+# pytest-xdist hands out files by their number of tests, most first: these files of few long tests
+# would start last and run on while the other worker idles. test_fused_compiles.py's one test compiles
+# every fused launch: 60 s on 2 cores with Triton's cache cold (3 s warm); the others 10-30 s each.
+LONG_FEW_TEST_FILES = ("tests/engine/test_fused_compiles.py", "tests/test_optional_dependencies.py",
+                       "tests/refgen/test_export_mtp.py", "tests/engine/test_engines_docs.py",
+                       "tests/engine/test_server_sampling.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` handing out LONG_FEW_TEST_FILES first, then xdist's own order (other modes:
+    xdist's own scheduler)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongFilesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node) -> None:
+            for scope in reversed(LONG_FEW_TEST_FILES):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return LongFilesFirst(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@ the checkpoint, named as DeepSeek ships it, and refgen's float64 reference of it
 (mtp-reference.npz) against two outside implementations: HF transformers' DeepseekV3 for the
 target's hidden states and the module's decoder block, with the module's own math (masked embedding,
 enorm / hnorm, eh_proj over [embedding, hidden], the shared head) written here in torch; and vLLM's
-DeepSeekMultiTokenPredictorLayer itself where vLLM is installed."""
+DeepSeekMultiTokenPredictorLayer itself where vLLM is installed. In the same run of vLLM's interpreter,
+vLLM's rewrite of a draft export's config (test_export_draft.py's labels)."""
 
 from __future__ import annotations
 
@@ -126,12 +127,25 @@ def test_the_reference_is_hf_transformers_with_the_module_math_written_here(expo
                                    atol=HF_RTOL * np.abs(reference[f"{prompt['name']}/target_hidden"]).max())
 
 
-def test_vllms_mtp_layer_computes_the_reference(exported):
+@pytest.fixture(scope="module")
+def vllm_run(exported, committed_golden, tmp_path_factory) -> dict:
+    """One run of tests/refgen/vllm_side.py in vLLM's interpreter (importing vLLM is most of a run) for
+    both vLLM tests: its MTP layer on `exported` (written to vllm-mtp.npz beside it), and its draft-config
+    rewrite of tiny exported plain (a target) and with --layers 2 (a draft) -> {command: its result}."""
+    path, root = committed_golden / "tiny.kdtr", tmp_path_factory.mktemp("vllm")
+    with kdtr_format.open(path) as reader:
+        target, draft = (export(reader, path, root / "target").directory,
+                         export(reader, path, root / "draft", layers=2).directory)
+    directory = exported.directory
+    return in_vllm("tests/refgen/vllm_side.py", "mtp", str(directory), str(directory / "vllm-mtp.npz"),
+                   "config", str(target), str(draft))
+
+
+def test_vllms_mtp_layer_computes_the_reference(exported, vllm_run):
     """vLLM's own DeepSeekMultiTokenPredictorLayer.forward (the masking, the norms, the concatenation,
     eh_proj, the block's residual, the shared head's norm) on the reference's target hidden states,
     its block HF's decoder layer (tests/refgen/vllm_side.py); in vLLM's interpreter."""
-    directory = exported.directory
-    result = in_vllm("tests/refgen/vllm_side.py", "mtp", str(directory), str(directory / "vllm-mtp.npz"))
+    directory, result = exported.directory, vllm_run["mtp"]
     computed = np.load(directory / "vllm-mtp.npz")
     reference = np.load(directory / MTP_REFERENCE)
     for prompt in exported.manifest["prompts"]:
@@ -139,6 +153,14 @@ def test_vllms_mtp_layer_computes_the_reference(exported):
         for form in ("logits", "logits_from_pre_norm"):
             got = computed[f"{prompt['name']}/{form}"]
             assert np.abs(got - want).max() <= HF_RTOL * np.abs(want).max(), (prompt["name"], form, result)
+
+
+def test_vllm_keeps_the_draft_a_draft_model_and_would_make_the_target_an_mtp(vllm_run):
+    """vLLM's SpeculativeConfig.hf_config_override, the rewrite every draft's config goes through (the
+    labels of tests/refgen/test_export_draft.py)."""
+    as_target, as_draft = vllm_run["config"]
+    assert as_draft == {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "n_predict": None}
+    assert as_target == {"architectures": ["DeepSeekMTPModel"], "model_type": "deepseek_mtp", "n_predict": 0}
 
 
 def test_mtp_with_a_draft_or_fp8_is_one_line_and_leaves_nothing(committed_golden, tmp_path, refgen_cli):

@@ -1,8 +1,11 @@
 """Runs inside vLLM's interpreter (tests/vllm_python.py), never imported by the suite: vLLM's own
-code applied to `refgen export` directories. Prints one JSON line.
+code applied to `refgen export` directories. Takes one or more commands, each its name then its
+arguments (absolute paths, never a command's name), so that one run serves several tests: importing
+vLLM is most of a run (~10 s on 2 cores). Prints one JSON line, {command: its result}.
 
     python vllm_side.py config DIR...     vLLM's draft-config rewrite of each DIR's config.json
     python vllm_side.py mtp DIR OUT.npz   vLLM's MTP layer on an `export --mtp`'s reference inputs
+    python vllm_side.py mtp DIR OUT.npz config DIR...    both, in one run
 """
 
 from __future__ import annotations
@@ -108,11 +111,16 @@ def mtp_logits(directory: str, out: str) -> dict:
     return {"prompts": sorted({key.split("/")[0] for key in found}), "norm": type(module.enorm).__name__}
 
 
+COMMANDS = {"config": draft_configs, "mtp": lambda args: mtp_logits(*args)}
+
+
+def run(argv: list[str]) -> dict:
+    """argv: commands, each its name then its arguments -> {name: its result}, run in order."""
+    starts = [i for i, word in enumerate(argv) if word in COMMANDS]
+    if not starts or starts[0] != 0:
+        sys.exit(f"expected a command ({', '.join(COMMANDS)}) first, got {argv[:1]}")
+    return {argv[i]: COMMANDS[argv[i]](argv[i + 1:end]) for i, end in zip(starts, starts[1:] + [len(argv)])}
+
+
 if __name__ == "__main__":
-    command, *rest = sys.argv[1:]
-    if command == "config":
-        print(json.dumps(draft_configs(rest)))
-    elif command == "mtp":
-        print(json.dumps(mtp_logits(*rest)))
-    else:
-        sys.exit(f"unknown command {command!r}")
+    print(json.dumps(run(sys.argv[1:])))
