@@ -27,8 +27,7 @@ Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. Thre
   the pages wgmma does not read); mma.sync and cp.async, any page size. Its tiles follow the
   device's shared memory; "mma_100k" forces the tile plan of 100 KB GPUs (sm_86 / 89 / 120),
   to test it on a larger one.
-- "cuda_cores": everything else (float32, other dims up to kv_lora 512 and rope 64, misaligned
-  inputs, the invariant plan).
+- "cuda_cores": everything else (float32, other dims, misaligned inputs, the invariant plan).
 
 Each computes the same bits paged and contiguous on the same logical keys.
 
@@ -70,7 +69,6 @@ SPLIT_COST_TILES = 4    # a split's fixed cost (its Q tile, pipeline fill, parti
                         # combine) in key tiles
 MAX_SPLITS = 128        # the most splits the default plan considers
 INVARIANT_SPLITS = 8    # the invariant plan's splits of a row's key list (its partials: 16 KB a row)
-CUDA_CORE_DIMS = (512, 64)   # the most kv_lora and rope_dim the CUDA-core kernel holds in registers
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 KERNELS = {"auto": 0, "cuda_cores": 1, "mma": 2, "mma_100k": 3, "wgmma": 4}   # kdtree_mla_verify's codes
@@ -336,9 +334,6 @@ def _verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: t
     if visibility.shape[1] * 32 < max_tree:
         raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
     kernel = _pick_kernel(kernel, invariant, q_lat, q_pe, c_kv, k_pe, page_size if keys.paged else None)
-    if kernel == "cuda_cores" and (kv_lora > CUDA_CORE_DIMS[0] or q_pe.shape[2] > CUDA_CORE_DIMS[1]):
-        raise MlaInputError(f"the CUDA-core path takes kv_lora <= {CUDA_CORE_DIMS[0]} and rope_dim <= "
-                            f"{CUDA_CORE_DIMS[1]}, got {kv_lora} and {q_pe.shape[2]}")
     sm_count = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
     plan = plan_splits(batch, max_tree, heads, max_kv, kernel != "cuda_cores", sm_count, invariant)
     torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, None if keys.paged else keys.table, visibility,

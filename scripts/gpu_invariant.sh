@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Invariant mode's GPU checks and its float32 sweep in one call. Run from the checkout root:
 #
-#   [KDTREE_KERNELS_LIB=<lib>] [KDTREE_KERNELS_PLANT=<lib>] PYTHONPATH=. \
-#       bash scripts/gpu_invariant.sh [all|tests|plant|sweep]
+#   KDTREE_KERNELS_LIB=<lib> [KDTREE_KERNELS_PLANT=<lib>] PYTHONPATH=. bash scripts/gpu_invariant.sh [all|tests|plant|sweep]
 #
 #   tests  the attention kernel's plans (tests/kernels/test_mla_verify.py, the paged invariant
 #          plan), invariant mode on CUDA (tests/engine/test_invariant.py, test_fused.py,
@@ -37,8 +36,7 @@ fi
 
 if want sweep; then
     echo "== float32 sweep"
-    timeout "$(left 240)" python3 scripts/sweep_float32_invariant.py "$OUT/sweep-float32.json" \
-        >"$OUT/sweep-float32.log" 2>&1
+    timeout "$(left 240)" python3 scripts/sweep_float32_invariant.py "$OUT/sweep-float32.json" >"$OUT/sweep-float32.log" 2>&1
     echo "exit $?"
     tail -2 "$OUT/sweep-float32.log" | cut -c1-400
 fi

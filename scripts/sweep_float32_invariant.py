@@ -2,7 +2,6 @@
 attention splits, timed, and whether the tile changes any bit.
 
     PYTHONPATH=. python3 scripts/sweep_float32_invariant.py [OUT.json]
-    PYTHONPATH=. python3 scripts/sweep_float32_invariant.py --table OUT.json      # its tables again
 
 An exact float32 tile product (`tl.dot(..., input_precision="ieee")`) is lowered by Triton to
 one FMA chain per output element, over k in order, so the rows of a tile should change no bit
@@ -128,44 +127,18 @@ def attention(g: torch.Generator) -> list[dict]:
     return out
 
 
-def table(doc: dict) -> str:
-    """The sweep's JSON as markdown: ms per candidate (and whether its bits differ)."""
-    def cell(row: dict, key: str) -> str:
-        flag = "" if row.get(key + "_bits", 0.0) == 0.0 else " (bits differ)"
-        return f"{row[key + '_ms']:.3f}{flag}"
-    tiles_ = [f"r{r}" for r in TILE_ROWS]
-    lines = ["| part | rows | " + " | ".join(f"at most {r} rows" for r in TILE_ROWS) + " | cuBLAS |",
-             "|---" * (3 + len(TILE_ROWS)) + "|"]
-    for row in doc["experts"] + doc["linear"]:
-        name = row["part"] + (f" {row['weight']}" if "weight" in row else "")
-        lines.append(f"| {name} | {row['rows']} | " + " | ".join(cell(row, t) for t in tiles_)
-                     + f" | {row.get('cublas_ms', float('nan')):.3f} |")
-    plans = [f"s{s}_h{h}_w{w}" for s, h, w in ATTENTION]
-    lines += ["", "| batch | rows | CUDA default | CUDA invariant | " + " | ".join(
-        f"Triton {s} keys, {h} heads, {w} warps" for s, h, w in ATTENTION) + " |", "|---" * (4 + len(plans)) + "|"]
-    for row in doc["attention"]:
-        lines.append(f"| {row['batch']} | {row['rows']} | {row['default_ms']:.3f} | {row['cuda_invariant_ms']:.3f} | "
-                     + " | ".join(cell(row, p) for p in plans) + " |")
-    return "\n".join(lines)
-
-
-def main(args: list[str]) -> int:
-    if args[:1] == ["--table"]:
-        with open(args[1]) as f:
-            print(table(json.load(f)))
-        return 0
+def main(path: str | None) -> int:
     if not torch.cuda.is_available():
         print("sweep_float32_invariant: needs a CUDA GPU", file=sys.stderr)
         return 2
     g = torch.Generator(device="cuda").manual_seed(0)
     doc = {"gpu": torch.cuda.get_device_name(), "attention": attention(g), "experts": experts(g),
            "linear": products(g)}
-    if args:
-        with open(args[0], "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump(doc, f, indent=1)
-    print(table(doc))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -46,9 +46,6 @@ namespace {
 // ------------------------------------------------------------------ generic path
 
 constexpr int kGenericWarps = 4;
-// Columns a lane holds: kv_lora up to 32 x kGenericLat (kGenericSmallLat: the small presets'
-// instance), rope_dim up to 32 x kGenericRope.
-constexpr int kGenericLat = 16, kGenericSmallLat = 2, kGenericRope = 2;
 
 // A row's key list: the cached slots 0 .. context, then the row's visible tree tokens in order.
 // Its length: context + the visible tree tokens of visibility row `token`.
@@ -69,36 +66,14 @@ __device__ __forceinline__ int row_split_keys(const MlaParams& p, int length) {
     return 32 * max(1, (blocks + p.num_splits - 1) / p.num_splits);
 }
 
-// The slots of list positions [begin, end) of one row's key list, in order (`next`: the next
-// slot, -1 past them).
-struct KeyCursor {
-    int position, end, context, tree, j;   // j: the next tree token to look at
-
-    __device__ KeyCursor(const MlaParams& p, int token, int begin, int end_, int context_, int tree_)
-        : position(begin), end(end_), context(context_), tree(tree_), j(0) {
-        for (int rank = context; rank < begin && j < tree; ++j)      // skip the list's earlier tree keys
-            rank += key_visible(p, token, context + j, context);
-    }
-
-    __device__ int next(const MlaParams& p, int token) {
-        if (position >= end) return -1;
-        if (position < context) return position++;
-        for (; j < tree; ++j)
-            if (key_visible(p, token, context + j, context)) { ++position; return context + j++; }
-        return -1;
-    }
-};
-
-// One warp per query row; lane i holds columns i, i + 32, ... of q, o and the key in flight
-// (kLat of the latent, kRope of the rope part, zero past R and dr) in registers, and loads the
-// next key while it folds this one. The score: each lane's products in column order (latent,
-// then rope), then a butterfly sum, so every lane has the same; the online softmax runs per key.
+// One warp per query row; lanes split the dims, a butterfly sum gives every lane the same
+// score, the online softmax runs per key. Shared memory per warp: q [R + dr] and o [R] floats.
 // Splits cut the row's key list (not the slots): split y folds list positions
 // [y * keys, (y + 1) * keys), keys = row_split_keys. With split_keys 0 a row's partials are a
 // function of its list alone, whatever its tree's other tokens, the batch and the cache.
-template <typename TIn, typename TOut, int kLat, int kRope>
+template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
-    constexpr int kCols = kLat + kRope;
+    extern __shared__ float smem[];
     const int b = blockIdx.z, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tree = p.tree[b], context = p.context[b];
@@ -110,52 +85,41 @@ __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
     const int split_keys = row_split_keys(p, length);
     const int key_begin = split * split_keys;
     if (key_begin >= length) return;        // the combine reads no partial of it
+    const int key_end = key_begin + split_keys;
     const int R = p.kv_lora, dr = p.rope_dim;
 
-    // column i of a lane's kCols: latent lane + 32 i (i < kLat), else rope lane + 32 (i - kLat)
-    auto load = [&](const TIn* lat, const TIn* rope, float (&v)[kCols]) {
-#pragma unroll
-        for (int i = 0; i < kCols; ++i) {
-            const int d = lane + 32 * (i < kLat ? i : i - kLat);
-            v[i] = i < kLat ? (d < R ? to_float(lat[d]) : 0.f) : (d < dr ? to_float(rope[d]) : 0.f);
-        }
-    };
-    auto load_key = [&](int s, float (&v)[kCols]) {
-        const size_t key_row = cache_row(p, b, s);
-        load(static_cast<const TIn*>(p.c_kv) + key_row * R, static_cast<const TIn*>(p.k_pe) + key_row * dr, v);
-    };
-    float q[kCols], o[kLat], key[kCols], ahead[kCols];
-    load(static_cast<const TIn*>(p.q_lat) + (size_t)row * R, static_cast<const TIn*>(p.q_pe) + (size_t)row * dr, q);
-#pragma unroll
-    for (int i = 0; i < kLat; ++i) o[i] = 0.f;
+    float* q = smem + warp * (2 * R + dr);  // [R + dr]
+    float* o = q + R + dr;                  // [R]
+    const TIn* q_lat = static_cast<const TIn*>(p.q_lat) + (size_t)row * R;
+    const TIn* q_pe = static_cast<const TIn*>(p.q_pe) + (size_t)row * dr;
+    for (int d = lane; d < R; d += 32) { q[d] = to_float(q_lat[d]); o[d] = 0.f; }
+    for (int d = lane; d < dr; d += 32) q[R + d] = to_float(q_pe[d]);
+    __syncwarp();
 
     float m = -CUDART_INF_F, l = 0.f;
-    KeyCursor keys(p, token, key_begin, key_begin + split_keys, context, tree);
-    int s = keys.next(p, token);
-    if (s >= 0) load_key(s, key);
-    while (s >= 0) {
-        const int s_ahead = keys.next(p, token);
-        if (s_ahead >= 0) load_key(s_ahead, ahead);          // in flight while this key folds
+    auto fold = [&](int s) {                // key slot s into (m, l, o)
+        const size_t key_row = cache_row(p, b, s);
+        const TIn* c = static_cast<const TIn*>(p.c_kv) + key_row * R;
+        const TIn* k = static_cast<const TIn*>(p.k_pe) + key_row * dr;
         float dot = 0.f;
-#pragma unroll
-        for (int i = 0; i < kCols; ++i) dot = fmaf(q[i], key[i], dot);
+        for (int d = lane; d < R; d += 32) dot += q[d] * to_float(c[d]);
+        for (int d = lane; d < dr; d += 32) dot += q[R + d] * to_float(k[d]);
         for (int mask = 16; mask > 0; mask >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, mask);
         const float x = dot * p.scale_log2;
         const float m_new = fmaxf(m, x);
         const float alpha = exp2f(m - m_new);
         const float w = exp2f(x - m_new);
         l = l * alpha + w;
-#pragma unroll
-        for (int i = 0; i < kLat; ++i) o[i] = fmaf(o[i], alpha, w * key[i]);
+        for (int d = lane; d < R; d += 32) o[d] = o[d] * alpha + w * to_float(c[d]);
         m = m_new;
-#pragma unroll
-        for (int i = 0; i < kCols; ++i) key[i] = ahead[i];
-        s = s_ahead;
+    };
+    for (int s = key_begin; s < min(key_end, context); ++s) fold(s);
+    for (int j = 0, position = context; j < tree && position < key_end; ++j) {
+        if (!key_visible(p, token, context + j, context)) continue;
+        if (position++ >= key_begin) fold(context + j);
     }
     const float inv_l = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-    for (int i = 0; i < kLat; ++i)
-        if (lane + 32 * i < R) store_one<TOut>(p, split, row, lane + 32 * i, o[i] * inv_l);
+    for (int d = lane; d < R; d += 32) store_one<TOut>(p, split, row, d, o[d] * inv_l);
     if (lane == 0) store_lse(p, split, row, row_lse(m, l));
 }
 
@@ -249,18 +213,11 @@ int launch(const MlaParams& p, int batch, int max_tree, long long cache_rows, in
     if (chosen < 0) return KDTREE_BAD_KERNEL;
     int status;
     if (chosen == kCudaCores) {
-        if (p.kv_lora > 32 * kGenericLat || p.rope_dim > 32 * kGenericRope) return KDTREE_BAD_LIMIT;
+        const size_t smem = (size_t)kGenericWarps * (2 * p.kv_lora + p.rope_dim) * sizeof(float);
+        if (smem > 48 * 1024) return KDTREE_BAD_LIMIT;
         const dim3 grid((unsigned)((max_rows + kGenericWarps - 1) / kGenericWarps), p.num_splits, batch);
-        const bool small = p.kv_lora <= 32 * kGenericSmallLat;
-        constexpr int threads = kGenericWarps * 32;
-        if (in_dtype == kBFloat16 && small)
-            mla_generic<bf16, TOut, kGenericSmallLat, kGenericRope><<<grid, threads, 0, stream>>>(p);
-        else if (in_dtype == kBFloat16)
-            mla_generic<bf16, TOut, kGenericLat, kGenericRope><<<grid, threads, 0, stream>>>(p);
-        else if (small)
-            mla_generic<float, TOut, kGenericSmallLat, kGenericRope><<<grid, threads, 0, stream>>>(p);
-        else
-            mla_generic<float, TOut, kGenericLat, kGenericRope><<<grid, threads, 0, stream>>>(p);
+        if (in_dtype == kBFloat16) mla_generic<bf16, TOut><<<grid, kGenericWarps * 32, smem, stream>>>(p);
+        else mla_generic<float, TOut><<<grid, kGenericWarps * 32, smem, stream>>>(p);
         status = kdtree_launch_status();
     } else {
         const dim3 grid((unsigned)((max_rows + kTileRows - 1) / kTileRows), p.num_splits, batch);
@@ -287,9 +244,8 @@ KDTREE_API int kdtree_mla_tensor_cores() { return kdtree_mla::tensor_core_kind()
 // needs split_keys to be a multiple of min(page_size, 64).
 // num_splits * split_keys must cover every request's keys; split_keys is a multiple of 32, or 0
 // (the CUDA cores only, kernel 0 or 1): each row's key list is cut into at most num_splits splits
-// of whole 32-key blocks sized from its length alone (the invariant plan); with num_splits > 1,
-// part_o [num_splits, T * H, kv_lora] and part_lse [num_splits, T * H] float32 are scratch. The
-// CUDA cores take kv_lora <= 512 and rope_dim <= 64 (KDTREE_BAD_LIMIT). kernel: 0 the fastest for these inputs on this device (bf16 at K2 dims
+// of whole 32-key blocks sized from its length alone (the invariant plan); with num_splits > 1, part_o [num_splits, T * H, kv_lora] and part_lse [num_splits, T * H]
+// float32 are scratch. kernel: 0 the fastest for these inputs on this device (bf16 at K2 dims
 // with 16-byte aligned pointers: wgmma where it runs and reads the layout, else mma.sync on
 // compute capability 8.0 and later; anything else the CUDA cores), 1 the CUDA cores, 2 mma.sync
 // with the tiles this device's shared memory holds, 3 mma.sync with the tiles of 100 KB GPUs,
