@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kdtr_format import ModelConfig
 
-from .tiles import INTERPRETED, cast, dot, invariant_block_m
+from .tiles import INTERPRETED, INVARIANT_BLOCK_M, cast, dot
 
 
 @triton.jit
@@ -262,9 +262,9 @@ def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torc
     """h [M, D], idx int32 [M, S], weight float32 [M, S], real uint8 [M], stacked experts
     w_gate, w_up [ET, I, D], w_down [ET, D, I] -> y float32 [M, S, D] (module docstring; the
     pairs of padding rows are left unwritten). tiling: (BLOCK_N, BLOCK_K) for both products
-    instead of `tiles`' (the tiling benchmark). invariant: blocks of `invariant_block_m` pairs (bf16:
-    64 whatever the call) and `invariant_tiles`, multiplied as tile products, so a pair's output
-    does not depend on the pairs beside it in its block."""
+    instead of `tiles`' (the tiling benchmark). invariant: blocks of INVARIANT_BLOCK_M pairs and
+    `invariant_tiles`, whatever M and the routing, so a pair's output does not depend on the
+    pairs beside it in its block."""
     m, slots = idx.shape
     stacked, inner, width = w_gate.shape
     y = torch.empty(m, slots, width, device=h.device, dtype=torch.float32)
@@ -272,10 +272,7 @@ def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torc
         return y
     if invariant:
         tiling = invariant_tiles(h.dtype)
-    if invariant:
-        bm = invariant_block_m(m * slots / stacked, h.dtype)
-    else:
-        bm = block_m(m * slots, stacked, h.dtype)
+    bm = INVARIANT_BLOCK_M[h.dtype] if invariant else block_m(m * slots, stacked, h.dtype)
     sorted_pairs, block_expert, count = align(idx, real, stacked, bm)
     blocks = block_expert.shape[0]
     ieee = h.dtype == torch.float32

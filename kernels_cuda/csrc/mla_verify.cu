@@ -47,30 +47,8 @@ namespace {
 
 constexpr int kGenericWarps = 4;
 
-// A row's key list: the cached slots 0 .. context, then the row's visible tree tokens in order.
-// Its length: context + the visible tree tokens of visibility row `token`.
-__device__ int list_length(const MlaParams& p, int token, int context, int tree) {
-    int visible = 0;
-    for (int w = 0; w * 32 < tree; ++w) {
-        const uint32_t word = p.visibility[(size_t)token * p.vis_words + w];
-        visible += __popc(tree - w * 32 >= 32 ? word : word & ((1u << (tree - w * 32)) - 1u));
-    }
-    return context + visible;
-}
-
-// The keys a split of a row's list holds: split_keys, or with split_keys 0 (the invariant plan)
-// the list cut into at most num_splits splits of whole 32-key blocks, sized from its length alone.
-__device__ __forceinline__ int row_split_keys(const MlaParams& p, int length) {
-    if (p.split_keys > 0) return p.split_keys;
-    const int blocks = (length + 31) / 32;
-    return 32 * max(1, (blocks + p.num_splits - 1) / p.num_splits);
-}
-
 // One warp per query row; lanes split the dims, a butterfly sum gives every lane the same
 // score, the online softmax runs per key. Shared memory per warp: q [R + dr] and o [R] floats.
-// Splits cut the row's key list (not the slots): split y folds list positions
-// [y * keys, (y + 1) * keys), keys = row_split_keys. With split_keys 0 a row's partials are a
-// function of its list alone, whatever its tree's other tokens, the batch and the cache.
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
     extern __shared__ float smem[];
@@ -78,15 +56,13 @@ __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tree = p.tree[b], context = p.context[b];
     const int local_row = blockIdx.x * kGenericWarps + warp;
-    if (local_row >= tree * p.heads) return;
+    const int kv_len = context + tree;
+    const int key_begin = split * p.split_keys;
+    if (local_row >= tree * p.heads || key_begin >= kv_len) return;
+    const int key_end = min(kv_len, key_begin + p.split_keys);
+    const int R = p.kv_lora, dr = p.rope_dim;
     const int row = p.q_offsets[b] * p.heads + local_row;
     const int token = row / p.heads;
-    const int length = p.split_keys > 0 ? context + tree : list_length(p, token, context, tree);
-    const int split_keys = row_split_keys(p, length);
-    const int key_begin = split * split_keys;
-    if (key_begin >= length) return;        // the combine reads no partial of it
-    const int key_end = key_begin + split_keys;
-    const int R = p.kv_lora, dr = p.rope_dim;
 
     float* q = smem + warp * (2 * R + dr);  // [R + dr]
     float* o = q + R + dr;                  // [R]
@@ -97,7 +73,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
     __syncwarp();
 
     float m = -CUDART_INF_F, l = 0.f;
-    auto fold = [&](int s) {                // key slot s into (m, l, o)
+    for (int s = key_begin; s < key_end; ++s) {
+        if (!key_visible(p, token, s, context)) continue;
         const size_t key_row = cache_row(p, b, s);
         const TIn* c = static_cast<const TIn*>(p.c_kv) + key_row * R;
         const TIn* k = static_cast<const TIn*>(p.k_pe) + key_row * dr;
@@ -112,11 +89,6 @@ __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
         l = l * alpha + w;
         for (int d = lane; d < R; d += 32) o[d] = o[d] * alpha + w * to_float(c[d]);
         m = m_new;
-    };
-    for (int s = key_begin; s < min(key_end, context); ++s) fold(s);
-    for (int j = 0, position = context; j < tree && position < key_end; ++j) {
-        if (!key_visible(p, token, context + j, context)) continue;
-        if (position++ >= key_begin) fold(context + j);
     }
     const float inv_l = l > 0.f ? 1.f / l : 0.f;
     for (int d = lane; d < R; d += 32) store_one<TOut>(p, split, row, d, o[d] * inv_l);
@@ -125,38 +97,35 @@ __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
 
 // ------------------------------------------------------------------ split combine
 
-constexpr int kMaxSplits = 65535;  // the grid's y
+constexpr int kMaxSplits = 128;
 constexpr int kCombineThreads = 128;
 
-// The weight of a split with log-sum-exp lse when the largest is top: 0 for a split that saw no key.
-__device__ __forceinline__ float split_weight(float lse, float top) {
-    return top == -CUDART_INF_F ? 0.f : __expf(lse - top);
-}
-
-// Block = one query row: the first warp finds the largest lse and the sum of the weights
-// w_i = exp(lse_i - max) (a split that saw no key weighs 0) and writes lse = max + log(sum_i w_i);
-// then each thread merges its columns, o = sum_i w_i o_i / sum_i w_i in split order, reading the
-// splits' partial rows coalesced.
+// Block = one query row: the first warp turns the splits' lse into weights exp(lse_i - max)
+// (non-empty splits only) and writes lse = max + log(sum_i w_i); then each thread merges its
+// columns, o = sum_i w_i o_i / sum_i w_i, reading the splits' partial rows coalesced.
 template <typename TOut>
 __global__ void __launch_bounds__(kCombineThreads) mla_combine(MlaParams p) {
-    __shared__ float top_lse, inv_total;
+    __shared__ float weights[kMaxSplits];
+    __shared__ float inv_total;
     const int b = blockIdx.y, local_row = blockIdx.x;
-    const int tree = p.tree[b], context = p.context[b];
+    const int tree = p.tree[b];
     if (local_row >= tree * p.heads) return;
+    const int kv_len = p.context[b] + tree;
+    const int n_splits = min(p.num_splits, (kv_len + p.split_keys - 1) / p.split_keys);
     const int row = p.q_offsets[b] * p.heads + local_row;
-    const int length = p.split_keys > 0 ? context + tree : list_length(p, row / p.heads, context, tree);
-    const int split_keys = row_split_keys(p, length);
-    const int n_splits = min(p.num_splits, (length + split_keys - 1) / split_keys);
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         float mx = -CUDART_INF_F;
         for (int i = lane; i < n_splits; i += 32) mx = fmaxf(mx, p.part_lse[(size_t)i * p.total_rows + row]);
         for (int mask = 16; mask > 0; mask >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, mask));
         float total = 0.f;
-        for (int i = lane; i < n_splits; i += 32) total += split_weight(p.part_lse[(size_t)i * p.total_rows + row], mx);
+        for (int i = lane; i < n_splits; i += 32) {
+            const float w = mx == -CUDART_INF_F ? 0.f : __expf(p.part_lse[(size_t)i * p.total_rows + row] - mx);
+            weights[i] = w;
+            total += w;
+        }
         for (int mask = 16; mask > 0; mask >>= 1) total += __shfl_xor_sync(0xffffffffu, total, mask);
         if (lane == 0) {
-            top_lse = mx;
             inv_total = total > 0.f ? 1.f / total : 0.f;
             p.lse[row] = total > 0.f ? mx + logf(total) : -CUDART_INF_F;
         }
@@ -168,8 +137,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_combine(MlaParams p) {
     for (int c = threadIdx.x; c < p.kv_lora; c += kCombineThreads) {
         float acc = 0.f;
 #pragma unroll 8
-        for (int i = 0; i < n_splits; ++i)
-            acc += split_weight(p.part_lse[(size_t)i * p.total_rows + row], top_lse) * part[i * split_stride + c];
+        for (int i = 0; i < n_splits; ++i) acc += weights[i] * part[i * split_stride + c];
         out[c] = from_float<TOut>(acc * inv_total);
     }
 }
@@ -208,8 +176,7 @@ template <typename TOut>
 int launch(const MlaParams& p, int batch, int max_tree, long long cache_rows, int in_dtype, int kernel,
            cudaStream_t stream) {
     const long long max_rows = (long long)max_tree * p.heads;
-    const int chosen = p.split_keys == 0 ? (kernel == kAuto || kernel == kCudaCores ? kCudaCores : -1)
-                                         : resolve(p, in_dtype, kernel);
+    const int chosen = resolve(p, in_dtype, kernel);
     if (chosen < 0) return KDTREE_BAD_KERNEL;
     int status;
     if (chosen == kCudaCores) {
@@ -242,9 +209,8 @@ KDTREE_API int kdtree_mla_tensor_cores() { return kdtree_mla::tensor_core_kind()
 // (P * page_size for pools). Keys: kv_offsets (contiguous; block_table null) or block_table
 // [batch, table_stride] with page_size >= 1 (paged; kv_offsets unused); a paged wgmma launch
 // needs split_keys to be a multiple of min(page_size, 64).
-// num_splits * split_keys must cover every request's keys; split_keys is a multiple of 32, or 0
-// (the CUDA cores only, kernel 0 or 1): each row's key list is cut into at most num_splits splits
-// of whole 32-key blocks sized from its length alone (the invariant plan); with num_splits > 1, part_o [num_splits, T * H, kv_lora] and part_lse [num_splits, T * H]
+// num_splits * split_keys must cover every request's keys; split_keys is a multiple of 32;
+// with num_splits > 1, part_o [num_splits, T * H, kv_lora] and part_lse [num_splits, T * H]
 // float32 are scratch. kernel: 0 the fastest for these inputs on this device (bf16 at K2 dims
 // with 16-byte aligned pointers: wgmma where it runs and reads the layout, else mma.sync on
 // compute capability 8.0 and later; anything else the CUDA cores), 1 the CUDA cores, 2 mma.sync
@@ -267,7 +233,7 @@ KDTREE_API int kdtree_mla_verify(const void* q_lat, const void* q_pe, const void
     if (block_table && (table_stride <= 0 || page_size <= 0)) return KDTREE_BAD_SHAPE;
     if (num_splits > 1 && (!part_o || !part_lse)) return KDTREE_BAD_POINTER;
     if (batch <= 0 || total_tokens <= 0 || cache_rows <= 0 || heads <= 0 || kv_lora <= 0 || rope_dim <= 0 ||
-        max_tree <= 0 || num_splits <= 0 || split_keys < 0 || split_keys % 32 != 0 || vis_words <= 0 ||
+        max_tree <= 0 || num_splits <= 0 || split_keys <= 0 || split_keys % 32 != 0 || vis_words <= 0 ||
         vis_words * 32 < max_tree)
         return KDTREE_BAD_SHAPE;
     if ((in_dtype != kFloat32 && in_dtype != kBFloat16) || (out_dtype != kFloat32 && out_dtype != kBFloat16))
