@@ -196,12 +196,11 @@ def _product(a, b, acc, IEEE: tl.constexpr, CUDA_CORES: tl.constexpr):
 @triton.jit
 def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_expert_ptr, blocks_ptr,
                           weight_ptr, N, K, S, sw_e, sw_n,
-                          GATED: tl.constexpr, IEEE: tl.constexpr, CUDA_CORES: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """GATED: out[sorted row] = silu(a W^T) * (a W2^T), a = h[pair // S] (the gate-up pass);
     else out[pair] = weight[pair] * (a W^T), a = the block's rows of the first pass (down).
-    CUDA_CORES: blocks of fewer than 16 rows multiply as a sum of products (float32 outside
-    invariant mode: `block_m`), else as the tile product."""
+    Blocks of fewer than 16 rows multiply on the CUDA cores (float32 only: `block_m`)."""
     block = tl.program_id(0)
     if block >= tl.load(blocks_ptr):
         return
@@ -223,10 +222,10 @@ def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_exper
         a = tl.load(a_ptr + source[:, None] * K + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0)
         w_mask = (k[:, None] < K) & (cols[None, :] < N)
         b = tl.load(w_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
-        acc = _product(a, b, acc, IEEE, CUDA_CORES)
+        acc = _product(a, b, acc, IEEE, BLOCK_M < 16)
         if GATED:
             b2 = tl.load(w2_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
-            acc2 = _product(a, b2, acc2, IEEE, CUDA_CORES)
+            acc2 = _product(a, b2, acc2, IEEE, BLOCK_M < 16)
     out_mask = valid[:, None] & (cols[None, :] < N)
     if GATED:
         h = acc / (1.0 + tl.exp(-acc)) * acc2
@@ -282,6 +281,5 @@ def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torc
         block_n, block_k = tiling or tiles(blocks, n, h.dtype)
         _expert_matmul_kernel[(blocks, triton.cdiv(n, block_n))](
             a, w, w2, out, sorted_pairs, block_expert, count, weight, n, k, slots, w.stride(0), w.stride(1),
-            GATED=gated, IEEE=ieee, CUDA_CORES=bm < 16 and not invariant, BLOCK_M=bm, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=4)
+            GATED=gated, IEEE=ieee, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return y

@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import json
 
-import kdtr_format
-from refgen.export import DRAFT_LABEL, export
-
-
-def _exports(committed_golden, tmp_path):
-    path = committed_golden / "tiny.kdtr"
-    with kdtr_format.open(path) as reader:
-        return (export(reader, path, tmp_path / "target").directory,
-                export(reader, path, tmp_path / "draft", layers=2).directory)
+from exports import target_and_draft
+from refgen.export import DRAFT_LABEL
 
 
 def test_a_draft_is_labelled_deepseek_v2_and_the_target_v3(committed_golden, tmp_path):
-    target, draft = _exports(committed_golden, tmp_path)
+    target, draft = target_and_draft(committed_golden / "tiny.kdtr", tmp_path)
     config = json.loads((draft / "config.json").read_text())
     assert {k: config[k] for k in DRAFT_LABEL} == DRAFT_LABEL == \
         {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import kdtr_format
-from exports import exported_weights
+from exports import exported_weights, target_and_draft
 from refgen.checkpoint import load, open_checkpoint, plan_import
 from refgen.export import export
 from refgen.export_mtp import MTP_REFERENCE
@@ -132,10 +132,7 @@ def vllm_run(exported, committed_golden, tmp_path_factory) -> dict:
     """One run of tests/refgen/vllm_side.py in vLLM's interpreter (importing vLLM is most of a run) for
     both vLLM tests: its MTP layer on `exported` (written to vllm-mtp.npz beside it), and its draft-config
     rewrite of tiny exported plain (a target) and with --layers 2 (a draft) -> {command: its result}."""
-    path, root = committed_golden / "tiny.kdtr", tmp_path_factory.mktemp("vllm")
-    with kdtr_format.open(path) as reader:
-        target, draft = (export(reader, path, root / "target").directory,
-                         export(reader, path, root / "draft", layers=2).directory)
+    target, draft = target_and_draft(committed_golden / "tiny.kdtr", tmp_path_factory.mktemp("vllm"))
     directory = exported.directory
     return in_vllm("tests/refgen/vllm_side.py", "mtp", str(directory), str(directory / "vllm-mtp.npz"),
                    "config", str(target), str(draft))
