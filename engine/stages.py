@@ -100,9 +100,11 @@ def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
 
 
 def top2_margins(logits: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] -> float64 [...]: the top-1 minus the top-2 logit (inf when V == 1)."""
-    top2 = logits.topk(min(2, logits.shape[-1]), dim=-1).values.double()
-    return top2[..., 0] - top2[..., -1] if top2.shape[-1] == 2 else torch.full_like(top2[..., 0], float("inf"))
+    """logits [..., V] -> float64 [...]: the top-1 minus the top-2 logit (0 at a tie for the top,
+    inf when V == 1). Two max reductions around one masked copy: no sort or selection pass."""
+    top1, first = logits.max(dim=-1)
+    top2 = logits.scatter(-1, first[..., None], float("-inf")).amax(dim=-1)
+    return top1.double() - top2.double()
 
 
 def _ordered_bits(x: torch.Tensor) -> torch.Tensor:

@@ -448,7 +448,14 @@ class Bench:
         cost = forward_cost(self.cfg, element, starts, n_new.tolist(), pairs, touched)
         self.step_row({**key, "kind": "verify", "batch": batch, "budget": budget, "rows": int(n_new.sum())}, ms,
                       cost, touched, rate, ceilings_, context=starts)
-        self.doc["steps"][-1].update(build_ms=replay_ms(rnd.build), accept_ms=replay_ms(rnd.accept),
+        kept = rnd.starts.clone(), rnd.roots.clone()            # the accept graph advances them
+
+        def restore() -> None:
+            rnd.starts.copy_(kept[0])
+            rnd.roots.copy_(kept[1])
+        accept_ms = replay_ms(rnd.accept, before=restore)
+        restore()
+        self.doc["steps"][-1].update(build_ms=replay_ms(rnd.build), accept_ms=accept_ms,
                                      profile=forward_profile(model, ids, positions, visibility, n_new,
                                                              rnd.starts, rnd.cache))
 

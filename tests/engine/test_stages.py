@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.cache import KVCache
-from engine.stages import TorchStages, TreeBatch
+from engine.stages import TorchStages, TreeBatch, top2_margins
 from kdtr_format import PRESETS
 from refgen import ddtree
 from refgen.kernel_cases import SIBLING_ROUNDING_TOPK
@@ -256,6 +256,23 @@ def test_greedy_and_sampled_choices_match_reference(device):
         np.testing.assert_array_equal(greedy[b], ref_greedy)
         np.testing.assert_array_equal(sampled[b], ddtree.sample_choices(logits[b].astype(np.float32), 0.7, uniforms[b]))
     assert greedy[0, 1] == 3 and sampled[1, 2] < 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 2, 7, 40, 4099])
+def test_top2_margins_match_a_sort(dtype, vocab, device):
+    """top1 - top2 of each row as a full sort gives it: 0 at a tie for the top (rows of small
+    integers tie often), inf at V = 1."""
+    rng = np.random.default_rng(vocab)
+    rows = np.concatenate([rng.normal(size=(6, vocab)) * 3, rng.integers(-2, 3, (6, vocab))])
+    t = torch.tensor(rows, dtype=dtype, device=device).reshape(3, 4, vocab)
+    values = t.float().cpu().numpy().reshape(12, vocab).astype(np.float64)
+    ordered = -np.sort(-values, axis=-1)
+    expected = ordered[:, 0] - ordered[:, 1] if vocab > 1 else np.full(12, np.inf)
+    margins = top2_margins(t)
+    assert margins.dtype == torch.float64 and margins.shape == (3, 4)
+    np.testing.assert_array_equal(margins.cpu().numpy().reshape(12), expected)
+    assert vocab < 7 or (expected[6:] == 0).any(), "the integer rows must tie for the top"
 
 
 # ---- bad input ----
