@@ -396,7 +396,8 @@ class Bench:
     def sweep_point(self, point: dict, ar, ar_s: float, dd) -> None:
         m = dd.metrics
         dd_s, dd_no_draft = decode_seconds(m), decode_seconds(m, without=("draft",))
-        other = sum(m.stage_seconds.get(k, 0.0) for k in ("build", "compile", "accept", "compact", "host"))
+        parts = {k: m.stage_seconds.get(k, 0.0) for k in ("build", "compile", "accept", "compact", "host")}
+        other = sum(parts.values())
         verify = m.stage_seconds["verify"]
         tau = m.mean_acceptance
         steps = [s for s in self.doc["steps"] if s["kind"] == "ar" and s["dtype"] == point["dtype"]
@@ -406,6 +407,7 @@ class Bench:
                         and s["budget"] == point["budget"]]
         point.update(tau=tau, rounds=m.rounds, speedup=ar_s / dd_s, speedup_without_draft=ar_s / dd_no_draft,
                      verify_ms_per_round=1e3 * verify / m.rounds, other_ms_per_round=1e3 * other / m.rounds,
+                     other_ms_by_stage={k: 1e3 * v / m.rounds for k, v in parts.items()},
                      draft_ms_per_round=1e3 * m.stage_seconds["draft"] / m.rounds, other_over_verify=other / verify,
                      tokens_match=float(np.mean([a == b for a, b in zip(ar.tokens, dd.tokens)])),
                      margins_match=float(np.mean([a.margins == b.margins for a, b in zip(ar.requests, dd.requests)])),

@@ -53,6 +53,15 @@ def _f(x, digits: int = 2) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def _other_split(point: dict) -> str:
+    """A sweep point's round work a round as "tree / accept / host" ms ("n/a" in runs before the split)."""
+    parts = point.get("other_ms_by_stage")
+    if parts is None:
+        return "n/a"
+    return " / ".join(f"{v:.3f}" for v in (parts["build"] + parts["compile"], parts["accept"] + parts["compact"],
+                                            parts["host"]))
+
+
 def step_of(doc: dict, kind: str, dtype: str, mode: str, batch: int, budget: int | None = None) -> dict | None:
     """The step row of that kind, dtype, mode and batch (a verify's: at that budget), or None."""
     return next((s for s in doc["steps"] if s["kind"] == kind and s["dtype"] == dtype and s["mode"] == mode
@@ -239,17 +248,20 @@ def markdown(doc: dict) -> str:
               "leaves the oracle drafter's time out. Bound: the AR step's floor over the verify step's floor "
               "(same dtype, mode, batch; the verify at the point's budget), the speedup / tau the model allows; "
               "the target is (speedup / tau) / bound >= 0.9, without the draft. Other: build, accept and host "
-              "time per round (everything but the draft and the verify forward).", "",
+              "time per round (everything but the draft and the verify forward); split into the tree (build and "
+              "compile), the accept (choices, accept walk, KV compaction) and the host (the rest of the round's "
+              "wall time: launches, copies, committing tokens).", "",
               "| model | dtype | mode | batch | budget | accuracy | tau | speedup | w/o draft | speedup / tau | "
-              "bound | (speedup / tau) / bound | verify ms/round | other ms/round | other / verify | draft ms/round | "
+              "bound | (speedup / tau) / bound | verify ms/round | other ms/round | tree / accept / host ms | "
+              "other / verify | draft ms/round | "
               "verify / AR step | tokens = AR | margins = AR |",
-              "|---" * 19 + "|"]
+              "|---" * 20 + "|"]
     for p in doc["sweep"]:
         ratio, bound = p["speedup_without_draft"] / p["tau"], bound_of(doc, p)
         lines.append(f"| {model_of(p)} | {p['dtype']} | {p['mode']} | {p['batch']} | {p['budget']} | {p['accuracy']} | "
                      f"{p['tau']:.2f} | {p['speedup']:.2f} | {p['speedup_without_draft']:.2f} | {ratio:.2f} | "
                      f"{_f(bound)} | {_f(bound and ratio / bound)} | {p['verify_ms_per_round']:.3f} | "
-                     f"{p['other_ms_per_round']:.3f} | {100 * p['other_over_verify']:.1f}% | "
+                     f"{p['other_ms_per_round']:.3f} | {_other_split(p)} | {100 * p['other_over_verify']:.1f}% | "
                      f"{p['draft_ms_per_round']:.3f} | {_f(p.get('verify_over_ar_step'))} | "
                      f"{p['tokens_match']:.2f} | {p['margins_match']:.2f} |")
     if doc.get("skipped"):

@@ -177,7 +177,9 @@ def sample_doc() -> dict:
                       {**peaked, "mode": "invariant", "tau": 4.0, "speedup": 2.0, "speedup_without_draft": 2.2,
                        "other_over_verify": 0.08},
                       {**peaked, "batch": 8, "tau": 4.0, "speedup": 1.6, "speedup_without_draft": 2.0, "bound": 0.5},
-                      {**peaked, "batch": 8, "mode": "invariant"}]}
+                      {**peaked, "batch": 8, "mode": "invariant",
+                       "other_ms_by_stage": {"build": 0.01, "compile": 0.0, "accept": 0.015, "compact": 0.0,
+                                             "host": 0.025}}]}
 
 
 def bound_target(batch: int, mode: str, dtype: str = "bfloat16") -> str:
@@ -250,7 +252,10 @@ def test_report_markdown_and_plot(tmp_path):
     assert "| float32 | AR decode | 1 | 1 | 0.800 | bytes | 1.000 | n/a | n/a | 1.25 | n/a | n/a / n/a |" in text
     assert "| float32 | AR decode | 8 |" + " not measured |" * 12 in text
     assert "| peaked | bfloat16 | default | 1 | 64 | 0.9 | 2.00 | 0.80 | 0.90 | 0.45 | 0.55 | 0.82 | " in text
-    assert "| peaked | bfloat16 | invariant | 8 | 64 | 0.9 | 5.00 | 3.00 | 4.50 | 0.90 | n/a | n/a | " in text
+    assert "| peaked | bfloat16 | invariant | 8 | 64 | 0.9 | 5.00 | 3.00 | 4.50 | 0.90 | n/a | n/a | 1.000 | " \
+           "0.050 | 0.010 / 0.015 / 0.025 | 5.0% |" in text
+    assert "| peaked | bfloat16 | default | 1 | 64 | 0.9 | 5.00 | 2.00 | 2.50 | 0.50 | 0.55 | 0.91 | 1.000 | " \
+           "0.050 | n/a | 5.0% |" in text                                  # a run before the split
     assert "| `fused_moe_kernel` | 24 | 0.200 |" in text and "| `invariant_matmul` | 48 | 0.500 |" in text
     assert (tmp_path / "engine.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert engine_report.main([str(tmp_path / "missing.json"), str(tmp_path / "x")]) == 1
