@@ -175,11 +175,14 @@ def align(idx: torch.Tensor, real: torch.Tensor, experts: int, rows_per_block: i
     block_expert = torch.empty(max_blocks, device=idx.device, dtype=torch.int32)
     count = torch.empty(1, device=idx.device, dtype=torch.int32)
     if pairs:
+        # one program: its serial steps are chunks of pairs, so a chunk takes as many pairs as an
+        # [experts, chunk] match matrix of at most 8192 entries allows (a verify's thousands of
+        # pairs in a few steps) and no more than the call has (a decode's few)
         block_e = triton.next_power_of_2(experts)
+        chunk = max(16, min(1024, 8192 // block_e, triton.next_power_of_2(pairs)))
         _align_kernel[(1,)](idx, real, sorted_pairs, block_expert, count, pairs, idx.shape[1],
                             sorted_pairs.numel(), max_blocks, experts, BLOCK_M=rows_per_block,
-                            BLOCK_E=block_e, CHUNK=max(16, min(128, 8192 // block_e)),
-                            num_warps=8 if block_e > 64 else 4)
+                            BLOCK_E=block_e, CHUNK=chunk, num_warps=8 if block_e * chunk >= 4096 else 4)
     return sorted_pairs, block_expert, count
 
 

@@ -4,8 +4,8 @@ Triton's interpreter (the CPU tests) runs the kernels' arithmetic but accepts co
 refuses. Here a child process imports the kernels compiled (no TRITON_INTERPRET), runs the fused
 forward of a small model on the CPU with every launch recorded instead of run (its outputs are
 garbage; nothing reads them), in default and invariant mode (with the invariant attention),
-float32 and bf16, for a 1-row and a 24-row call, plus the invariant attention at K2's widths and
-the invariant product's form for many rows, and compiles each distinct launch for sm_90 with
+float32 and bf16, for a 1-row and a 24-row call, plus the invariant attention at K2's widths, the
+invariant product's form for many rows and the expert sort of a 520-row verify, and compiles each distinct launch for sm_90 with
 Triton's own ptxas (Hopper; the tiles take mma.sync as on sm_80, and a compile costs ~0.2 s: one
 architecture keeps the suite short).
 
@@ -69,6 +69,7 @@ def launches() -> dict:
     import engine.fused  # noqa: F401  (the kernels, compiled: imported before the next line)
     from engine.fused.attention import BLOCK_KEYS, InvariantAttention
     from engine.fused.linear import linear
+    from engine.fused.moe import align
     from engine.model import Transformer
     from engine.validate import random_weights
     from kdtr_format import PRESETS
@@ -94,6 +95,7 @@ def launches() -> dict:
                     cache = model.new_cache(1, 2 * BLOCK_KEYS)
                     model(torch.zeros(1, n, dtype=torch.int64), torch.arange(n)[None],
                           torch.ones(1, n, n, dtype=torch.bool).tril(), torch.tensor([n]), torch.tensor([0]), cache)
+    align(torch.zeros(520, 4, dtype=torch.int32), torch.ones(520, dtype=torch.uint8), 16, 64)  # a verify's chunks
     for dtype in (torch.float32, torch.bfloat16):          # the invariant attention at K2's widths
         linear(torch.zeros(1, 256, dtype=dtype), torch.zeros(64, 256, dtype=dtype), invariant=True,
                split_count=2, in_program=True)            # a large M's form: the splits added in one program
