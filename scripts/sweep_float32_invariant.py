@@ -43,6 +43,12 @@ TILE_ROWS = [1, 2, 4, 8, 16, 32]
 ATTENTION = [(128, 16, 4), (64, 16, 4), (64, 4, 2)]
 
 
+def tile_rows_for(m: int) -> list[int]:
+    """The tile rows swept at m rows: every one where m rows make at most 64 tiles, else 16 and 32
+    (a 1-row tile reads the weight once a row: seconds a call at thousands of rows)."""
+    return [r for r in TILE_ROWS if m <= 64 * r or r >= 16]
+
+
 def with_tile_rows(rows: int, fn):
     """fn() with invariant mode's float32 tile rows set to `rows`."""
     kept = tiles.INVARIANT_BLOCK_M[torch.float32]
@@ -61,7 +67,7 @@ def products(g: torch.Generator) -> list[dict]:
             x = torch.randn(m, k, generator=g, device="cuda")
             row = {"part": "linear", "weight": name, "rows": m, "cublas_ms": cuda_time_ms(lambda: x @ w.T)}
             first = None
-            for rows in TILE_ROWS:
+            for rows in tile_rows_for(m):
                 got = with_tile_rows(rows, lambda: linear.linear(x, w, invariant=True))
                 first = got if first is None else first
                 row[f"r{rows}_ms"] = with_tile_rows(
@@ -88,7 +94,7 @@ def experts(g: torch.Generator) -> list[dict]:
             return moe.experts(h, idx, weight, real, w_gate, w_up, w_down, invariant=True)
         row = {"part": "experts", "rows": m}
         first = None
-        for rows in TILE_ROWS:
+        for rows in tile_rows_for(m):
             got = with_tile_rows(rows, call)
             first = got if first is None else first
             row[f"r{rows}_ms"] = with_tile_rows(rows, lambda: cuda_time_ms(call))
@@ -131,6 +137,8 @@ def attention(g: torch.Generator) -> list[dict]:
 def table(doc: dict) -> str:
     """The sweep's JSON as markdown: ms per candidate (and whether its bits differ)."""
     def cell(row: dict, key: str) -> str:
+        if key + "_ms" not in row:
+            return "-"
         flag = "" if row.get(key + "_bits", 0.0) == 0.0 else " (bits differ)"
         return f"{row[key + '_ms']:.3f}{flag}"
     tiles_ = [f"r{r}" for r in TILE_ROWS]
