@@ -450,7 +450,7 @@ class Bench:
         cost = forward_cost(self.cfg, element, starts, n_new.tolist(), pairs, touched)
         self.step_row({**key, "kind": "verify", "batch": batch, "budget": budget, "rows": int(n_new.sum())}, ms,
                       cost, touched, rate, ceilings_, context=starts)
-        kept = rnd.starts.clone(), rnd.roots.clone()            # the accept graph advances them
+        kept = rnd.starts.clone(), rnd.roots.clone()     # the round's state, put back around each accept replay
 
         def restore() -> None:
             rnd.starts.copy_(kept[0])

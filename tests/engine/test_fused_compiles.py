@@ -5,9 +5,9 @@ refuses. Here a child process imports the kernels compiled (no TRITON_INTERPRET)
 forward of a small model on the CPU with every launch recorded instead of run (its outputs are
 garbage; nothing reads them), in default and invariant mode (with the invariant attention),
 float32 and bf16, for a 1-row and a 24-row call, plus the invariant attention at K2's widths, the
-invariant product's form for many rows and the expert sort of a 520-row verify, and compiles each distinct launch for sm_90 with
-Triton's own ptxas (Hopper; the tiles take mma.sync as on sm_80, and a compile costs ~0.2 s: one
-architecture keeps the suite short).
+invariant product's form for many rows and the expert sort of a 520-row verify, and compiles each
+distinct launch for sm_90 with Triton's own ptxas (Hopper; the tiles take mma.sync as on sm_80,
+and a compile costs ~0.2 s: one architecture keeps the suite short).
 
     python tests/engine/test_fused_compiles.py     # prints each compiled kernel, exits 1 on an error
 """
