@@ -16,9 +16,10 @@ Paged caches (`bind_paged`): the kernel reads the pools [pages, page_size, w] th
 block table itself (`mla_verify_paged`), with the same split plan, so a paged forward gives
 the bits of the contiguous one over the same keys.
 
-invariant=True: the kernel's CUDA-core path with one key split, where each query row folds its
-visible keys one at a time in slot order; a row's output is then a function of that key sequence
-alone, whatever the tree size, the batch and the cache size (docs/precision.md, section 3).
+invariant=True: the kernel's invariant plan (kernels_cuda.mla_ops): the CUDA-core path with each
+query row's key list in splits sized from its length alone, folded one key at a time in list
+order; a row's output is then a function of that key sequence alone, whatever the tree size, the
+batch and the cache size (docs/precision.md, section 3).
 `invariant_form()` gives `InvariantCudaAttention`: bf16 on the tensor-core invariant kernel
 (engine/fused/attention.py, the same promise at tensor-core speed), float32 on this plan (and
 this plan alone where Triton is missing).
@@ -124,7 +125,7 @@ class CudaAttention:
 
 class InvariantCudaAttention:
     """Invariant mode's attention on a GPU, by the dtype of the call: bf16 on the tensor-core
-    invariant kernel (engine/fused/attention.py), float32 on this kernel's one-split CUDA-core
+    invariant kernel (engine/fused/attention.py), float32 on this kernel's invariant CUDA-core
     plan (the tensor-core kernel's exact float32 tiles are FMA loops: 2x slower there, measured on
     an H100 on 2026-12-06). Both make a row's output a function of its keys in order alone."""
 

@@ -91,34 +91,36 @@ def ar_decode(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_to
     """
     stages = stages or TorchStages()
     batch = _Batch(model, prompts, max_new_tokens, stop_tokens, extra_slots=0)
-    first = batch.prefill(stages, temperature, generator)
+    last = batch.prefill(stages, temperature, generator)
     step = model.ar_step(batch.cache, stages) if isinstance(model, GraphedModel) and temperature == 0 else None
     if step is not None:
-        step.load(first.to(batch.device), batch.starts.to(batch.device))
-    last = first
+        step.load(last.to(batch.device), torch.tensor(batch.starts, device=batch.device))
     while batch.any_active:
         with batch.timer.round():
-            active = batch.active_mask()
+            active = batch.active_list()
             if step is not None:
                 with batch.timer("verify"):
-                    choices, margins = (t[:, None] for t in step(active))
+                    choices, margins = step(active)
             else:
+                starts = torch.tensor(batch.starts, device=batch.device)
                 with batch.timer("verify"):
-                    logits = model.forward(last[:, None].to(batch.device), batch.starts[:, None].to(batch.device),
+                    logits = model.forward(last[:, None].to(batch.device), starts[:, None],
                                            torch.ones(batch.size, 1, 1, dtype=torch.bool, device=batch.device),
-                                           active.long().to(batch.device), batch.starts.to(batch.device), batch.cache,
+                                           torch.tensor(active, device=batch.device).long(), starts, batch.cache,
                                            check=False)
                 with batch.timer("accept"):
                     uniforms = _uniforms(generator, batch.size, 1) if temperature > 0 else None
-                    choices, margins = (t.cpu() for t in _choose(stages, logits, temperature, uniforms))
+                    choice_t, margin_t = _choose(stages, logits, temperature, uniforms)
+                    last = choice_t[:, 0].cpu()
+                    choices, margins = last.tolist(), margin_t[:, 0].tolist()
             batch.rounds += 1
             for b in range(batch.size):
                 if active[b]:
                     batch.starts[b] += 1
                     batch.requests[b].acceptance_lengths.append(1)
-                    batch.commit(b, [int(choices[b, 0])], [float(margins[b, 0])])
-            batch.sync_cache_lengths()
-            last = choices[:, :1].reshape(-1)
+                    batch.commit(b, [choices[b]], [margins[b]])
+            if step is None:
+                batch.sync_cache_lengths()
     return batch.result()
 
 
@@ -158,24 +160,28 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
     graphed = (model.ddtree_round(batch.cache, depth, k, max(request_budgets))
                if isinstance(model, GraphedModel) and isinstance(stages, CudaStages) and depth > 0
                and not sampled and not record else None)
+    if graphed is not None:
+        graphed.load(roots.to(batch.device), torch.tensor(batch.starts, device=batch.device))
     while batch.any_active:
         with batch.timer.round():
-            active = batch.active_mask()
-            budgets = torch.tensor([request_budgets[b] if active[b] else 0 for b in range(batch.size)])
-            # the round's inputs in one copy to the device: budgets, roots, starts, activity
-            round_budgets, roots_dev, starts_dev, active_dev = torch.stack(
-                [budgets, roots, batch.starts, active.long()]).to(batch.device)
-            active_dev = active_dev.bool()
-            with batch.timer("draft"):
-                if depth > 0:
-                    draft_logits = drafter.draft(batch.contexts(), roots_dev, depth)
+            active = batch.active_list()
+            budgets = [budget if on else 0 for budget, on in zip(request_budgets, active)]
             if graphed is not None:
-                result = graphed(draft_logits, round_budgets, roots_dev, starts_dev, active_dev)
+                with batch.timer("draft"):
+                    draft_logits = drafter.draft(batch.contexts(), graphed.roots, depth)
+                result = graphed(draft_logits, budgets, active)
                 for stage, seconds in result.seconds.items():
                     batch.timer.seconds[stage] += seconds
                 accept_len, next_root = result.accept_len, result.next_root
                 path_tokens, path_margins = result.path_tokens, result.path_margins
             else:
+                # the round's inputs in one copy to the device: budgets, roots, starts, activity
+                round_budgets, roots_dev, starts_dev, active_dev = torch.tensor(
+                    [budgets, roots.tolist(), batch.starts, active], dtype=torch.int64).to(batch.device)
+                active_dev = active_dev.bool()
+                with batch.timer("draft"):
+                    if depth > 0:
+                        draft_logits = drafter.draft(batch.contexts(), roots_dev, depth)
                 with batch.timer("build"):
                     if depth > 0:
                         topk_lp, topk_id = stages.topk_logprobs(draft_logits, k)
@@ -197,28 +203,32 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
                                           else _uniforms(generator, batch.size, logits.shape[1]))
                         round_uniforms = round_uniforms[:, :logits.shape[1]]
                     choices, margins = _choose(stages, logits, ddtree.temperature, round_uniforms)
-                    accepted, accept_len, next_root = stages.accept(trees, choices)
+                    accepted, accept_len_t, next_root_t = stages.accept(trees, choices)
                 with batch.timer("compact"):
-                    stages.compact_kv(batch.cache, starts_dev, accepted, accept_len)
+                    stages.compact_kv(batch.cache, starts_dev, accepted, accept_len_t)
                 path = accepted.clamp(min=0)
-                path_tokens = trees.tokens.gather(1, path).cpu()
-                path_margins = margins.to(path.device).gather(1, path).cpu()
-                accepted, accept_len, next_root = accepted.cpu(), accept_len.cpu(), next_root.cpu()
+                accept_len, next_root = accept_len_t.tolist(), next_root_t.tolist()
+                path_tokens = [row[:a] for row, a in zip(trees.tokens.gather(1, path).tolist(), accept_len)]
+                path_margins = [row[:a] for row, a in
+                                zip(margins.to(path.device).gather(1, path).tolist(), accept_len)]
+                if record:
+                    accepted, choices = accepted.cpu(), choices.cpu()
+                    for b in range(batch.size):
+                        if active[b]:
+                            batch.requests[b].rounds.append(_record(
+                                b, batch.starts[b], int(roots[b]), topk_lp, topk_id, trees, choices,
+                                accepted[b, :accept_len[b]], next_root[b]))
+                roots = next_root_t.cpu()
             batch.rounds += 1
             for b in range(batch.size):
                 if not active[b]:
                     continue
-                a = int(accept_len[b])
-                if record:
-                    batch.requests[b].rounds.append(_record(b, int(batch.starts[b]), int(roots[b]), topk_lp,
-                                                            topk_id, trees, choices.cpu(), accepted[b, :a],
-                                                            int(next_root[b])))
-                committed = path_tokens[b, 1:a].tolist() + [int(next_root[b])]
+                a = accept_len[b]
                 batch.starts[b] += a
                 batch.requests[b].acceptance_lengths.append(a)
-                batch.commit(b, committed, path_margins[b, :a].tolist())
-            batch.sync_cache_lengths()
-            roots = next_root
+                batch.commit(b, path_tokens[b][1:] + [next_root[b]], path_margins[b])
+            if graphed is None:
+                batch.sync_cache_lengths()
     return batch.result()
 
 
@@ -257,7 +267,7 @@ class _Batch:
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
         self.device = torch.device(model.device)
         self.cache = model.new_cache(self.size, longest + extra_slots)
-        self.starts = torch.tensor([len(p) for p in self.prompts], dtype=torch.int64)
+        self.starts = [len(p) for p in self.prompts]         # cached tokens per request
         self.requests = [RequestResult([], [], 0, []) for _ in self.prompts]
         self.done = [False] * self.size
         self.rounds = 0
@@ -267,8 +277,8 @@ class _Batch:
     def any_active(self) -> bool:
         return not all(self.done)
 
-    def active_mask(self) -> torch.Tensor:
-        return torch.tensor([not d for d in self.done])
+    def active_list(self) -> list[bool]:
+        return [not d for d in self.done]
 
     def contexts(self) -> list[torch.Tensor]:
         """Per request: every cached token (the prompt, then committed tokens but the root)."""
@@ -279,7 +289,7 @@ class _Batch:
                 uniforms: torch.Tensor | None = None) -> torch.Tensor:
         """Causal forward of every prompt; commits and returns the first tokens [B]
         (sampled with uniforms[:, 0] when given, else with uniforms from `generator`)."""
-        lengths = self.starts
+        lengths = torch.tensor(self.starts)
         width = int(lengths.max())
         tokens = torch.zeros(self.size, width, dtype=torch.int64)
         for b, p in enumerate(self.prompts):
@@ -312,7 +322,7 @@ class _Batch:
                 return
 
     def sync_cache_lengths(self) -> None:
-        self.cache.lengths.copy_(self.starts.to(self.cache.lengths.device))
+        self.cache.lengths.copy_(torch.tensor(self.starts))
 
     def result(self) -> DecodeResult:
         acceptance = [a for r in self.requests for a in r.acceptance_lengths]

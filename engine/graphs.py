@@ -10,14 +10,18 @@
 - `new_cache` hands out one pooled cache per (batch, length rounded up to CACHE_ROUND), so
   repeated decodes find their graphs again: one decode at a time per GraphedModel.
 - `ar_step`: greedy AR's step (the forward of each request's last token, argmax, top-1/top-2
-  margin, start += 1, last = choice) in one graph, the last tokens and starts resident on the
-  device; the host reads (choice, margin) once per step.
+  margin, start += 1, last = choice, the cache's lengths = starts) in one graph, the last tokens
+  and starts resident on the device; the host reads (choice, margin) once per step.
 - `ddtree_round`: greedy DDTree's round after the draft in three graphs, `build` (top-k
   log-probs, tree build and compile in one launch, the dense visibility), `verify` (the forward
-  over 1 + the possible nodes, at most 1 + budget, columns) and `accept` (choices, margins,
-  accept, KV compaction, the accepted path's tokens and margins), with the kernels_cuda tree
-  ops. CUDA events between the three time each on the device; the host copies one packed row per
-  request back once per round.
+  over 1 + the possible nodes, at most 1 + budget, columns) and `accept` (choices, accept, KV
+  compaction, the accepted path's tokens and margins, start += a, root = next root, the cache's
+  lengths = starts), with the kernels_cuda tree ops. CUDA events between the three time each on
+  the device; the host copies one packed row per request back once per round.
+
+The host's part of a step or round is one replay per graph, one copy back and the commit: the
+starts and roots never leave the device, and the activity (and budgets) are copied to it only
+when a request finishes.
 
 Capture: each graph's function runs twice on a side stream (lazy initialization, library
 workspaces), then is captured into one memory pool shared by the model's graphs (one replays at
@@ -148,7 +152,7 @@ class _ForwardGraph:
 
 class ARStep:
     """Greedy AR's step in one graph (module docstring). `load` the state after prefill, then
-    each call takes the active mask [B] (host) -> (choices int64 [B], margins float64 [B]) on the host."""
+    each call takes the active mask (host) -> (choices, margins) per request on the host."""
 
     def __init__(self, model: Transformer, cache: KVCache, stages: Stages, pool) -> None:
         device, batch = model.device, cache.batch
@@ -156,6 +160,7 @@ class ARStep:
         self.last = torch.zeros(batch, dtype=torch.int64, device=device)
         self.starts = torch.zeros_like(self.last)
         self.active = torch.zeros_like(self.last)
+        self.loaded_active: list[bool] | None = None     # what self.active holds
         self.host = torch.empty(batch, 2, dtype=torch.float64, pin_memory=True)
         self.done = torch.cuda.Event()
         self.see_self = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)    # read by every replay
@@ -166,6 +171,7 @@ class ARStep:
             choices = stages.greedy_choices(logits[:, None])[:, 0]
             self.last.copy_(torch.where(self.active > 0, choices, self.last))
             self.starts.add_(self.active)
+            cache.lengths.copy_(self.starts)
             return torch.stack([choices.double(), top2_margins(logits)], dim=1)            # [B, 2]
         self.graph, self.out = capture(step, pool)
 
@@ -173,30 +179,40 @@ class ARStep:
         """last [B] (each request's last committed token), starts [B] (its cached tokens)."""
         self.last.copy_(last)
         self.starts.copy_(starts)
+        self.cache.lengths.copy_(self.starts)
+        self.loaded_active = None
 
-    def __call__(self, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.active.copy_(active)
+    def __call__(self, active: list[bool]) -> tuple[list[int], list[float]]:
+        """One step of the active requests (the mask goes to the device only when it changed):
+        their starts and the cache's lengths advance on the device -> (choices, margins)."""
+        if active != self.loaded_active:
+            self.active.copy_(torch.tensor(active))
+            self.loaded_active = list(active)
         self.graph.replay()
         self.host.copy_(self.out, non_blocking=True)
         self.done.record()
         self.done.synchronize()
-        return self.host[:, 0].long(), self.host[:, 1].clone()
+        choices, margins = zip(*self.host.tolist())
+        return [int(c) for c in choices], list(margins)
 
 
 @dataclass
 class RoundResult:
-    """One DDTree round on the host: accept_len [B], next_root [B], the accepted path's tokens
-    and margins [B, L+1] (column 0: the root), device seconds per stage."""
+    """One DDTree round on the host, per request: accept_len, next_root, the accepted path's
+    tokens and margins (a of each; the root first); and the device seconds per stage."""
 
-    accept_len: torch.Tensor
-    next_root: torch.Tensor
-    path_tokens: torch.Tensor
-    path_margins: torch.Tensor
+    accept_len: list[int]
+    next_root: list[int]
+    path_tokens: list[list[int]]
+    path_margins: list[list[float]]
     seconds: dict[str, float]
 
 
 class DDTreeRound:
-    """Greedy DDTree's round after the draft in three graphs (module docstring)."""
+    """Greedy DDTree's round after the draft in three graphs (module docstring). The round's
+    inputs stay on the device: `load` them after prefill; the accept graph advances starts,
+    roots and the cache's lengths, and the budgets and activity are copied again only when
+    they change."""
 
     STAGES = ("build", "verify", "accept")
 
@@ -212,6 +228,7 @@ class DDTreeRound:
         self.budgets = torch.zeros(batch, dtype=torch.int64, device=device)
         self.roots, self.starts = torch.zeros_like(self.budgets), torch.zeros_like(self.budgets)
         self.active = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.loaded: tuple[list[int], list[bool]] | None = None     # what self.budgets, self.active hold
         self.host = torch.empty(batch, 2 * (depth + 2), dtype=torch.float64, pin_memory=True)
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(len(self.STAGES) + 1)]
         self.depth = depth
@@ -237,17 +254,31 @@ class DDTreeRound:
             tree_ops.compact_kv(cache.c_kv, cache.k_pe, self.starts, accepted, accept_len,
                                 block_table=cache.block_table)
             path = accepted.clamp(min=0)                                                  # [B, L+1]
-            return torch.cat([accept_len[:, None].double(), next_root[:, None].double(),
-                              tokens.gather(1, path).double(), top2_margins(logits).gather(1, path)], dim=1)
+            path_logits = logits.gather(1, path[:, :, None].expand(-1, -1, logits.shape[-1]))
+            out = torch.cat([accept_len[:, None].double(), next_root[:, None].double(),
+                             tokens.gather(1, path).double(), top2_margins(path_logits)], dim=1)
+            self.starts.add_(torch.where(self.active, accept_len, 0))
+            self.roots.copy_(torch.where(self.active, next_root, self.roots))
+            cache.lengths.copy_(self.starts)
+            return out
         self.accept, self.out = capture(accept, pool)
 
-    def __call__(self, draft_logits: torch.Tensor, budgets: torch.Tensor, roots: torch.Tensor,
-                 starts: torch.Tensor, active: torch.Tensor) -> RoundResult:
-        """draft_logits [B, L, V], budgets, roots, starts [B] int64, active [B] bool (inactive
-        requests: budget 0, nothing written) -> RoundResult."""
-        for static, value in ((self.draft, draft_logits), (self.budgets, budgets), (self.roots, roots),
-                              (self.starts, starts), (self.active, active)):
-            static.copy_(value)
+    def load(self, roots: torch.Tensor, starts: torch.Tensor) -> None:
+        """roots [B] (each request's last committed token), starts [B] (its cached tokens)."""
+        self.roots.copy_(roots)
+        self.starts.copy_(starts)
+        self.cache.lengths.copy_(self.starts)
+        self.loaded = None
+
+    def __call__(self, draft_logits: torch.Tensor, budgets: list[int], active: list[bool]) -> RoundResult:
+        """draft_logits [B, L, V]; per request its budget and whether it is active (an inactive
+        one writes nothing and keeps its start and root) -> RoundResult."""
+        if (budgets, active) != self.loaded:
+            packed = torch.tensor([budgets, active], dtype=torch.int64).to(self.budgets.device)
+            self.budgets.copy_(packed[0])
+            self.active.copy_(packed[1] > 0)
+            self.loaded = (list(budgets), list(active))
+        self.draft.copy_(draft_logits)
         events = self.events
         events[0].record()
         for graph, event in zip((self.build, self.verify, self.accept), events[1:]):
@@ -255,9 +286,13 @@ class DDTreeRound:
             event.record()
         self.host.copy_(self.out, non_blocking=True)
         torch.cuda.current_stream().synchronize()
-        width = self.depth + 1
-        host = self.host
         seconds = {stage: events[i].elapsed_time(events[i + 1]) / 1e3 for i, stage in enumerate(self.STAGES)}
-        return RoundResult(accept_len=host[:, 0].long(), next_root=host[:, 1].long(),
-                           path_tokens=host[:, 2:2 + width].long(), path_margins=host[:, 2 + width:].clone(),
-                           seconds=seconds)
+        width = self.depth + 1
+        result = RoundResult([], [], [], [], seconds)
+        for row in self.host.tolist():
+            a = int(row[0])
+            result.accept_len.append(a)
+            result.next_root.append(int(row[1]))
+            result.path_tokens.append([int(t) for t in row[2:2 + a]])
+            result.path_margins.append(row[2 + width:2 + width + a])
+        return result

@@ -27,7 +27,8 @@ Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. Thre
   the pages wgmma does not read); mma.sync and cp.async, any page size. Its tiles follow the
   device's shared memory; "mma_100k" forces the tile plan of 100 KB GPUs (sm_86 / 89 / 120),
   to test it on a larger one.
-- "cuda_cores": everything else (float32, other dims, misaligned inputs, the invariant plan).
+- "cuda_cores": everything else (float32, other dims up to kv_lora 512 and rope 64, misaligned
+  inputs, the invariant plan).
 
 Each computes the same bits paged and contiguous on the same logical keys.
 
@@ -36,12 +37,14 @@ op `kdtree::mla_verify_out` on torch's current stream. Long key ranges are split
 blocks (flash-decoding); `plan_splits` picks the split from host-side maxima, which the caller
 passes (`max_tree`, `max_kv`) or `mla_verify` reads from the device once.
 
-Invariant plan (`invariant=True`): the CUDA-core kernel with one split covering max_kv. A
-query row's warp then folds its request's keys one at a time in slot order, skipping the
-invisible ones (online softmax per key, the dot products in one fixed lane order), so its
-output is a function of its own sequence of visible keys: the same bits whatever the tree
-size, the other requests and max_kv, and the same bits for a token verified inside a tree
-(its ancestors at scattered slots) as for the token decoded alone over a contiguous cache.
+Invariant plan (`invariant=True`): the CUDA-core kernel with each query row's key list (its
+cached slots, then its visible tree tokens in order) cut into at most INVARIANT_SPLITS splits
+of whole 32-key blocks, sized from the list's length alone. A row's warp folds a split's keys
+one at a time in list order (online softmax per key, the dot products in one fixed lane order)
+and the combine adds the splits in order, so its output is a function of its own key list: the
+same bits whatever the tree size, the other requests and max_kv, and the same bits for a token
+verified inside a tree (its ancestors at scattered slots) as for the token decoded alone over a
+contiguous cache.
 The default plan has neither property: its splits follow the tree size and the batch (a
 split boundary regroups a row's partial sums), and the tensor-core kernels sum each key tile
 in an order set by the keys' slots.
@@ -65,7 +68,9 @@ FAST_BLOCKS_PER_SM = 1  # resident blocks per multiprocessor (shared memory boun
 GENERIC_BLOCKS_PER_SM = 8
 SPLIT_COST_TILES = 4    # a split's fixed cost (its Q tile, pipeline fill, partial outputs to
                         # combine) in key tiles
-MAX_SPLITS = 128        # the combine kernel's limit
+MAX_SPLITS = 128        # the most splits the default plan considers
+INVARIANT_SPLITS = 8    # the invariant plan's splits of a row's key list (its partials: 16 KB a row)
+CUDA_CORE_DIMS = (512, 64)   # the most kv_lora and rope_dim the CUDA-core kernel holds in registers
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 KERNELS = {"auto": 0, "cuda_cores": 1, "mma": 2, "mma_100k": 3, "wgmma": 4}   # kdtree_mla_verify's codes
@@ -78,7 +83,8 @@ class MlaInputError(ValueError):
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Request b's keys [0, kv_len) are cut into splits [i * split_keys, (i + 1) * split_keys)."""
+    """Request b's keys [0, kv_len) are cut into splits [i * split_keys, (i + 1) * split_keys);
+    split_keys 0: each row's key list into num_splits splits sized from its length (the invariant plan)."""
 
     num_splits: int
     split_keys: int
@@ -128,13 +134,14 @@ def _tensor_core_code(device: torch.device) -> int:
 
 def plan_splits(batch: int, max_tree: int, heads: int, max_kv: int, fast: bool, sm_count: int,
                 invariant: bool = False) -> SplitPlan:
-    """The split that gives the busiest multiprocessor the least work; with `invariant`, one
-    split over max_kv whatever the rest (module docstring).
+    """The split that gives the busiest multiprocessor the least work; with `invariant`, each
+    row's key list in INVARIANT_SPLITS splits sized from its length, whatever the rest (module
+    docstring).
 
     Blocks = row blocks x splits, run in waves of (resident blocks per multiprocessor x
     sm_count); each block costs its key tiles plus SPLIT_COST_TILES. Ties go to fewer splits."""
     if invariant:
-        return SplitPlan(1, KEY_BLOCK * max(1, math.ceil(max_kv / KEY_BLOCK)))
+        return SplitPlan(INVARIANT_SPLITS, 0)
     rows_per_block = FAST_ROWS if fast else GENERIC_ROWS
     slots = sm_count * (FAST_BLOCKS_PER_SM if fast else GENERIC_BLOCKS_PER_SM)
     row_blocks = batch * math.ceil(max_tree * heads / rows_per_block)
@@ -168,8 +175,8 @@ def mla_verify_out(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, 
     """Writes o_lat [T, H, R] and lse [T, H]; arguments already checked by `mla_verify` /
     `mla_verify_paged`. Keys: kv_offsets [B] with c_kv [S, R], or block_table [B, W] with
     pools c_kv [P, page, R] (kv_offsets None). num_splits * split_keys (a multiple of 32)
-    covers every request's keys; paged on wgmma, split_keys is a multiple of min(page, 64)
-    too. kernel: one of `KERNELS` ("auto": the fastest this device runs for the inputs); a
+    covers every request's keys, or split_keys is 0 (the invariant plan, `SplitPlan`); paged on
+    wgmma, split_keys is a multiple of min(page, 64) too. kernel: one of `KERNELS` ("auto": the fastest this device runs for the inputs); a
     kernel that cannot run them here raises KernelError."""
     total_tokens, heads, kv_lora = q_lat.shape
     rows = total_tokens * heads
@@ -329,6 +336,9 @@ def _verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: t
     if visibility.shape[1] * 32 < max_tree:
         raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
     kernel = _pick_kernel(kernel, invariant, q_lat, q_pe, c_kv, k_pe, page_size if keys.paged else None)
+    if kernel == "cuda_cores" and (kv_lora > CUDA_CORE_DIMS[0] or q_pe.shape[2] > CUDA_CORE_DIMS[1]):
+        raise MlaInputError(f"the CUDA-core path takes kv_lora <= {CUDA_CORE_DIMS[0]} and rope_dim <= "
+                            f"{CUDA_CORE_DIMS[1]}, got {kv_lora} and {q_pe.shape[2]}")
     sm_count = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
     plan = plan_splits(batch, max_tree, heads, max_kv, kernel != "cuda_cores", sm_count, invariant)
     torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, None if keys.paged else keys.table, visibility,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import INVARIANT_BLOCK_M, cast, dot, rope_pair
+from .tiles import cast, dot, invariant_block_m, rope_pair
 
 
 @triton.jit(do_not_specialize=["M"])      # one compiled kernel for every M (no M == 1 or M % 16 variant)
@@ -63,7 +63,7 @@ def head_bmm(x: torch.Tensor, w: torch.Tensor, w_transposed: bool,
 
     rope (cos, sin float32 [M, dr/2], style): also rotate q_pe, the columns K .. K + dr of x
     (dr = x.shape[2] - K). float32 products are exact float32 (no TF32). invariant: tiles of
-    INVARIANT_BLOCK_M[dtype] rows whatever M, so a row's bits do not depend on the rows beside it."""
+    `invariant_block_m` rows, so a row's bits do not depend on the rows beside it."""
     m, heads = x.shape[:2]
     if x.stride(2) != 1:
         raise ValueError(f"head_bmm: x's last dim must be contiguous, got strides {x.stride()}")
@@ -79,7 +79,7 @@ def head_bmm(x: torch.Tensor, w: torch.Tensor, w_transposed: bool,
         q_pe = torch.empty(m, heads, x.shape[2] - k, device=x.device, dtype=x.dtype)
     if m == 0 or heads == 0:
         return out, q_pe
-    block_m, block_n = INVARIANT_BLOCK_M[x.dtype] if invariant else _block_m(m), 64
+    block_m, block_n = invariant_block_m(m, x.dtype) if invariant else _block_m(m), 64
     half = q_pe.shape[2] // 2 if rope is not None else 1
     _head_bmm_kernel[(triton.cdiv(m, block_m), heads, triton.cdiv(n, block_n))](
         x, w, out, rope[0] if rope else x, rope[1] if rope else x, q_pe if rope else out,

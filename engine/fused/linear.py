@@ -3,20 +3,22 @@
 Default mode: cuBLAS (`x @ w.T`), which picks its algorithm, tiling and split-K by the shape, M
 included, so a row's bits may change with the number of rows beside it.
 
-Invariant mode (`linear(x, w, invariant=True)`): one Triton tile product whose every choice is
-made from (N, K, dtype) alone, never from M:
+Invariant mode (`linear(x, w, invariant=True)`): one Triton tile product whose every choice that
+can change a bit is made from (N, K, dtype) alone, never from M:
 
     out[m, n] = sum over splits s in order of  P_s[m, n],
     P_s[m, n] = sum over K-blocks k of split s, in order, of  tile_dot(x[m, k], W[n, k])
 
-with tiles of BLOCK_M x BLOCK_N x BLOCK_K fixed per dtype, the K range cut into `splits(N, K)` equal
-runs of whole K-blocks (enough programs to stream the weight when M is small), the partial sums
-P_s kept in float32 and added in split order. Where the row and column blocks alone give PROGRAMS
-programs, one program computes every P_s of its tile in turn and adds them in registers; else
-each split is a program and a second kernel adds their float32 partials. Both add the same
-values in the same order. A row is computed by the same instructions in the same order whatever
-M is (M only sizes the grid, masks rows and picks where the splits are added), so its output is
-bitwise the same in a 1-row decode, a 65-row verify or a batched call.
+with tiles of BLOCK_N x BLOCK_K fixed per dtype and `invariant_block_m` rows (bf16: fixed; float32:
+following M, as each output element of an exact float32 tile is one FMA chain whatever the tile's
+rows), the K range cut into `splits(N, K)` equal runs of whole K-blocks (enough programs to stream
+the weight when M is small), the partial sums P_s kept in float32 and added in split order. Where
+the row and column blocks alone give PROGRAMS programs, one program computes every P_s of its
+tile in turn and adds them in registers; else each split is a program and a second kernel adds
+their float32 partials. Both add the same values in the same order. A row's output element is
+computed by the same additions in the same order whatever M is (M sizes the grid, masks rows and
+picks where the splits are added, and float32's tile rows), so it is bitwise the same in a 1-row
+decode, a 65-row verify or a batched call.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import INTERPRETED, INVARIANT_BLOCK_M, cast, dot
+from .tiles import INTERPRETED, cast, dot, invariant_block_m
 
 BLOCK_N = 64
 BLOCK_K = {torch.bfloat16: 128, torch.float32: 32}
@@ -109,7 +111,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, invariant: bool = False, split_coun
     block_k = BLOCK_K[x.dtype]
     count = split_count or splits(n, k, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, count), block_k) * block_k
-    block_m = INVARIANT_BLOCK_M[x.dtype]
+    block_m = invariant_block_m(m, x.dtype)
     tiles = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
     if in_program is None:
         in_program = tiles[0] * tiles[1] >= PROGRAMS

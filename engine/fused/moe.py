@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kdtr_format import ModelConfig
 
-from .tiles import INTERPRETED, INVARIANT_BLOCK_M, cast, dot
+from .tiles import INTERPRETED, cast, dot, invariant_block_m
 
 
 @triton.jit
@@ -199,11 +199,12 @@ def _product(a, b, acc, IEEE: tl.constexpr, CUDA_CORES: tl.constexpr):
 @triton.jit
 def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_expert_ptr, blocks_ptr,
                           weight_ptr, N, K, S, sw_e, sw_n,
-                          GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          GATED: tl.constexpr, IEEE: tl.constexpr, CUDA_CORES: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """GATED: out[sorted row] = silu(a W^T) * (a W2^T), a = h[pair // S] (the gate-up pass);
     else out[pair] = weight[pair] * (a W^T), a = the block's rows of the first pass (down).
-    Blocks of fewer than 16 rows multiply on the CUDA cores (float32 only: `block_m`)."""
+    CUDA_CORES: blocks of fewer than 16 rows multiply as a sum of products (float32 outside
+    invariant mode: `block_m`), else as the tile product."""
     block = tl.program_id(0)
     if block >= tl.load(blocks_ptr):
         return
@@ -225,10 +226,10 @@ def _expert_matmul_kernel(a_ptr, w_ptr, w2_ptr, out_ptr, sorted_ptr, block_exper
         a = tl.load(a_ptr + source[:, None] * K + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0)
         w_mask = (k[:, None] < K) & (cols[None, :] < N)
         b = tl.load(w_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
-        acc = _product(a, b, acc, IEEE, BLOCK_M < 16)
+        acc = _product(a, b, acc, IEEE, CUDA_CORES)
         if GATED:
             b2 = tl.load(w2_ptr + w_base + k[:, None], mask=w_mask, other=0.0)
-            acc2 = _product(a, b2, acc2, IEEE, BLOCK_M < 16)
+            acc2 = _product(a, b2, acc2, IEEE, CUDA_CORES)
     out_mask = valid[:, None] & (cols[None, :] < N)
     if GATED:
         h = acc / (1.0 + tl.exp(-acc)) * acc2
@@ -264,9 +265,9 @@ def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torc
     """h [M, D], idx int32 [M, S], weight float32 [M, S], real uint8 [M], stacked experts
     w_gate, w_up [ET, I, D], w_down [ET, D, I] -> y float32 [M, S, D] (module docstring; the
     pairs of padding rows are left unwritten). tiling: (BLOCK_N, BLOCK_K) for both products
-    instead of `tiles`' (the tiling benchmark). invariant: blocks of INVARIANT_BLOCK_M pairs and
-    `invariant_tiles`, whatever M and the routing, so a pair's output does not depend on the
-    pairs beside it in its block."""
+    instead of `tiles`' (the tiling benchmark). invariant: blocks of `invariant_block_m` pairs (bf16:
+    64 whatever the call) and `invariant_tiles`, multiplied as tile products, so a pair's output
+    does not depend on the pairs beside it in its block."""
     m, slots = idx.shape
     stacked, inner, width = w_gate.shape
     y = torch.empty(m, slots, width, device=h.device, dtype=torch.float32)
@@ -274,7 +275,10 @@ def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torc
         return y
     if invariant:
         tiling = invariant_tiles(h.dtype)
-    bm = INVARIANT_BLOCK_M[h.dtype] if invariant else block_m(m * slots, stacked, h.dtype)
+    if invariant:
+        bm = invariant_block_m(m * slots / stacked, h.dtype)
+    else:
+        bm = block_m(m * slots, stacked, h.dtype)
     sorted_pairs, block_expert, count = align(idx, real, stacked, bm)
     blocks = block_expert.shape[0]
     ieee = h.dtype == torch.float32
@@ -284,5 +288,6 @@ def experts(h: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, real: torc
         block_n, block_k = tiling or tiles(blocks, n, h.dtype)
         _expert_matmul_kernel[(blocks, triton.cdiv(n, block_n))](
             a, w, w2, out, sorted_pairs, block_expert, count, weight, n, k, slots, w.stride(0), w.stride(1),
-            GATED=gated, IEEE=ieee, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+            GATED=gated, IEEE=ieee, CUDA_CORES=bm < 16 and not invariant, BLOCK_M=bm, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=4)
     return y

@@ -9,6 +9,7 @@ nearest even by hand, as the GPU's conversion does.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -18,11 +19,26 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _BY_HAND = tl.constexpr(INTERPRETED)
 
-# Rows a tile in invariant mode's products (linear, head_bmm, the experts' pair blocks), fixed per
-# dtype and never chosen from M. bf16: 64, one wgmma M, so a large M streams each weight a quarter as
-# often as 16-row tiles would, at no cost for a decode (bandwidth-bound either way); float32: 16, as
-# exact float32 tiles are FMA loops whose cost follows the tile.
+# Rows a tile in invariant mode's products (linear, head_bmm, the experts' pair blocks): bf16's for
+# every call, float32's the most a call's tiles take (`invariant_block_m`). bf16: 64, one wgmma M, so
+# a large M streams each weight a quarter as often as 16-row tiles would, at no cost for a decode
+# (bandwidth-bound either way); float32: 16, as exact float32 tiles are FMA loops whose cost follows
+# the tile.
 INVARIANT_BLOCK_M = {torch.bfloat16: 64, torch.float32: 16}
+
+
+def invariant_block_m(rows: float, dtype: torch.dtype) -> int:
+    """Rows a tile of invariant mode's products in a call of `rows` rows (the experts: pairs an
+    expert, on average). bf16: INVARIANT_BLOCK_M whatever the call, since the order in which the
+    tensor cores add a tile product's terms is theirs, fixed only by a fixed tile. float32: Triton
+    lowers an exact float32 tile product to one FMA chain per output element, over k in order,
+    whatever the tile, so the rows of a tile change no bit and follow the call: the smallest power
+    of two holding its rows, at most INVARIANT_BLOCK_M (the GPU tests check every row count gives
+    a row the same bits). In the interpreter (numpy's products) float32 keeps INVARIANT_BLOCK_M."""
+    most = INVARIANT_BLOCK_M[dtype]
+    if dtype != torch.float32 or INTERPRETED:
+        return most
+    return min(most, triton.next_power_of_2(max(math.ceil(rows), 1)))
 
 
 @triton.jit

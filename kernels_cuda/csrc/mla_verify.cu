@@ -46,86 +46,153 @@ namespace {
 // ------------------------------------------------------------------ generic path
 
 constexpr int kGenericWarps = 4;
+// Columns a lane holds: kv_lora up to 32 x kGenericLat (kGenericSmallLat: the small presets'
+// instance), rope_dim up to 32 x kGenericRope.
+constexpr int kGenericLat = 16, kGenericSmallLat = 2, kGenericRope = 2;
 
-// One warp per query row; lanes split the dims, a butterfly sum gives every lane the same
-// score, the online softmax runs per key. Shared memory per warp: q [R + dr] and o [R] floats.
-template <typename TIn, typename TOut>
+// A row's key list: the cached slots 0 .. context, then the row's visible tree tokens in order.
+// Its length: context + the visible tree tokens of visibility row `token`.
+__device__ int list_length(const MlaParams& p, int token, int context, int tree) {
+    int visible = 0;
+    for (int w = 0; w * 32 < tree; ++w) {
+        const uint32_t word = p.visibility[(size_t)token * p.vis_words + w];
+        visible += __popc(tree - w * 32 >= 32 ? word : word & ((1u << (tree - w * 32)) - 1u));
+    }
+    return context + visible;
+}
+
+// The keys a split of a row's list holds: split_keys, or with split_keys 0 (the invariant plan)
+// the list cut into at most num_splits splits of whole 32-key blocks, sized from its length alone.
+__device__ __forceinline__ int row_split_keys(const MlaParams& p, int length) {
+    if (p.split_keys > 0) return p.split_keys;
+    const int blocks = (length + 31) / 32;
+    return 32 * max(1, (blocks + p.num_splits - 1) / p.num_splits);
+}
+
+// The slots of list positions [begin, end) of one row's key list, in order (`next`: the next
+// slot, -1 past them).
+struct KeyCursor {
+    int position, end, context, tree, j;   // j: the next tree token to look at
+
+    __device__ KeyCursor(const MlaParams& p, int token, int begin, int end_, int context_, int tree_)
+        : position(begin), end(end_), context(context_), tree(tree_), j(0) {
+        for (int rank = context; rank < begin && j < tree; ++j)      // skip the list's earlier tree keys
+            rank += key_visible(p, token, context + j, context);
+    }
+
+    __device__ int next(const MlaParams& p, int token) {
+        if (position >= end) return -1;
+        if (position < context) return position++;
+        for (; j < tree; ++j)
+            if (key_visible(p, token, context + j, context)) { ++position; return context + j++; }
+        return -1;
+    }
+};
+
+// One warp per query row; lane i holds columns i, i + 32, ... of q, o and the key in flight
+// (kLat of the latent, kRope of the rope part, zero past R and dr) in registers, and loads the
+// next key while it folds this one. The score: each lane's products in column order (latent,
+// then rope), then a butterfly sum, so every lane has the same; the online softmax runs per key.
+// Splits cut the row's key list (not the slots): split y folds list positions
+// [y * keys, (y + 1) * keys), keys = row_split_keys. With split_keys 0 a row's partials are a
+// function of its list alone, whatever its tree's other tokens, the batch and the cache.
+template <typename TIn, typename TOut, int kLat, int kRope>
 __global__ void __launch_bounds__(kGenericWarps * 32) mla_generic(MlaParams p) {
-    extern __shared__ float smem[];
+    constexpr int kCols = kLat + kRope;
     const int b = blockIdx.z, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tree = p.tree[b], context = p.context[b];
     const int local_row = blockIdx.x * kGenericWarps + warp;
-    const int kv_len = context + tree;
-    const int key_begin = split * p.split_keys;
-    if (local_row >= tree * p.heads || key_begin >= kv_len) return;
-    const int key_end = min(kv_len, key_begin + p.split_keys);
-    const int R = p.kv_lora, dr = p.rope_dim;
+    if (local_row >= tree * p.heads) return;
     const int row = p.q_offsets[b] * p.heads + local_row;
     const int token = row / p.heads;
+    const int length = p.split_keys > 0 ? context + tree : list_length(p, token, context, tree);
+    const int split_keys = row_split_keys(p, length);
+    const int key_begin = split * split_keys;
+    if (key_begin >= length) return;        // the combine reads no partial of it
+    const int R = p.kv_lora, dr = p.rope_dim;
 
-    float* q = smem + warp * (2 * R + dr);  // [R + dr]
-    float* o = q + R + dr;                  // [R]
-    const TIn* q_lat = static_cast<const TIn*>(p.q_lat) + (size_t)row * R;
-    const TIn* q_pe = static_cast<const TIn*>(p.q_pe) + (size_t)row * dr;
-    for (int d = lane; d < R; d += 32) { q[d] = to_float(q_lat[d]); o[d] = 0.f; }
-    for (int d = lane; d < dr; d += 32) q[R + d] = to_float(q_pe[d]);
-    __syncwarp();
+    // column i of a lane's kCols: latent lane + 32 i (i < kLat), else rope lane + 32 (i - kLat)
+    auto load = [&](const TIn* lat, const TIn* rope, float (&v)[kCols]) {
+#pragma unroll
+        for (int i = 0; i < kCols; ++i) {
+            const int d = lane + 32 * (i < kLat ? i : i - kLat);
+            v[i] = i < kLat ? (d < R ? to_float(lat[d]) : 0.f) : (d < dr ? to_float(rope[d]) : 0.f);
+        }
+    };
+    auto load_key = [&](int s, float (&v)[kCols]) {
+        const size_t key_row = cache_row(p, b, s);
+        load(static_cast<const TIn*>(p.c_kv) + key_row * R, static_cast<const TIn*>(p.k_pe) + key_row * dr, v);
+    };
+    float q[kCols], o[kLat], key[kCols], ahead[kCols];
+    load(static_cast<const TIn*>(p.q_lat) + (size_t)row * R, static_cast<const TIn*>(p.q_pe) + (size_t)row * dr, q);
+#pragma unroll
+    for (int i = 0; i < kLat; ++i) o[i] = 0.f;
 
     float m = -CUDART_INF_F, l = 0.f;
-    for (int s = key_begin; s < key_end; ++s) {
-        if (!key_visible(p, token, s, context)) continue;
-        const size_t key_row = cache_row(p, b, s);
-        const TIn* c = static_cast<const TIn*>(p.c_kv) + key_row * R;
-        const TIn* k = static_cast<const TIn*>(p.k_pe) + key_row * dr;
+    KeyCursor keys(p, token, key_begin, key_begin + split_keys, context, tree);
+    int s = keys.next(p, token);
+    if (s >= 0) load_key(s, key);
+    while (s >= 0) {
+        const int s_ahead = keys.next(p, token);
+        if (s_ahead >= 0) load_key(s_ahead, ahead);          // in flight while this key folds
         float dot = 0.f;
-        for (int d = lane; d < R; d += 32) dot += q[d] * to_float(c[d]);
-        for (int d = lane; d < dr; d += 32) dot += q[R + d] * to_float(k[d]);
+#pragma unroll
+        for (int i = 0; i < kCols; ++i) dot = fmaf(q[i], key[i], dot);
         for (int mask = 16; mask > 0; mask >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, mask);
         const float x = dot * p.scale_log2;
         const float m_new = fmaxf(m, x);
         const float alpha = exp2f(m - m_new);
         const float w = exp2f(x - m_new);
         l = l * alpha + w;
-        for (int d = lane; d < R; d += 32) o[d] = o[d] * alpha + w * to_float(c[d]);
+#pragma unroll
+        for (int i = 0; i < kLat; ++i) o[i] = fmaf(o[i], alpha, w * key[i]);
         m = m_new;
+#pragma unroll
+        for (int i = 0; i < kCols; ++i) key[i] = ahead[i];
+        s = s_ahead;
     }
     const float inv_l = l > 0.f ? 1.f / l : 0.f;
-    for (int d = lane; d < R; d += 32) store_one<TOut>(p, split, row, d, o[d] * inv_l);
+#pragma unroll
+    for (int i = 0; i < kLat; ++i)
+        if (lane + 32 * i < R) store_one<TOut>(p, split, row, lane + 32 * i, o[i] * inv_l);
     if (lane == 0) store_lse(p, split, row, row_lse(m, l));
 }
 
 // ------------------------------------------------------------------ split combine
 
-constexpr int kMaxSplits = 128;
+constexpr int kMaxSplits = 65535;  // the grid's y
 constexpr int kCombineThreads = 128;
 
-// Block = one query row: the first warp turns the splits' lse into weights exp(lse_i - max)
-// (non-empty splits only) and writes lse = max + log(sum_i w_i); then each thread merges its
-// columns, o = sum_i w_i o_i / sum_i w_i, reading the splits' partial rows coalesced.
+// The weight of a split with log-sum-exp lse when the largest is top: 0 for a split that saw no key.
+__device__ __forceinline__ float split_weight(float lse, float top) {
+    return top == -CUDART_INF_F ? 0.f : __expf(lse - top);
+}
+
+// Block = one query row: the first warp finds the largest lse and the sum of the weights
+// w_i = exp(lse_i - max) (a split that saw no key weighs 0) and writes lse = max + log(sum_i w_i);
+// then each thread merges its columns, o = sum_i w_i o_i / sum_i w_i in split order, reading the
+// splits' partial rows coalesced.
 template <typename TOut>
 __global__ void __launch_bounds__(kCombineThreads) mla_combine(MlaParams p) {
-    __shared__ float weights[kMaxSplits];
-    __shared__ float inv_total;
+    __shared__ float top_lse, inv_total;
     const int b = blockIdx.y, local_row = blockIdx.x;
-    const int tree = p.tree[b];
+    const int tree = p.tree[b], context = p.context[b];
     if (local_row >= tree * p.heads) return;
-    const int kv_len = p.context[b] + tree;
-    const int n_splits = min(p.num_splits, (kv_len + p.split_keys - 1) / p.split_keys);
     const int row = p.q_offsets[b] * p.heads + local_row;
+    const int length = p.split_keys > 0 ? context + tree : list_length(p, row / p.heads, context, tree);
+    const int split_keys = row_split_keys(p, length);
+    const int n_splits = min(p.num_splits, (length + split_keys - 1) / split_keys);
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         float mx = -CUDART_INF_F;
         for (int i = lane; i < n_splits; i += 32) mx = fmaxf(mx, p.part_lse[(size_t)i * p.total_rows + row]);
         for (int mask = 16; mask > 0; mask >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, mask));
         float total = 0.f;
-        for (int i = lane; i < n_splits; i += 32) {
-            const float w = mx == -CUDART_INF_F ? 0.f : __expf(p.part_lse[(size_t)i * p.total_rows + row] - mx);
-            weights[i] = w;
-            total += w;
-        }
+        for (int i = lane; i < n_splits; i += 32) total += split_weight(p.part_lse[(size_t)i * p.total_rows + row], mx);
         for (int mask = 16; mask > 0; mask >>= 1) total += __shfl_xor_sync(0xffffffffu, total, mask);
         if (lane == 0) {
+            top_lse = mx;
             inv_total = total > 0.f ? 1.f / total : 0.f;
             p.lse[row] = total > 0.f ? mx + logf(total) : -CUDART_INF_F;
         }
@@ -137,7 +204,8 @@ __global__ void __launch_bounds__(kCombineThreads) mla_combine(MlaParams p) {
     for (int c = threadIdx.x; c < p.kv_lora; c += kCombineThreads) {
         float acc = 0.f;
 #pragma unroll 8
-        for (int i = 0; i < n_splits; ++i) acc += weights[i] * part[i * split_stride + c];
+        for (int i = 0; i < n_splits; ++i)
+            acc += split_weight(p.part_lse[(size_t)i * p.total_rows + row], top_lse) * part[i * split_stride + c];
         out[c] = from_float<TOut>(acc * inv_total);
     }
 }
@@ -176,15 +244,23 @@ template <typename TOut>
 int launch(const MlaParams& p, int batch, int max_tree, long long cache_rows, int in_dtype, int kernel,
            cudaStream_t stream) {
     const long long max_rows = (long long)max_tree * p.heads;
-    const int chosen = resolve(p, in_dtype, kernel);
+    const int chosen = p.split_keys == 0 ? (kernel == kAuto || kernel == kCudaCores ? kCudaCores : -1)
+                                         : resolve(p, in_dtype, kernel);
     if (chosen < 0) return KDTREE_BAD_KERNEL;
     int status;
     if (chosen == kCudaCores) {
-        const size_t smem = (size_t)kGenericWarps * (2 * p.kv_lora + p.rope_dim) * sizeof(float);
-        if (smem > 48 * 1024) return KDTREE_BAD_LIMIT;
+        if (p.kv_lora > 32 * kGenericLat || p.rope_dim > 32 * kGenericRope) return KDTREE_BAD_LIMIT;
         const dim3 grid((unsigned)((max_rows + kGenericWarps - 1) / kGenericWarps), p.num_splits, batch);
-        if (in_dtype == kBFloat16) mla_generic<bf16, TOut><<<grid, kGenericWarps * 32, smem, stream>>>(p);
-        else mla_generic<float, TOut><<<grid, kGenericWarps * 32, smem, stream>>>(p);
+        const bool small = p.kv_lora <= 32 * kGenericSmallLat;
+        constexpr int threads = kGenericWarps * 32;
+        if (in_dtype == kBFloat16 && small)
+            mla_generic<bf16, TOut, kGenericSmallLat, kGenericRope><<<grid, threads, 0, stream>>>(p);
+        else if (in_dtype == kBFloat16)
+            mla_generic<bf16, TOut, kGenericLat, kGenericRope><<<grid, threads, 0, stream>>>(p);
+        else if (small)
+            mla_generic<float, TOut, kGenericSmallLat, kGenericRope><<<grid, threads, 0, stream>>>(p);
+        else
+            mla_generic<float, TOut, kGenericLat, kGenericRope><<<grid, threads, 0, stream>>>(p);
         status = kdtree_launch_status();
     } else {
         const dim3 grid((unsigned)((max_rows + kTileRows - 1) / kTileRows), p.num_splits, batch);
@@ -209,9 +285,11 @@ KDTREE_API int kdtree_mla_tensor_cores() { return kdtree_mla::tensor_core_kind()
 // (P * page_size for pools). Keys: kv_offsets (contiguous; block_table null) or block_table
 // [batch, table_stride] with page_size >= 1 (paged; kv_offsets unused); a paged wgmma launch
 // needs split_keys to be a multiple of min(page_size, 64).
-// num_splits * split_keys must cover every request's keys; split_keys is a multiple of 32;
-// with num_splits > 1, part_o [num_splits, T * H, kv_lora] and part_lse [num_splits, T * H]
-// float32 are scratch. kernel: 0 the fastest for these inputs on this device (bf16 at K2 dims
+// num_splits * split_keys must cover every request's keys; split_keys is a multiple of 32, or 0
+// (the CUDA cores only, kernel 0 or 1): each row's key list is cut into at most num_splits splits
+// of whole 32-key blocks sized from its length alone (the invariant plan); with num_splits > 1,
+// part_o [num_splits, T * H, kv_lora] and part_lse [num_splits, T * H] float32 are scratch. The
+// CUDA cores take kv_lora <= 512 and rope_dim <= 64 (KDTREE_BAD_LIMIT). kernel: 0 the fastest for these inputs on this device (bf16 at K2 dims
 // with 16-byte aligned pointers: wgmma where it runs and reads the layout, else mma.sync on
 // compute capability 8.0 and later; anything else the CUDA cores), 1 the CUDA cores, 2 mma.sync
 // with the tiles this device's shared memory holds, 3 mma.sync with the tiles of 100 KB GPUs,
@@ -233,7 +311,7 @@ KDTREE_API int kdtree_mla_verify(const void* q_lat, const void* q_pe, const void
     if (block_table && (table_stride <= 0 || page_size <= 0)) return KDTREE_BAD_SHAPE;
     if (num_splits > 1 && (!part_o || !part_lse)) return KDTREE_BAD_POINTER;
     if (batch <= 0 || total_tokens <= 0 || cache_rows <= 0 || heads <= 0 || kv_lora <= 0 || rope_dim <= 0 ||
-        max_tree <= 0 || num_splits <= 0 || split_keys <= 0 || split_keys % 32 != 0 || vis_words <= 0 ||
+        max_tree <= 0 || num_splits <= 0 || split_keys < 0 || split_keys % 32 != 0 || vis_words <= 0 ||
         vis_words * 32 < max_tree)
         return KDTREE_BAD_SHAPE;
     if ((in_dtype != kFloat32 && in_dtype != kBFloat16) || (out_dtype != kFloat32 && out_dtype != kBFloat16))

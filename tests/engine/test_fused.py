@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton", reason="the fused layers are Triton kernels; Triton is not installed")
 
-from engine.fused import heads, linear, moe as fused_moe, norms  # noqa: E402
+from engine.fused import heads, linear, moe as fused_moe, norms, tiles  # noqa: E402
 from engine.model import Transformer, _use_fused, apply_rope, rms_norm, route  # noqa: E402
 from engine.moe import RoutedExperts, swiglu  # noqa: E402
 from kdtr_format import PRESETS  # noqa: E402
@@ -375,6 +375,34 @@ def test_invariant_experts_give_a_row_its_bits_whatever_its_block_partners(dtype
         real = torch.ones(rows.shape[0], dtype=torch.uint8, device=DEVICE)
         return fused_moe.experts(rows, idx, weight, real, w_gate, w_up, w_down, invariant=True)
     rows_alone_and_among_others(run, randn(80, width, dtype=dtype, seed=4))
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the FMA lowering of exact float32 tiles is the GPU's "
+                    "(the interpreter multiplies with numpy, whose order may follow the shape)")
+def test_invariant_float32_products_give_the_same_bits_at_any_tile_rows(monkeypatch):
+    """Each output element of an exact float32 tile product is one FMA chain over k in order,
+    whatever the tile's rows, which is what lets float32's tiles follow a call's rows
+    (`tiles.invariant_block_m`): the dense product, the per-head product and the experts give the
+    same bits in tiles of 1, 4, 16 and 32 rows."""
+    cfg = PRESETS["tiny2"]
+    e, ns = cfg.n_routed_experts, cfg.n_shared_experts
+    x, w = randn(80, 300), randn(100, 300, seed=1) / 16
+    q, w_uk = randn(80, 3, 48, seed=2), randn(3, 48, 80, seed=3)
+    w_gate, w_up = (randn(e + ns, 48, 64, seed=s) / 8 for s in (4, 5))
+    w_down = randn(e + ns, 64, 48, seed=6) / 8
+    h = randn(80, 64, seed=7)
+    idx, weight = fused_moe.route(cfg, h, None, torch.eye(e, 64, device=DEVICE), torch.zeros(e, device=DEVICE),
+                                  invariant=True)
+    real = torch.ones(80, dtype=torch.uint8, device=DEVICE)
+
+    def products(rows: int) -> list[torch.Tensor]:
+        monkeypatch.setitem(tiles.INVARIANT_BLOCK_M, torch.float32, rows)
+        return [linear.linear(x, w, invariant=True), heads.head_bmm(q, w_uk, False, invariant=True)[0],
+                fused_moe.experts(h, idx, weight, real, w_gate, w_up, w_down, invariant=True)]
+    first = products(1)
+    for rows in (4, 16, 32):
+        for name, a, b in zip(("linear", "head_bmm", "experts"), first, products(rows)):
+            assert torch.equal(a, b), f"{name}: tiles of {rows} rows change the bits of tiles of 1"
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ On the GPU (skipped without one): a forward run under torch's sync debug mode "e
 host synchronization raises); replayed logits and the cache it writes bitwise equal to the
 eager forward's, for decode (width 1) and tree verify (a bucket width), default and invariant
 mode (the tiled forward and the fused layers' invariant form), float32 and bf16; decoding through a GraphedModel gives the eager run's tokens (and, in
-invariant mode, its margins bit for bit; DDTree's too). On the CPU: the bucket choice and the
+invariant mode, its margins bit for bit; DDTree's too) and leaves the cache's lengths at the host's
+count of cached tokens (the graphs advance them on the device). On the CPU: the bucket choice and the
 refusals.
 """
 
@@ -130,6 +131,16 @@ def test_replayed_logits_and_cache_bitwise_equal_to_eager(cuda_models, preset, d
                 f"width {width}, call {replay}: the cache differs"
 
 
+def graph_cache_lengths(graphed, kind: str) -> list[int]:
+    """The lengths of the cache the (one) graph of `kind` ("ar" or "ddtree") advanced on the device."""
+    return next(g for key, g in graphed._graphs.items() if key[0] == kind).cache.lengths.tolist()
+
+
+def cached_tokens(prompts, result) -> list[int]:
+    """Each request's cached tokens from the host's count: its prompt and every accepted token."""
+    return [len(p) + sum(r.acceptance_lengths) for p, r in zip(prompts, result.requests)]
+
+
 def clone_cache(cache):
     return type(cache)(c_kv=cache.c_kv.clone(), k_pe=cache.k_pe.clone(), lengths=cache.lengths.clone(),
                        block_table=cache.block_table)
@@ -150,10 +161,12 @@ def test_graphed_decoding_matches_eager(cuda_models, dtype, mode, page_size):
     prompts = [rng.integers(0, model.cfg.vocab_size, m).tolist() for m in (4, 11, 7)]
     eager = ar_decode(model, prompts, 24, stages=stages)
     runs = {"AR graphs": ar_decode(graphed, prompts, 24, stages=stages)}
+    assert graph_cache_lengths(graphed, "ar") == cached_tokens(prompts, runs["AR graphs"])
     truth = [p + r.tokens for p, r in zip(prompts, eager.requests)]
     drafter = OracleDrafter(truth, model.cfg.vocab_size, accuracy=0.7, seed=6, device="cuda")
     runs["DDTree graphs"] = ddtree_decode(graphed, drafter, prompts, DDTreeConfig(block_size=6, budget=16), 24,
                                           stages=stages)
+    assert graph_cache_lengths(graphed, "ddtree") == cached_tokens(prompts, runs["DDTree graphs"])
     assert runs["DDTree graphs"].metrics.stage_seconds.get("host", 0.0) > 0        # the graphed round ran
     for name, result in runs.items():
         if invariant or dtype == "float32":

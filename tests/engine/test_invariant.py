@@ -180,10 +180,11 @@ def test_ddtree_greedy_equals_ar_bit_for_bit(engines, dtype):
 @CUDA
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_mla_invariant_plan_row_bitwise_across_tree_sizes_and_layouts(dtype):
-    """Kimi K2 dims. One query row (node 5 of a tree, ancestors 0, 2, 5) at context 300:
-    (a) in a tree of 6 nodes, (b) in the same tree grown to 40 nodes beside another request of
-    900 keys, (c) in the AR layout (its 4 keys contiguous after the context, tree of one) give
-    bitwise the same o_lat and lse under the invariant plan."""
+    """Kimi K2 dims. One query row (node 5 of a tree, ancestors 0, 2, 5) at context 318, so that
+    its 321-key list splits (64 keys a split) between node 2 and node 5, at list position 320 but
+    slot 323: (a) in a tree of 6 nodes, (b) in the same tree grown to 40 nodes beside another
+    request of 900 keys, (c) in the AR layout (its keys contiguous after the context, tree of
+    one) give bitwise the same o_lat and lse under the invariant plan."""
     from kernels_cuda import available
     ok, why = available()
     if not ok:
@@ -191,7 +192,7 @@ def test_mla_invariant_plan_row_bitwise_across_tree_sizes_and_layouts(dtype):
     from kernels_cuda.mla_ops import mla_verify, pack_visibility
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    heads, rank, rope, context, scale = 64, 512, 64, 300, 0.07
+    heads, rank, rope, context, scale = 64, 512, 64, 318, 0.07
     dt = DTYPES[dtype]
     rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda").to(dt)  # noqa: E731
     q_lat, q_pe = rand(1, heads, rank), rand(1, heads, rope)
