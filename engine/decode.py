@@ -202,7 +202,7 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
                         round_uniforms = (uniforms[batch.rounds + 1] if uniforms is not None
                                           else _uniforms(generator, batch.size, logits.shape[1]))
                         round_uniforms = round_uniforms[:, :logits.shape[1]]
-                    choices, margins = _choose(stages, logits, ddtree.temperature, round_uniforms)
+                    choices = _choices(stages, logits, ddtree.temperature, round_uniforms)
                     accepted, accept_len_t, next_root_t = stages.accept(trees, choices)
                 with batch.timer("compact"):
                     stages.compact_kv(batch.cache, starts_dev, accepted, accept_len_t)
@@ -210,7 +210,7 @@ def ddtree_decode(model, drafter: Drafter | None, prompts: Sequence[Sequence[int
                 accept_len, next_root = accept_len_t.tolist(), next_root_t.tolist()
                 path_tokens = [row[:a] for row, a in zip(trees.tokens.gather(1, path).tolist(), accept_len)]
                 path_margins = [row[:a] for row, a in
-                                zip(margins.to(path.device).gather(1, path).tolist(), accept_len)]
+                                zip(_margins(logits, ddtree.temperature, path).tolist(), accept_len)]
                 if record:
                     accepted, choices = accepted.cpu(), choices.cpu()
                     for b in range(batch.size):
@@ -348,13 +348,27 @@ def _uniforms(generator: torch.Generator | None, batch: int, width: int) -> torc
     return torch.rand(batch, width, generator=generator, dtype=torch.float64)
 
 
+def _choices(stages: Stages, logits: torch.Tensor, temperature: float,
+             uniforms: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, N, V] -> choices [B, N] int64: greedy at temperature 0, else sampled."""
+    if temperature > 0:
+        return stages.sample_choices(logits, temperature, uniforms.to(logits.device))
+    return stages.greedy_choices(logits)
+
+
+def _margins(logits: torch.Tensor, temperature: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, N, V] -> the top-1 minus top-2 margins float64 [B, N] (rows [B, P]: of those rows
+    only, [B, P]); NaN when sampled."""
+    if temperature > 0:
+        shape = logits.shape[:2] if rows is None else rows.shape
+        return torch.full(shape, float("nan"), dtype=torch.float64, device=logits.device)
+    return top2_margins(logits, rows)
+
+
 def _choose(stages: Stages, logits: torch.Tensor, temperature: float,
             uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, N, V] -> (choices [B, N] int64, margins [B, N] float64; NaN when sampled)."""
-    if temperature > 0:
-        choices = stages.sample_choices(logits, temperature, uniforms.to(logits.device))
-        return choices, torch.full(choices.shape, float("nan"), dtype=torch.float64)
-    return stages.greedy_choices(logits), top2_margins(logits)
+    return _choices(stages, logits, temperature, uniforms), _margins(logits, temperature)
 
 
 def _record(b: int, start: int, root: int, topk_lp: torch.Tensor, topk_id: torch.Tensor, trees,

@@ -254,9 +254,8 @@ class DDTreeRound:
             tree_ops.compact_kv(cache.c_kv, cache.k_pe, self.starts, accepted, accept_len,
                                 block_table=cache.block_table)
             path = accepted.clamp(min=0)                                                  # [B, L+1]
-            path_logits = logits.gather(1, path[:, :, None].expand(-1, -1, logits.shape[-1]))
             out = torch.cat([accept_len[:, None].double(), next_root[:, None].double(),
-                             tokens.gather(1, path).double(), top2_margins(path_logits)], dim=1)
+                             tokens.gather(1, path).double(), top2_margins(logits, path)], dim=1)
             self.starts.add_(torch.where(self.active, accept_len, 0))
             self.roots.copy_(torch.where(self.active, next_root, self.roots))
             cache.lengths.copy_(self.starts)

@@ -99,9 +99,12 @@ def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
     return x - (peak + (x - peak).exp().sum(dim=-1, keepdim=True).log())
 
 
-def top2_margins(logits: torch.Tensor) -> torch.Tensor:
+def top2_margins(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """logits [..., V] -> float64 [...]: the top-1 minus the top-2 logit (0 at a tie for the top,
-    inf when V == 1). Two max reductions around one masked copy: no sort or selection pass."""
+    inf when V == 1). Two max reductions around one masked copy: no sort or selection pass.
+    rows int64 [B, P]: of logits [B, N, V], only rows[b, p] of request b -> float64 [B, P]."""
+    if rows is not None:
+        logits = logits.gather(1, rows[:, :, None].expand(-1, -1, logits.shape[-1]))
     top1, first = logits.max(dim=-1)
     top2 = logits.scatter(-1, first[..., None], float("-inf")).amax(dim=-1)
     return top1.double() - top2.double()

@@ -262,7 +262,7 @@ def test_greedy_and_sampled_choices_match_reference(device):
 @pytest.mark.parametrize("vocab", [1, 2, 7, 40, 4099])
 def test_top2_margins_match_a_sort(dtype, vocab, device):
     """top1 - top2 of each row as a full sort gives it: 0 at a tie for the top (rows of small
-    integers tie often), inf at V = 1."""
+    integers tie often), inf at V = 1; of chosen rows alone, the same."""
     rng = np.random.default_rng(vocab)
     rows = np.concatenate([rng.normal(size=(6, vocab)) * 3, rng.integers(-2, 3, (6, vocab))])
     t = torch.tensor(rows, dtype=dtype, device=device).reshape(3, 4, vocab)
@@ -272,6 +272,8 @@ def test_top2_margins_match_a_sort(dtype, vocab, device):
     margins = top2_margins(t)
     assert margins.dtype == torch.float64 and margins.shape == (3, 4)
     np.testing.assert_array_equal(margins.cpu().numpy().reshape(12), expected)
+    rows = torch.tensor([[3, 0], [1, 1], [2, 0]], device=device)              # [B, P] rows of each request
+    assert torch.equal(top2_margins(t, rows), margins.gather(1, rows))
     assert vocab < 7 or (expected[6:] == 0).any(), "the integer rows must tie for the top"
 
 
