@@ -23,8 +23,10 @@ same reduction order (0.0: the same bits).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -158,9 +160,16 @@ def table(doc: dict) -> str:
 
 
 def main(args: list[str]) -> int:
-    if args[:1] == ["--table"]:
-        with open(args[1]) as f:
-            print(table(json.load(f)))
+    parser = argparse.ArgumentParser(prog="sweep_float32_invariant", description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", help="write the sweep's JSON here")
+    parser.add_argument("--table", metavar="JSON", help="print the tables of a sweep's JSON and stop")
+    opts = parser.parse_args(args)
+    if opts.table:
+        try:
+            print(table(json.loads(Path(opts.table).read_text())))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"sweep_float32_invariant: cannot read a sweep from {opts.table}: {exc}", file=sys.stderr)
+            return 1
         return 0
     if not torch.cuda.is_available():
         print("sweep_float32_invariant: needs a CUDA GPU", file=sys.stderr)
@@ -168,9 +177,8 @@ def main(args: list[str]) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     doc = {"gpu": torch.cuda.get_device_name(), "attention": attention(g), "experts": experts(g),
            "linear": products(g)}
-    if args:
-        with open(args[0], "w") as f:
-            json.dump(doc, f, indent=1)
+    if opts.out:
+        Path(opts.out).write_text(json.dumps(doc, indent=1))
     print(table(doc))
     return 0
 
