@@ -17,12 +17,14 @@ A ragged batch of B requests (csrc/mla_verify.cu has the math):
     -> o_lat [T, H, R] (q's dtype or float32), lse [T, H] float32 (natural log-sum-exp of the
        scaled scores; -inf and o_lat = 0 for a row that sees no key)
 
-Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. Three kernels
+Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. Four kernels
 (`KERNELS`), picked at run time (`kernel="auto"`, `verify_kernel`):
 
 - "wgmma": bf16 at Kimi K2 dims (R 512, dr 64) on Hopper (compute capability 9.0) when the
   library carries sm_90a code (build.py's default); TMA boxes, so contiguous keys or pages of
-  8, 16, 32 or a multiple of 64 slots (`paged_tensor_cores`).
+  8, 16, 32 or a multiple of 64 slots (`paged_tensor_cores`). One warpgroup scores every key
+  tile; "wgmma_pairs", on the same inputs, has the two warpgroups score alternate tiles
+  (FlashMLA's seesaw), and "auto" takes it for splits of PAIRS_MIN_KEYS keys and more.
 - "mma": the same inputs on every GPU of compute capability 8.0 and later (and on Hopper for
   the pages wgmma does not read); mma.sync and cp.async, any page size. Its tiles follow the
   device's shared memory; "mma_100k" forces the tile plan of 100 KB GPUs (sm_86 / 89 / 120),
@@ -73,7 +75,9 @@ INVARIANT_SPLITS = 8    # the invariant plan's splits of a row's key list (its p
 CUDA_CORE_DIMS = (512, 64)   # the most kv_lora and rope_dim the CUDA-core kernel holds in registers
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-KERNELS = {"auto": 0, "cuda_cores": 1, "mma": 2, "mma_100k": 3, "wgmma": 4}   # kdtree_mla_verify's codes
+KERNELS = {"auto": 0, "cuda_cores": 1, "mma": 2, "mma_100k": 3, "wgmma": 4, "wgmma_pairs": 5}  # the C codes
+PAIRS_MIN_KEYS = 3072  # splits this long take "wgmma_pairs" under "auto" (csrc/mla_verify.cu: kPairsMinKeys)
+HOPPER_KERNELS = ("wgmma", "wgmma_pairs")
 _INDEX_NAMES = ("context", "tree_sizes", "q_offsets")
 
 
@@ -106,9 +110,9 @@ def uses_tensor_cores(dtype: torch.dtype, kv_lora: int, rope_dim: int, device: t
 def paged_tensor_cores(page_size: int, kernel: str = "wgmma") -> bool:
     """Whether the tensor-core kernel `kernel` reads pages of `page_size` slots. "wgmma": a
     multiple of 64 (one TMA box per 64-key tile and chunk), or 8, 16 or 32 (64 / page_size boxes,
-    each at least one 1024-byte period of the 128-byte swizzle). "mma" copies key rows one by
-    one: every page size."""
-    if kernel != "wgmma":
+    each at least one 1024-byte period of the 128-byte swizzle; "wgmma_pairs" alike). "mma"
+    copies key rows one by one: every page size."""
+    if kernel not in HOPPER_KERNELS:
         return True
     return page_size % KEY_BLOCK == 0 or (KEY_BLOCK % page_size == 0 and page_size >= 8)
 
@@ -116,8 +120,9 @@ def paged_tensor_cores(page_size: int, kernel: str = "wgmma") -> bool:
 def verify_kernel(dtype: torch.dtype, kv_lora: int, rope_dim: int, device: torch.device,
                   page_size: int | None = None) -> str:
     """The kernel `kernel="auto"` runs for 16-byte aligned inputs on `device`, contiguous keys
-    (page_size None) or pages: wgmma where it runs and reads the layout, else mma on a GPU that
-    has tensor-core MLA, else the CUDA cores."""
+    (page_size None) or pages: wgmma where it runs and reads the layout (in its seesaw form,
+    "wgmma_pairs", on splits of PAIRS_MIN_KEYS keys and more), else mma on a GPU that has
+    tensor-core MLA, else the CUDA cores."""
     if not uses_tensor_cores(dtype, kv_lora, rope_dim, device):
         return "cuda_cores"
     kernel = tensor_core_kernel(device)
@@ -335,12 +340,14 @@ def _verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: t
         return o_lat, lse
     if visibility.shape[1] * 32 < max_tree:
         raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
-    kernel = _pick_kernel(kernel, invariant, q_lat, q_pe, c_kv, k_pe, page_size if keys.paged else None)
+    asked, kernel = kernel, _pick_kernel(kernel, invariant, q_lat, q_pe, c_kv, k_pe, page_size if keys.paged else None)
     if kernel == "cuda_cores" and (kv_lora > CUDA_CORE_DIMS[0] or q_pe.shape[2] > CUDA_CORE_DIMS[1]):
         raise MlaInputError(f"the CUDA-core path takes kv_lora <= {CUDA_CORE_DIMS[0]} and rope_dim <= "
                             f"{CUDA_CORE_DIMS[1]}, got {kv_lora} and {q_pe.shape[2]}")
     sm_count = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
     plan = plan_splits(batch, max_tree, heads, max_kv, kernel != "cuda_cores", sm_count, invariant)
+    if asked == "auto" and kernel == "wgmma" and plan.split_keys >= PAIRS_MIN_KEYS:
+        kernel = "wgmma_pairs"      # the seesaw: the faster on splits of many tiles
     torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, None if keys.paged else keys.table, visibility,
                                     float(scale), max_tree, plan.num_splits, plan.split_keys, kernel, o_lat, lse,
                                     keys.table if keys.paged else None)
@@ -364,9 +371,9 @@ def _pick_kernel(kernel: str, invariant: bool, q_lat: torch.Tensor, q_pe: torch.
         problem = "needs q_lat, q_pe, c_kv and k_pe 16-byte aligned"
     elif here is None:
         problem = f"needs compute capability 8.0 or later, {q_lat.device} has {torch.cuda.get_device_capability(q_lat.device)}"
-    elif kernel == "wgmma" and here != "wgmma":
+    elif kernel in HOPPER_KERNELS and here != "wgmma":
         problem = "runs on compute capability 9.0 with a library built with sm_90a (kernels_cuda.build)"
-    elif kernel == "wgmma" and page_size is not None and not paged_tensor_cores(page_size):
+    elif kernel in HOPPER_KERNELS and page_size is not None and not paged_tensor_cores(page_size):
         problem = f"does not read pages of {page_size} slots"
     else:
         return kernel

@@ -31,10 +31,13 @@ if [[ "$stage" == all || "$stage" == sanitize ]]; then
     echo "== compute-sanitizer"
     cat >/tmp/mla_small.py <<'EOF'
 import math, torch
-from kernels_cuda.mla_ops import pack_visibility
+from kernels_cuda.mla_ops import pack_visibility, tensor_core_kernel
 # small cases: tiny dims float32 (generic path) and K2 bf16 (tensor-core path), 3 splits then 1;
 # then paged (block table, shuffled pages, 2 spare): K2 bf16 page 16 (tensor cores, 4 boxes a
-# chunk; a split of 64 keys and one of 128) and page 1 (CUDA cores)
+# chunk; a split of 64 keys and one of 128) and page 1 (CUDA cores). On Hopper the seesaw kernel
+# too, forced ("auto" takes it for long splits only): K2 bf16 at context 300 (5 tiles: both key
+# slots refilled), splits of 192 and 320 keys, contiguous and in pages of 16.
+pairs = ["wgmma_pairs"] if tensor_core_kernel(torch.device("cuda")) == "wgmma" else []
 ctx, n = 77, 9
 vis = torch.ones(n, n, dtype=torch.bool).tril()
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -49,7 +52,13 @@ for heads, lora, rope, dtype in ((4, 64, 16, torch.float32), (64, 512, 64, torch
     assert not o.isnan().any()
 r = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
 o = torch.empty(n, 64, 512, dtype=torch.bfloat16, device="cuda"); lse = torch.empty(n, 64, device="cuda")
-for page, kernel in ((16, "auto"), (1, "cuda_cores")):
+for kernel in pairs:
+    for splits, keys in ((2, 192), (1, 320)):
+        torch.ops.kdtree.mla_verify_out(r(n, 64, 512), r(n, 64, 64), r(300 + n + 5, 512), r(300 + n + 5, 64),
+            i(300), i(n), i(0, n), i(5), pack_visibility(vis).cuda(), 0.1, n, splits, keys, kernel, o, lse)
+    torch.cuda.synchronize()
+    assert not o.isnan().any()
+for page, kernel in [(16, "auto"), (1, "cuda_cores")] + [(16, k) for k in pairs]:
     pages = -(-(ctx + n) // page) + 2
     table = torch.randperm(pages, device="cuda")[:pages - 2].to(torch.int32)[None]
     for splits, keys in ((2, 64), (1, 128)):

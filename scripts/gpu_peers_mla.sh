@@ -12,7 +12,7 @@
 # (KDTREE_BENCH_PEERS=0), in $OUT/mla_peers_noa.json; the tables with the targets judged in
 # $OUT/mla-peers.md (python3 -m peers.report). profile: ncu (clocks left alone) on one launch each of FlashMLA's
 # decode kernel and kdtree's, at ctx 32k / 1 token / batch 32 and ctx 8k / chain of 16 / batch 32,
-# into $OUT/ncu.txt. DEADLINE (seconds, default 520) bounds the whole script.
+# with the warps' stall reasons, into $OUT/ncu.txt. DEADLINE (seconds, default 520) bounds the whole script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage="${1:-all}"
@@ -66,7 +66,7 @@ for context, tokens, batch in ((32768, 1, 32), (8192, 16, 32)):
 PY
     timeout "$(left 100)" ncu --clock-control none --kernel-name "regex:mla_k2_wgmma|flash_fwd_splitkv_mla_kernel" \
         --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
-        --metrics dram__bytes_read.sum.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
+        --metrics dram__bytes_read.sum.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
         python3 /tmp/one_case.py >"$OUT/ncu.txt" 2>&1
     grep -E "mla_k2_wgmma|flash_fwd_splitkv|Duration|DRAM Throughput|Compute \(SM\)|dram__bytes|gmma|Registers Per|Grid Size|Achieved Occ" \
         "$OUT/ncu.txt" | head -60

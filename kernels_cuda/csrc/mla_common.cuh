@@ -4,7 +4,8 @@
 //
 //   mla_verify.cu  the CUDA-core kernel, the split combine, the dispatch and the C API
 //   mla_mma.cu     K2 dims on mma.sync + cp.async (compute capability 8.0 and later)
-//   mla_wgmma.cu   K2 dims on wgmma + TMA (Hopper, sm_90a code only)
+//   mla_wgmma.cu   K2 dims on wgmma + TMA (Hopper, sm_90a code only): one warpgroup scores
+//                  every tile; mla_wgmma_pairs.cu: the warpgroups score alternate tiles
 #pragma once
 
 #include "common.cuh"
@@ -49,7 +50,8 @@ constexpr int kTileRows = 64;  // query rows per block of either tensor-core ker
 // grid = (row tiles of the longest tree, splits, requests). 0, a cudaError_t, or a KdtreeStatus.
 bool wgmma_built();                        // this library carries the sm_90a kernel
 bool wgmma_layout(const MlaParams& p);     // its TMA boxes can read this key layout
-int launch_wgmma(const MlaParams& p, dim3 grid, long long cache_rows, bool out_bf16, cudaStream_t stream);
+// pairs: the seesaw kernel (mla_wgmma_pairs.cu), else the one-scorer kernel (mla_wgmma.cu).
+int launch_wgmma(const MlaParams& p, dim3 grid, long long cache_rows, bool out_bf16, bool pairs, cudaStream_t stream);
 // mma.sync: the tile plan for 160 KB of shared memory a block and more (sm_80, sm_90) where the
 // device has it, else (or with `small_tiles`) the one for 100 KB (sm_86, sm_89, sm_120).
 int launch_mma(const MlaParams& p, dim3 grid, bool small_tiles, bool out_bf16, cudaStream_t stream);

@@ -26,15 +26,18 @@
 // (flash-decoding); with one split blocks write the outputs directly.
 //
 //
-// Three block kernels, the same math:
+// Four block kernels, the same math:
 // - `mla_generic` (here): any dims, float32 or bf16 inputs; one warp per row, float32 CUDA cores.
 // - `mla_k2_mma` (mla_mma.cu): bf16 inputs at kv_lora 512, rope 64, on any GPU of compute
 //   capability 8.0 and later; mma.sync m16n8k16 with float32 accumulation, keys by cp.async,
 //   any page size.
 // - `mla_k2_wgmma` (mla_wgmma.cu): the same inputs on Hopper when this library carries sm_90a
-//   code; wgmma and TMA, contiguous keys or pages of 8, 16, 32 or a multiple of 64 slots.
+//   code; wgmma and TMA, contiguous keys or pages of 8, 16, 32 or a multiple of 64 slots; one
+//   warpgroup scores every key tile.
+// - `mla_k2_wgmma_pairs` (mla_wgmma_pairs.cu): the same on the same inputs, the two warpgroups
+//   scoring alternate tiles (FlashMLA's seesaw); the faster one on splits of many tiles.
 // `kdtree_mla_verify`'s `kernel` picks one (0: the fastest that takes the inputs here) at run
-// time, by the device's compute capability and shared memory.
+// time, by the device's compute capability and shared memory and the split's length.
 
 #include "mla_common.cuh"
 
@@ -222,7 +225,12 @@ int tensor_core_kind() {
     return major >= 8 ? 1 : 0;
 }
 
-enum MlaKernel : int { kAuto = 0, kCudaCores = 1, kMma = 2, kMmaSmall = 3, kWgmma = 4 };
+enum MlaKernel : int { kAuto = 0, kCudaCores = 1, kMma = 2, kMmaSmall = 3, kWgmma = 4, kWgmmaPairs = 5 };
+
+// A split of at least this many keys takes the seesaw kernel (kWgmmaPairs) under kAuto: with
+// fewer tiles its fixed costs outweigh the overlap (H100, 2026-12-07: 1.1-1.45x the one-scorer
+// kernel's time at splits of 1-17 tiles, 0.84-0.95x at 65 and more).
+constexpr int kPairsMinKeys = 48 * 64;
 
 // The kernel that runs `kernel` (kAuto resolved) for these inputs, or -1 when the one asked for cannot.
 int resolve(const MlaParams& p, int in_dtype, int kernel) {
@@ -231,11 +239,14 @@ int resolve(const MlaParams& p, int in_dtype, int kernel) {
     for (const void* t : {p.q_lat, p.q_pe, p.c_kv, p.k_pe}) aligned = aligned && reinterpret_cast<uintptr_t>(t) % 16 == 0;
     const int kind = k2 && aligned ? tensor_core_kind() : 0;
     switch (kernel) {
-        case kAuto: return kind == 2 && wgmma_layout(p) ? kWgmma : kind >= 1 ? kMma : kCudaCores;
+        case kAuto:
+            if (kind == 2 && wgmma_layout(p)) return p.split_keys >= kPairsMinKeys ? kWgmmaPairs : kWgmma;
+            return kind >= 1 ? kMma : kCudaCores;
         case kCudaCores: return kCudaCores;
         case kMma:
         case kMmaSmall: return kind >= 1 ? kernel : -1;
-        case kWgmma: return kind == 2 && wgmma_layout(p) ? kWgmma : -1;
+        case kWgmma:
+        case kWgmmaPairs: return kind == 2 && wgmma_layout(p) ? kernel : -1;
         default: return -1;
     }
 }
@@ -265,7 +276,7 @@ int launch(const MlaParams& p, int batch, int max_tree, long long cache_rows, in
     } else {
         const dim3 grid((unsigned)((max_rows + kTileRows - 1) / kTileRows), p.num_splits, batch);
         constexpr bool out_bf16 = std::is_same<TOut, bf16>::value;
-        status = chosen == kWgmma ? launch_wgmma(p, grid, cache_rows, out_bf16, stream)
+        status = chosen >= kWgmma ? launch_wgmma(p, grid, cache_rows, out_bf16, chosen == kWgmmaPairs, stream)
                                   : launch_mma(p, grid, chosen == kMmaSmall, out_bf16, stream);
     }
     if (status != 0 || p.num_splits == 1) return status;
@@ -293,7 +304,8 @@ KDTREE_API int kdtree_mla_tensor_cores() { return kdtree_mla::tensor_core_kind()
 // with 16-byte aligned pointers: wgmma where it runs and reads the layout, else mma.sync on
 // compute capability 8.0 and later; anything else the CUDA cores), 1 the CUDA cores, 2 mma.sync
 // with the tiles this device's shared memory holds, 3 mma.sync with the tiles of 100 KB GPUs,
-// 4 wgmma; KDTREE_BAD_KERNEL when the one asked for cannot run these inputs here.
+// 4 wgmma (one scorer), 5 wgmma in pairs (the seesaw); KDTREE_BAD_KERNEL when the one asked for
+// cannot run these inputs here.
 // Grid: one block per 64 (tensor cores) or 4 (CUDA cores) rows of the longest tree, per split,
 // per request.
 KDTREE_API int kdtree_mla_verify(const void* q_lat, const void* q_pe, const void* c_kv, const void* k_pe,

@@ -1,27 +1,14 @@
-// Tree-verify MLA attention at K2 dims on Hopper's tensor cores: wgmma with both operands in
-// shared memory, loaded by TMA with the 128-byte swizzle (sm_90a code only; the math is at the
-// top of mla_verify.cu). A 64-key tile (tiles start at request slots that are multiples of
-// the box height) is one TMA box per 64-dim chunk in the contiguous layout or with pages of a
-// multiple of 64 slots, and 64 / page_size boxes of page_size rows per chunk with pages of 8,
-// 16 or 32 slots; other page sizes take the mma.sync kernel (mla_mma.cu).
+// Tree-verify MLA attention at K2 dims on Hopper, one warpgroup scoring every key tile (the
+// helpers and tile geometry are in mla_wgmma.cuh), and the host side of both Hopper kernels:
+// tensor maps, and which kernel a launch takes (launch_wgmma).
 
-#include "mla_common.cuh"
-
-#include <cuda.h>
-#include <cudaTypedefs.h>
+#include "mla_wgmma.cuh"
 
 namespace kdtree_mla {
 namespace {
-namespace k2 {
-constexpr int kR = 512, kDr = 64, kD = kR + kDr;  // latent, rope, score dims
-constexpr int kBM = 64;                   // query rows per block (one wgmma M)
-constexpr int kChunkDims = 64;            // dims per 128-byte swizzled row
-constexpr int kChunks = kD / kChunkDims;  // 9: 8 of c_kv / q_lat, 1 of k_pe / q_pe
-constexpr int kChunkBytes = 64 * 128;     // one [64 rows][64 dims] bf16 chunk
-constexpr int kTileBytes = kChunks * kChunkBytes;  // a Q tile or a key tile: 72 KB
-constexpr int kStages = 2;                // key tiles in flight
-constexpr int kMinBox = 8;                // key rows per TMA box at least: one 1024-byte swizzle period
-constexpr int kThreads = 256;             // two warpgroups
+namespace single {
+using namespace k2;
+constexpr int kStages = 2;  // key tiles in flight
 // Shared memory, from a 1024-byte aligned base (the 128-byte swizzle repeats every 1024 bytes).
 constexpr int kOffQ = 0;
 constexpr int kOffK = kOffQ + kTileBytes;                 // [kStages] key tiles
@@ -31,80 +18,17 @@ constexpr int kOffInvL = kOffAlpha + kBM * 4;             // [64] float: final 1
 constexpr int kOffBars = kOffInvL + kBM * 4;              // mbarriers (see the kernel)
 constexpr int kBars = 1 + 2 * kStages + 3;
 constexpr size_t kSmemBytes = kOffBars + kBars * 8 + 1024;
-}  // namespace k2
-
-// The four operands as TMA tensor maps: rows of 64-dim chunks, 128-byte swizzle; boxes of 64
-// rows, or of page_size rows for the keys of pages smaller than 64 slots (key_box).
-struct K2Maps {
-    CUtensorMap q_lat;  // [T * H rows, 512]
-    CUtensorMap q_pe;   // [T * H rows, 64]
-    CUtensorMap c_kv;   // [S rows, 512]
-    CUtensorMap k_pe;   // [S rows, 64]
-};
-
-// Key rows per TMA box: 64, or a page when pages are smaller (8, 16 or 32 slots on the
-// tensor-core path), so that no box crosses a page.
-__host__ __device__ __forceinline__ int key_box(const MlaParams& p) {
-    return p.block_table && p.page_size < 64 ? p.page_size : 64;
-}
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // Hopper-only instructions: sm_90a code
-
-namespace k2 {
-constexpr int kBN = 64;  // keys per tile
-constexpr int kMaxBoxes = kBN / kMinBox;  // TMA boxes per chunk of a key tile at most
 constexpr int kBarWg0 = 1;  // named barrier of warpgroup 0 alone (0 is __syncthreads)
-}  // namespace k2
+}  // namespace single
 
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
-}
-// One box of `map` ([rows][64 dims]) at (dim x, row y) into a swizzled chunk; completes on bar.
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-        ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar)) : "memory");
-}
-// One box per chunk: rows y .. y + box - 1 of the latent map (8 chunks) and of the rope map (1),
-// at `dst` within each chunk.
-__device__ __forceinline__ void tma_load_rows(unsigned char* dst, const CUtensorMap* lat, const CUtensorMap* pe,
-                                              uint64_t* bar, int y) {
-#pragma unroll
-    for (int c = 0; c < k2::kChunks - 1; ++c) tma_load(dst + c * k2::kChunkBytes, lat, bar, c * k2::kChunkDims, y);
-    tma_load(dst + (k2::kChunks - 1) * k2::kChunkBytes, pe, bar, 0, y);
-}
-// The cache rows of the boxes of request b's key tile at slots key0 .. key0 + 63: box j
-// (box rows; key0 is a multiple of box when paged) starts at slot key0 + j box. Contiguous
-// rows are base + slot (base = kv_offsets[b], read once: no load a tile, one box of 64);
-// paged ones come from the block table. A box whose first slot lies past `last` (the
-// split's last key) loads the box holding `last`: a row the table maps, whose contents are
-// zeroed or masked before use.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The cache rows of the boxes of request b's key tile at slots key0 .. key0 + 63 (key_box_row).
 template <bool kPaged>
-__device__ __forceinline__ void key_tile_rows(int (&y)[k2::kMaxBoxes], const MlaParams& p, int b, int base,
-                                              int key0, int last, int box) {
-    if constexpr (!kPaged) {
-        y[0] = base + key0;
-        return;
-    }
+__device__ __forceinline__ void key_tile_rows(int (&y)[k2::kMaxBoxes], const MlaParams& p, int b, int base, int key0,
+                                              int last, int box) {
 #pragma unroll
-    for (int j = 0; j < k2::kMaxBoxes; ++j) {
-        if (j * box < 64) {
-            const int s = key0 + j * box;
-            y[j] = cache_row(p, b, s <= last ? s : key0 + (last - key0) / box * box);
-        }
-    }
+    for (int j = 0; j < k2::kMaxBoxes; ++j)
+        if (j * box < k2::kBN) y[j] = key_box_row<kPaged>(p, b, base, key0, last, box, j);
 }
 // A key tile's 64 rows as 64 / box boxes per chunk at rows y[j]; box j lands at row j box
 // of each chunk (a multiple of 8 rows: 1024-byte aligned, the swizzle's period). The boxes
@@ -116,47 +40,6 @@ __device__ __forceinline__ void tma_load_keys(unsigned char* dst, const CUtensor
     for (int j = 0; j < k2::kMaxBoxes; ++j)
         if (j * box < 64) tma_load_rows(dst + j * box * 128, lat, pe, bar, y[j]);
 }
-// Generic-proxy writes to shared memory become visible to the tensor cores and the copy engine.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// Shared-memory matrix descriptor with the 128-byte swizzle. K-major operands (Q, K, P):
-// rows of 128 bytes, 8-row groups sbo = 1024 bytes apart (lbo unused). MN-major V: 64 output
-// columns per 128-byte row, lbo = the stride between 64-column chunks, sbo = between 8-key groups.
-__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
-           (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Keep the compiler from moving accesses of wgmma accumulators across the asynchronous window.
-template <int N> __device__ __forceinline__ void fence_operands(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Eight float32 accumulators d[i] .. d[i + 7] as read-write asm operands.
-#define KDTREE_F8(i)                                                                                       \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
-        "+f"(d[i + 7])
-// s[64 x 64] (+)= Q[64 x 16] K[64 x 16]^T, both K-major in shared memory.
-__device__ __forceinline__ void wgmma_scores(float (&d)[32], uint64_t q, uint64_t k, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : KDTREE_F8(0), KDTREE_F8(8), KDTREE_F8(16), KDTREE_F8(24)
-        : "l"(q), "l"(k), "r"(accumulate));
-}
-// o[64 x 256] += P[64 x 16] V[16 x 256]: P K-major and V MN-major in shared memory.
-__device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t p, uint64_t v) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
-        : KDTREE_F8(0), KDTREE_F8(8), KDTREE_F8(16), KDTREE_F8(24), KDTREE_F8(32), KDTREE_F8(40), KDTREE_F8(48), KDTREE_F8(56),
-          KDTREE_F8(64), KDTREE_F8(72), KDTREE_F8(80), KDTREE_F8(88), KDTREE_F8(96), KDTREE_F8(104), KDTREE_F8(112), KDTREE_F8(120)
-        : "l"(p), "l"(v), "r"(1));
-}
-
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // Block = 64 query rows x one key split of one request, two warpgroups, both operands of
@@ -171,7 +54,7 @@ template <typename TOut, bool kPaged>
 __global__ void __launch_bounds__(k2::kThreads, 1)
     mla_k2_wgmma(const __grid_constant__ MlaParams p, const __grid_constant__ K2Maps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma exists only in sm_90a code
-    using namespace k2;
+    using namespace single;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     unsigned char* sQ = smem + kOffQ;
@@ -235,13 +118,6 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float inv_l[2];  // 1 / the final row sums
-    // O *= alpha per row, skipped when no row's running max moved (x * 1 == x: exact).
-    auto rescale_o = [&](const float (&alpha)[2]) {
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-            for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
-        }
-    };
     // O += P V of tile `tile`: this warpgroup's 256 columns, P and V from shared memory.
     const uint64_t p_desc = smem_desc(sP, 16, 1024);
     const uint64_t v_desc = smem_desc(sK, kChunkBytes, 1024) + ((wg * 4 * kChunkBytes) >> 4);
@@ -253,7 +129,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
         for (int kk = 0; kk < 4; ++kk)
             wgmma_pv(o, p_desc + ((kk * 32) >> 4), v_desc + stage_off + ((kk * 16 * 128) >> 4));
         wgmma_commit();
-        wgmma_wait_all();
+        wgmma_wait<0>();
         fence_operands(o);
     };
 
@@ -296,7 +172,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
                 wgmma_scores(s, q_desc + off, k_desc + stage_off + off, ks > 0);
             }
             wgmma_commit();
-            wgmma_wait_all();
+            wgmma_wait<0>();
             fence_operands(s);
             fence_operands(o);
 
@@ -350,7 +226,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             fence_proxy_async();
             mbar_arrive(p_ready);
 
-            rescale_o(alpha);
+            rescale_o(o, alpha);
             named_bar_sync(kBarWg0, 128);  // P V reads the other warps' rows of P too
             accumulate_pv(tile);
             if (lane == 0) mbar_arrive(&empty[stage]);
@@ -376,7 +252,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             if (refill) key_tile_rows<kPaged>(y, p, b, base, key_begin + (tile + kStages) * kBN, key_end - 1, box);
             mbar_wait(p_ready, tile & 1);
             const float alpha[2] = {sAlpha[r_lo], sAlpha[r_lo + 8]};
-            rescale_o(alpha);
+            rescale_o(o, alpha);
             accumulate_pv(tile);
             if (tile + 1 < n_tiles) mbar_arrive(p_free);
             __syncwarp();
@@ -392,16 +268,7 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
         inv_l[1] = sInvL[r_lo + 8];
     }
 
-    // o[4j + 2h + e]: row r_lo + 8h, column 256 wg + 8j + 2 t4 + e.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        if (!row_ok[h]) continue;
-        const int row = grow0 + r_lo + 8 * h;
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-            store_pair<TOut>(p, split, row, 256 * wg + 8 * j + 2 * t4, o[4 * j + 2 * h] * inv_l[h],
-                             o[4 * j + 2 * h + 1] * inv_l[h]);
-    }
+    store_o<TOut>(p, split, grow0, r_lo, wg, t4, row_ok, o, inv_l);
 #else
     __trap();  // never launched: the host launches this kernel only where sm_90a code runs
 #endif
@@ -451,8 +318,8 @@ bool wgmma_layout(const MlaParams& p) {
     return !p.block_table || p.page_size % 64 == 0 || (64 % p.page_size == 0 && p.page_size >= k2::kMinBox);
 }
 
-int launch_wgmma(const MlaParams& p, dim3 grid, long long cache_rows, bool out_bf16, cudaStream_t stream) {
-    static_assert(k2::kSmemBytes <= 227 * 1024, "K2 tiles do not fit in shared memory");
+int launch_wgmma(const MlaParams& p, dim3 grid, long long cache_rows, bool out_bf16, bool pairs, cudaStream_t stream) {
+    static_assert(single::kSmemBytes <= 227 * 1024, "K2 tiles do not fit in shared memory");
     if (p.block_table && p.split_keys % key_box(p) != 0) return KDTREE_BAD_SHAPE;  // a box would cross a page
     K2Maps maps;
     if (!encode_rows(&maps.q_lat, p.q_lat, k2::kR, p.total_rows, 64) ||
@@ -460,13 +327,15 @@ int launch_wgmma(const MlaParams& p, dim3 grid, long long cache_rows, bool out_b
         !encode_rows(&maps.c_kv, p.c_kv, k2::kR, cache_rows, key_box(p)) ||
         !encode_rows(&maps.k_pe, p.k_pe, k2::kDr, cache_rows, key_box(p)))
         return KDTREE_BAD_TENSOR_MAP;
+    if (pairs) return launch_wgmma_pairs(p, maps, grid, out_bf16, stream);
     // Two instances per output type: the contiguous one has no block-table code at all
     // (measured: the table's per-tile lookups in a shared instance cost the contiguous kernel 20-27%).
     const auto kernel = out_bf16 ? (p.block_table ? mla_k2_wgmma<bf16, true> : mla_k2_wgmma<bf16, false>)
                                  : (p.block_table ? mla_k2_wgmma<float, true> : mla_k2_wgmma<float, false>);
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)k2::kSmemBytes);
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)single::kSmemBytes);
     if (err != cudaSuccess) return (int)err;
-    kernel<<<grid, k2::kThreads, k2::kSmemBytes, stream>>>(p, maps);
+    kernel<<<grid, k2::kThreads, single::kSmemBytes, stream>>>(p, maps);
     return kdtree_launch_status();
 }
 

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from kdtr_format import PRESETS
-from kernels_cuda.mla_ops import mla_verify_paged, pack_visibility, verify_kernel
+from kernels_cuda.mla_ops import HOPPER_KERNELS, mla_verify_paged, pack_visibility, tensor_core_kernel, verify_kernel
 from bench_record import record
 from gpu_bench import graph_time_ms
 from peers import PeerUnavailable, load_flashmla
@@ -104,6 +104,14 @@ def kdtree_call(x: dict, context: int, tokens: int, batch: int, kernel: str = "a
     return lambda: mla_verify_paged(**args, max_tree=tokens, max_kv=context + tokens, kernel=kernel)[0]
 
 
+def hopper_kernels_ms(x: dict, context: int, tokens: int, batch: int) -> dict:
+    """On Hopper, each wgmma kernel forced by name ("auto" takes one by its split's length), so
+    that the choice reads against both in the same run; elsewhere nothing."""
+    if tensor_core_kernel(x["c_kv"].device) != "wgmma":
+        return {}
+    return {f"{k}_ms": graph_time_ms(kdtree_call(x, context, tokens, batch, k)) for k in HOPPER_KERNELS}
+
+
 def flashmla_call(fm, x: dict, context: int, tokens: int, batch: int):
     """-> a call of FlashMLA's dense decode on x (causal for chains of 2+ tokens), returning
     out [batch * tokens, H, 512]; its split schedule is computed once here, as an engine does."""
@@ -165,7 +173,7 @@ def test_bench_mla_chain(benchmark, ceilings, context, tokens, batch):
     assert isinstance(ms, float), ms
     row = dict(context=context, tokens=tokens, batch=batch, kernel=verify_kernel(torch.bfloat16, KV_LORA, ROPE,
                x["c_kv"].device, PAGE), kernel_ms=ms, **figures(context, tokens, batch, x["vis"], ms, ceilings),
-               flashmla=fm.version)
+               flashmla=fm.version, **hopper_kernels_ms(x, context, tokens, batch))
     row.update(time_peer("flashmla", flashmla_call(fm, x, context, tokens, batch), ours(), ms))
     if "flashmla_ms" in row:
         row["flashmla_bw_fraction"] = row["io_bytes"] / row["flashmla_ms"] / 1e9 / ceilings["copy_TBps"]
@@ -183,7 +191,8 @@ def test_bench_mla_tree(benchmark, ceilings, context, tokens, batch):
     ms = benchmark.pedantic(lambda: graph_time_ms(ours), rounds=1, iterations=1)
     assert isinstance(ms, float), ms
     row = dict(context=context, tokens=tokens, batch=batch, kernel=verify_kernel(torch.bfloat16, KV_LORA, ROPE,
-               x["c_kv"].device, PAGE), kernel_ms=ms, **figures(context, tokens, batch, x["vis"], ms, ceilings))
+               x["c_kv"].device, PAGE), kernel_ms=ms, **figures(context, tokens, batch, x["vis"], ms, ceilings),
+               **hopper_kernels_ms(x, context, tokens, batch))
     row["mma_ms"] = ms if row["kernel"] == "mma" else graph_time_ms(kdtree_call(x, context, tokens, batch, "mma"))
     if isinstance(row["mma_ms"], float):
         row["mma_fraction_mma"] = row["flops"] / row["mma_ms"] / 1e9 / ceilings["bf16_TFLOPs"]

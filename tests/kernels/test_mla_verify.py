@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +23,8 @@ import torch
 
 from kdtr_format import PRESETS
 from kernels_cuda import build
-from kernels_cuda.mla_ops import (MlaInputError, mla_verify, pack_visibility, plan_splits, tensor_core_kernel,
-                                  uses_tensor_cores)
+from kernels_cuda.mla_ops import (HOPPER_KERNELS, PAIRS_MIN_KEYS, MlaInputError, mla_verify, pack_visibility,
+                                  plan_splits, tensor_core_kernel, uses_tensor_cores)
 from refgen.model import absorbed_attention
 
 DIMS = {name: (PRESETS[name].num_attention_heads, PRESETS[name].kv_lora_rank, PRESETS[name].qk_rope_head_dim)
@@ -226,15 +228,24 @@ SCENARIOS = ["causal", "trees", "root_only", "fully_visible"]
 PATHS = [("tiny", torch.float32, "auto"), ("tiny", torch.bfloat16, "auto"), ("tiny2", torch.float32, "auto"),
          ("tiny2", torch.bfloat16, "auto"), ("kimi-k2", torch.float32, "auto"), ("kimi-k2", torch.bfloat16, "auto"),
          ("kimi-k2", torch.bfloat16, "cuda_cores"), ("kimi-k2", torch.bfloat16, "mma"),
-         ("kimi-k2", torch.bfloat16, "mma_100k"), ("kimi-k2", torch.bfloat16, "wgmma")]
+         ("kimi-k2", torch.bfloat16, "mma_100k"), ("kimi-k2", torch.bfloat16, "wgmma"),
+         ("kimi-k2", torch.bfloat16, "wgmma_pairs")]
 PATH_IDS = [f"{d}-{str(t)[6:]}-{k}" for d, t, k in PATHS]
 
 
 def skip_unless_runs(kernel: str) -> None:
     """Skip (naming why) a tensor-core kernel this GPU and library do not run."""
     here = tensor_core_kernel(torch.device("cuda", torch.cuda.current_device()))
-    if kernel == "wgmma" and here != "wgmma" or kernel.startswith("mma") and here is None:
+    if kernel in HOPPER_KERNELS and here != "wgmma" or kernel.startswith("mma") and here is None:
         pytest.skip(f"kernel {kernel!r} does not run here: this GPU and library take {here or 'no tensor-core kernel'}")
+
+
+def test_the_seesaw_threshold_is_the_dispatchers():
+    """mla_ops.PAIRS_MIN_KEYS restates csrc/mla_verify.cu's kPairsMinKeys: the split length from
+    which kernel "auto" takes the seesaw kernel on Hopper."""
+    source = (Path(build.__file__).parent / "csrc" / "mla_verify.cu").read_text()
+    tiles, keys = re.search(r"kPairsMinKeys = (\d+) \* (\d+);", source).groups()
+    assert int(tiles) * int(keys) == PAIRS_MIN_KEYS
 
 
 @needs_gpu
@@ -253,7 +264,7 @@ def test_the_device_takes_its_tensor_core_kernel():
 
 
 @needs_gpu
-@pytest.mark.parametrize("kernel", ["mma", "mma_100k", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "mma_100k", *HOPPER_KERNELS])
 def test_each_tensor_core_kernel_computes_its_own_bits(kernel):
     """A kernel forced by name really runs: its bits differ from the CUDA cores' and from the
     other tensor-core kernels' that run here (other tiles, other summation orders), and it is
@@ -262,12 +273,31 @@ def test_each_tensor_core_kernel_computes_its_own_bits(kernel):
     gen = torch.Generator().manual_seed(17)
     case = make_case(DIMS["kimi-k2"], [(600, tree_visibility(random_parents(20, gen)))], torch.bfloat16, "cuda",
                      seed=18)
-    others = ["cuda_cores", "mma", "mma_100k"] + (["wgmma"] if tensor_core_kernel(case.q_lat.device) == "wgmma" else [])
+    others = ["cuda_cores", "mma", "mma_100k"] + (list(HOPPER_KERNELS) if tensor_core_kernel(case.q_lat.device) == "wgmma"
+                                                  else [])
     o_lat, lse = case.run(kernel=kernel)
     for other in others:
         if other != kernel:
             assert not torch.equal(o_lat, case.run(kernel=other)[0]), f"{kernel!r} gave the bits of {other!r}"
     assert_close(case, o_lat, lse, TOLERANCE[torch.bfloat16])
+
+
+@needs_gpu
+@pytest.mark.parametrize("context", [600, 8000])
+def test_auto_takes_the_seesaw_kernel_on_long_splits(context):
+    """On Hopper, "auto" runs the one-scorer wgmma kernel on splits shorter than PAIRS_MIN_KEYS
+    keys and the seesaw on longer ones: its bits are the forced kernel's, not the other's. Four
+    128-token trees fill 512 row blocks, so the plan keeps 8000 keys in one or two splits."""
+    skip_unless_runs("wgmma")
+    gen = torch.Generator().manual_seed(23)
+    case = make_case(DIMS["kimi-k2"], [(context, tree_visibility(random_parents(128, gen))) for _ in range(4)],
+                     torch.bfloat16, "cuda", seed=24)
+    sm_count = torch.cuda.get_device_properties(case.q_lat.device).multi_processor_count
+    plan = plan_splits(4, 128, DIMS["kimi-k2"][0], context + 128, True, sm_count)
+    want, other = HOPPER_KERNELS[::-1] if plan.split_keys >= PAIRS_MIN_KEYS else HOPPER_KERNELS
+    o_auto = case.run(kernel="auto")[0]
+    assert torch.equal(o_auto, case.run(kernel=want)[0]), f"auto did not run {want!r} on splits of {plan.split_keys}"
+    assert not torch.equal(o_auto, case.run(kernel=other)[0]), f"auto gave the bits of {other!r}"
 
 
 @needs_gpu

@@ -21,22 +21,28 @@ import pytest
 import torch
 
 from kernels_cuda import tree_ops
-from kernels_cuda.mla_ops import MlaInputError, mla_verify_paged, paged_tensor_cores, tensor_core_kernel, verify_kernel
+from kernels_cuda.mla_ops import (HOPPER_KERNELS, MlaInputError, mla_verify_paged, paged_tensor_cores,
+                                  tensor_core_kernel, verify_kernel)
 from test_mla_verify import (DIMS, TOLERANCE, Case, assert_close, make_case, random_parents, reference_attention,
                              tree_visibility)
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
-PATHS = ("auto", "cuda_cores", "mma", "invariant")   # mla_verify's plans: default (the fastest kernel that
-                                                     # takes the inputs), two kernels forced, the invariant plan
+PATHS = ("auto", "cuda_cores", "mma", "wgmma_pairs", "invariant")   # mla_verify's plans: default (the fastest
+                                            # kernel that takes the inputs), three kernels forced, the invariant plan
 
 
 def path_flags(path: str) -> dict:
     return {"invariant": True} if path == "invariant" else {"kernel": path}
 
 
-def skip_unless_runs(path: str) -> None:
-    if path == "mma" and tensor_core_kernel(torch.device("cuda", torch.cuda.current_device())) is None:
+def skip_unless_runs(path: str, page: int | None = None) -> None:
+    here = tensor_core_kernel(torch.device("cuda", torch.cuda.current_device()))
+    if path == "mma" and here is None:
         pytest.skip("the mma kernel needs compute capability 8.0")
+    if path in HOPPER_KERNELS and here != "wgmma":
+        pytest.skip(f"the {path} kernel needs compute capability 9.0 and sm_90a code; this GPU takes {here}")
+    if path in HOPPER_KERNELS and page is not None and not paged_tensor_cores(page, path):
+        pytest.skip(f"the {path} kernel does not read pages of {page} slots")
 
 
 # ----------------------------------------------------------------------------- references
@@ -249,15 +255,17 @@ def test_golden_attention_cases(open_golden, dtype, path):
     dims): within `tolerances_bf16` of the float64 result on the rounded inputs (the fixture's
     values come from float32 inputs; the rounding alone moves o_lat up to 1.5x past
     tolerances_bf16, measured on the CPU), and within 1e-2 of the fixture's o_lat in relative norm.
-    The mma plan runs the K2 bf16 cases only (the other cases take no tensor-core kernel)."""
-    if path == "mma" and dtype != torch.bfloat16:
-        pytest.skip("the mma kernel takes bf16 inputs")
+    The mma and wgmma_pairs plans run the K2 bf16 cases only (the other cases take no tensor-core
+    kernel), wgmma_pairs at the pages it reads."""
+    if path in ("mma", *HOPPER_KERNELS) and dtype != torch.bfloat16:
+        pytest.skip(f"the {path} kernel takes bf16 inputs")
     skip_unless_runs(path)
     with open_golden("kernels/paged_kv.kdtr") as f:
         meta = f.metadata
         for spec in (s for s in meta["cases"] if s["op"] == "attention"):
-            if path == "mma" and fixture_tensor(f, spec["name"], "c_kv_pages").shape[2] != 512:
-                continue            # tiny dims: no tensor-core kernel takes them
+            pool = fixture_tensor(f, spec["name"], "c_kv_pages")
+            if path in ("mma", *HOPPER_KERNELS) and (pool.shape[2] != 512 or not paged_tensor_cores(pool.shape[1], path)):
+                continue            # tiny dims: no tensor-core kernel takes them; wgmma reads no page of 1
             name = spec["name"]
             get = lambda key: fixture_tensor(f, name, key).cuda()   # noqa: E731
             o_lat, lse = mla_verify_paged(*(get(k).to(dtype) for k in ("q_lat", "q_pe", "c_kv_pages", "k_pe_pages")),
@@ -287,9 +295,9 @@ def test_paged_equals_contiguous_bitwise(dims, dtype, page, path):
     same bits from the same kernel (with "auto", the one the paged call takes: wgmma for pages
     8 .. 128 on Hopper, mma for the others and on other GPUs, the CUDA cores off K2 bf16), and
     right against the reference."""
-    if path == "mma" and (dims, dtype) != ("kimi-k2", torch.bfloat16):
-        pytest.skip("the mma kernel takes K2 dims in bf16")
-    skip_unless_runs(path)
+    if path in ("mma", *HOPPER_KERNELS) and (dims, dtype) != ("kimi-k2", torch.bfloat16):
+        pytest.skip(f"the {path} kernel takes K2 dims in bf16")
+    skip_unless_runs(path, page)
     gen = torch.Generator().manual_seed(page)
     case = make_case(DIMS[dims], mixed_requests(gen), dtype, "cuda", seed=page + 1)
     paged = page_case(case, page, seed=page + 2)
@@ -304,19 +312,21 @@ def test_paged_equals_contiguous_bitwise(dims, dtype, page, path):
 
 
 LEAK_PATHS = [("kimi-k2", torch.bfloat16, "auto"), ("kimi-k2", torch.bfloat16, "mma"),
-              ("kimi-k2", torch.bfloat16, "cuda_cores"), ("tiny", torch.float32, "cuda_cores")]
+              ("kimi-k2", torch.bfloat16, "wgmma_pairs"), ("kimi-k2", torch.bfloat16, "cuda_cores"),
+              ("tiny", torch.float32, "cuda_cores")]
 
 
 @needs_gpu
 @pytest.mark.parametrize("split_keys", [64, 192])
 @pytest.mark.parametrize("page", [1, 8, 16, 64, 128])
-@pytest.mark.parametrize("dims,dtype,kernel", LEAK_PATHS, ids=["k2-auto", "k2-mma", "k2-cuda-cores", "tiny-cuda-cores"])
+@pytest.mark.parametrize("dims,dtype,kernel", LEAK_PATHS,
+                         ids=["k2-auto", "k2-mma", "k2-wgmma-pairs", "k2-cuda-cores", "tiny-cuda-cores"])
 def test_unread_rows_never_leak(dims, dtype, kernel, page, split_keys):
     """NaN in every pool row no request reads (spare pages, last pages' tails) and splits that end
     inside pages: the outputs are finite and right; every split and output written (NaN-poisoned
     outputs). The tensor-core kernels load whole tiles past a split's end (wgmma: boxes whose first
     slot lies past it load the last key's page; mma: zero-filled rows)."""
-    skip_unless_runs(kernel)
+    skip_unless_runs(kernel, page)
     gen = torch.Generator().manual_seed(31)
     case = make_case(DIMS[dims], [(70, tree_visibility(random_parents(9, gen))), (3, tree_visibility([-1, 0])),
                                   (250, tree_visibility([-1]))], dtype, "cuda", seed=32)
