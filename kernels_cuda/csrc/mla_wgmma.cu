@@ -22,13 +22,19 @@ constexpr int kBarWg0 = 1;  // named barrier of warpgroup 0 alone (0 is __syncth
 }  // namespace single
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// The cache rows of the boxes of request b's key tile at slots key0 .. key0 + 63 (key_box_row).
+// The cache rows of the boxes of request b's key tile at slots key0 .. key0 + 63
+// (key_box_slot): contiguous, base + key0 (base = kv_offsets[b], one box of 64); paged, from
+// the block table.
 template <bool kPaged>
 __device__ __forceinline__ void key_tile_rows(int (&y)[k2::kMaxBoxes], const MlaParams& p, int b, int base, int key0,
                                               int last, int box) {
+    if constexpr (!kPaged) {
+        y[0] = base + key0;
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < k2::kMaxBoxes; ++j)
-        if (j * box < k2::kBN) y[j] = key_box_row<kPaged>(p, b, base, key0, last, box, j);
+        if (j * box < k2::kBN) y[j] = cache_row(p, b, key_box_slot(key0, last, box, j));
 }
 // A key tile's 64 rows as 64 / box boxes per chunk at rows y[j]; box j lands at row j box
 // of each chunk (a multiple of 8 rows: 1024-byte aligned, the swizzle's period). The boxes

@@ -82,18 +82,17 @@ __device__ __forceinline__ void tma_load_rows(unsigned char* dst, const CUtensor
     for (int c = 0; c < k2::kChunks - 1; ++c) tma_load(dst + c * k2::kChunkBytes, lat, bar, c * k2::kChunkDims, y);
     tma_load(dst + (k2::kChunks - 1) * k2::kChunkBytes, pe, bar, 0, y);
 }
-// The cache row of box `j` of request b's key tile at slots key0 .. key0 + 63 (box rows; key0
-// is a multiple of box when paged): the box starts at slot key0 + j box. Contiguous rows are
-// base + slot (base = kv_offsets[b]: one box of 64); paged ones come from the block table. A
-// box whose first slot lies past `last` (the split's last key) loads the box holding `last`: a
-// row the table maps, whose contents are zeroed or masked before use.
-template <bool kPaged>
-__device__ __forceinline__ int key_box_row(const MlaParams& p, int b, int base, int key0, int last, int box, int j) {
-    if constexpr (!kPaged) return base + key0;
-    int s = key0 + j * box;
-    s = s <= last ? s : key0 + (last - key0) / box * box;
-    // The table entry is read where this is called, ahead of its use: a plain load the compiler
-    // sinks to its use stalls the loading warp, and with it its warpgroup.
+// The first slot of box `j` of a key tile at slots key0 .. key0 + 63 (box rows; key0 is a
+// multiple of box when paged): key0 + j box, or, for a box whose first slot lies past `last`
+// (the split's last key), the box holding `last`: a row the table maps, whose contents are
+// zeroed or masked before use.
+__device__ __forceinline__ int key_box_slot(int key0, int last, int box, int j) {
+    const int s = key0 + j * box;
+    return s <= last ? s : key0 + (last - key0) / box * box;
+}
+// cache_row of a paged request's slot s, its table entry read where this is called: a plain
+// load that the compiler sinks to its first use stalls the loading warp there.
+__device__ __forceinline__ int cache_row_now(const MlaParams& p, int b, int s) {
     int page;
     asm volatile("ld.global.nc.b32 %0, [%1];\n"
                  : "=r"(page) : "l"(p.block_table + (size_t)b * p.table_stride + s / p.page_size));

@@ -84,10 +84,12 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
     if (tid < kBM) sM[tid] = -CUDART_INF_F;
     __syncthreads();
     // The key tiles are loaded by warp 0 of a warpgroup: its lane j holds the cache row of box j
-    // of a tile, read from the block table a pair ahead (box_row), and issues that box.
+    // of a tile, read from the block table at the start of the pair that loads it (box_row), and
+    // issues that box.
     auto box_row = [&](int t) {
-        return t < n_tiles && lane * box < kBN ? key_box_row<kPaged>(p, b, base, key_begin + t * kBN, key_end - 1, box, lane)
-                                               : 0;
+        const int key0 = key_begin + t * kBN;
+        if constexpr (!kPaged) return base + key0;
+        return t < n_tiles && lane * box < kBN ? cache_row_now(p, b, key_box_slot(key0, key_end - 1, box, lane)) : 0;
     };
     auto load = [&](int t, int first, int last, int row) {  // chunks [first, last) of tile t into its slot
         uint64_t* bars = full + (t & 1) * kChunks;
