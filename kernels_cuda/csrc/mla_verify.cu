@@ -228,8 +228,9 @@ int tensor_core_kind() {
 enum MlaKernel : int { kAuto = 0, kCudaCores = 1, kMma = 2, kMmaSmall = 3, kWgmma = 4, kWgmmaPairs = 5 };
 
 // A split of at least this many keys takes the seesaw kernel (kWgmmaPairs) under kAuto: with
-// fewer tiles its fixed costs outweigh the overlap (H100, 2026-12-07: 1.1-1.45x the one-scorer
-// kernel's time at splits of 1-17 tiles, 0.84-0.95x at 65 and more).
+// fewer tiles its fixed costs outweigh the overlap (H100, 2026-12-07, both forced in one run:
+// 0.89-1.34x the one-scorer kernel's time on splits of fewer than 48 tiles, 0.85-0.94x from 48;
+// docs/results/mla-peers-h100-seesaw.md).
 constexpr int kPairsMinKeys = 48 * 64;
 
 // The kernel that runs `kernel` (kAuto resolved) for these inputs, or -1 when the one asked for cannot.
