@@ -13,6 +13,10 @@ Two grids, each over contexts 1k / 8k / 32k and batches 1 / 8 / 32 / 128:
   SGLang's `extend_attention_fwd` with the tree as a custom mask, reading the same pages.
   KDTREE_BENCH_PEERS=0 leaves SGLang out (e.g. to time the no-sm_90a build's kernel alone).
 
+On Hopper every case also times both wgmma kernels forced (`wgmma_ms`: one warpgroup scores
+every key tile; `wgmma_pairs_ms`: the seesaw), so that auto's choice between them by the split's
+length reads against both in the same run.
+
 Every time is the median CUDA-event time of CUDA-graph replays (tests/kernels/gpu_bench.py).
 Each peer's output is compared with kdtree's in the same run (relative Frobenius error of the
 bf16 outputs, `test_bench_mla.PEER_TOLERANCE`): a peer that computes something else is void, its
