@@ -18,7 +18,7 @@ constexpr int kOffInvL = kOffAlpha + kBM * 4;             // [64] float: final 1
 constexpr int kOffBars = kOffInvL + kBM * 4;              // mbarriers (see the kernel)
 constexpr int kBars = 1 + 2 * kStages + 3;
 constexpr size_t kSmemBytes = kOffBars + kBars * 8 + 1024;
-constexpr int kBarWg0 = 1;  // named barrier of warpgroup 0 alone (0 is __syncthreads)
+[[maybe_unused]] constexpr int kBarWg0 = 1;  // named barrier of warpgroup 0 alone (0 is __syncthreads)
 }  // namespace single
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -76,18 +76,11 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
     uint64_t* p_free = p_ready + 1;       // warpgroup 1 is done with them
     uint64_t* l_ready = p_free + 1;       // warpgroup 0 wrote the final 1 / l
 
-    const int b = blockIdx.z, split = blockIdx.y;
-    const int tree = p.tree[b], context = p.context[b];
-    const int rows = tree * p.heads;
-    const int row0 = blockIdx.x * kBM;
-    const int kv_len = context + tree;
-    const int key_begin = split * p.split_keys;
-    if (row0 >= rows || key_begin >= kv_len) return;
-    const int key_end = min(kv_len, key_begin + p.split_keys);
-    const int n_tiles = (key_end - key_begin + kBN - 1) / kBN;
-    const int grow0 = p.q_offsets[b] * p.heads + row0;     // global row of tile row 0
-    const int box = kPaged ? key_box(p) : 64;                // key rows per TMA box (compile-time when contiguous)
-    const int base = kPaged ? 0 : p.kv_offsets[b];          // contiguous: the request's first cache row
+    K2Block blk{};
+    if (!blk.take<kPaged>(p)) return;
+    const int b = blk.b, split = blk.split, context = blk.context, rows = blk.rows, row0 = blk.row0;
+    const int key_begin = blk.key_begin, key_end = blk.key_end, n_tiles = blk.n_tiles, grow0 = blk.grow0;
+    const int box = blk.box, base = blk.base;
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
@@ -338,11 +331,7 @@ int launch_wgmma(const MlaParams& p, dim3 grid, long long cache_rows, bool out_b
     // (measured: the table's per-tile lookups in a shared instance cost the contiguous kernel 20-27%).
     const auto kernel = out_bf16 ? (p.block_table ? mla_k2_wgmma<bf16, true> : mla_k2_wgmma<bf16, false>)
                                  : (p.block_table ? mla_k2_wgmma<float, true> : mla_k2_wgmma<float, false>);
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)single::kSmemBytes);
-    if (err != cudaSuccess) return (int)err;
-    kernel<<<grid, k2::kThreads, single::kSmemBytes, stream>>>(p, maps);
-    return kdtree_launch_status();
+    return launch_k2(kernel, single::kSmemBytes, grid, p, maps, stream);
 }
 
 }  // namespace kdtree_mla

@@ -54,6 +54,45 @@ __host__ __device__ __forceinline__ int key_box(const MlaParams& p) {
     return p.block_table && p.page_size < 64 ? p.page_size : 64;
 }
 
+// One instance of a K2 kernel (TOut, kPaged) on the grid, with smem_bytes of dynamic shared
+// memory (beyond 48 KB: the attribute is set first). 0, or a cudaError_t.
+template <typename Kernel>
+int launch_k2(Kernel kernel, size_t smem_bytes, dim3 grid, const MlaParams& p, const K2Maps& maps,
+              cudaStream_t stream) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes);
+    if (err != cudaSuccess) return (int)err;
+    kernel<<<grid, k2::kThreads, smem_bytes, stream>>>(p, maps);
+    return kdtree_launch_status();
+}
+
+// A block's work (grid: row tiles, splits, requests): rows row0 .. row0 + 63 of request b's tree
+// (row = token * heads + head; global row grow0 + r) against key split `split`, request slots
+// [key_begin, key_end) of its context + tree in n_tiles tiles of 64 keys; the keys' TMA box
+// height, and the request's first cache row `base` when the keys are contiguous.
+struct K2Block {
+    int b, split, context, rows, row0, key_begin, key_end, n_tiles, grow0, box, base;
+
+    // This block's work; false (the block returns at once) when it has no rows or no keys.
+    template <bool kPaged>
+    __device__ __forceinline__ bool take(const MlaParams& p) {
+        b = blockIdx.z;
+        split = blockIdx.y;
+        const int tree = p.tree[b];
+        context = p.context[b];
+        rows = tree * p.heads;
+        row0 = blockIdx.x * k2::kBM;
+        const int kv_len = context + tree;
+        key_begin = split * p.split_keys;
+        if (row0 >= rows || key_begin >= kv_len) return false;
+        key_end = min(kv_len, key_begin + p.split_keys);
+        n_tiles = (key_end - key_begin + k2::kBN - 1) / k2::kBN;
+        grow0 = p.q_offsets[b] * p.heads + row0;
+        box = kPaged ? key_box(p) : 64;  // compile-time when contiguous
+        base = kPaged ? 0 : p.kv_offsets[b];
+        return true;
+    }
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // Hopper-only instructions: sm_90a code
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {

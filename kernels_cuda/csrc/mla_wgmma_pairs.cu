@@ -16,7 +16,7 @@ constexpr int kOffL = kOffScale + 2 * kBM * 4;   // [2][64] float: each warpgrou
 constexpr int kOffBars = kOffL + 2 * kBM * 4;    // mbarriers: Q, one per chunk of each slot, the hand-offs
 constexpr int kBars = 1 + 2 * kChunks + 5;
 constexpr size_t kSmemBytes = kOffBars + kBars * 8 + 1024;
-constexpr int kBarOwn = 1;  // named barrier (0 is __syncthreads) + warpgroup: its 128 threads alone
+[[maybe_unused]] constexpr int kBarOwn = 1;  // named barrier (0 is __syncthreads) + warpgroup: its 128 threads alone
 }  // namespace pairs
 
 // Block = 64 query rows x one key split of one request, two warpgroups in a seesaw (FlashMLA's
@@ -57,18 +57,11 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
     uint64_t* p1_ready = scale0_ready + 3;        // warpgroup 1 wrote the second's P and issued its P0 V
     uint64_t* sums_ready = scale0_ready + 4;      // both wrote their row sums
 
-    const int b = blockIdx.z, split = blockIdx.y;
-    const int tree = p.tree[b], context = p.context[b];
-    const int rows = tree * p.heads;
-    const int row0 = blockIdx.x * kBM;
-    const int kv_len = context + tree;
-    const int key_begin = split * p.split_keys;
-    if (row0 >= rows || key_begin >= kv_len) return;
-    const int key_end = min(kv_len, key_begin + p.split_keys);
-    const int n_tiles = (key_end - key_begin + kBN - 1) / kBN;
-    const int grow0 = p.q_offsets[b] * p.heads + row0;     // global row of tile row 0
-    const int box = kPaged ? key_box(p) : 64;                // key rows per TMA box (compile-time when contiguous)
-    const int base = kPaged ? 0 : p.kv_offsets[b];          // contiguous: the request's first cache row
+    K2Block blk{};
+    if (!blk.take<kPaged>(p)) return;
+    const int b = blk.b, split = blk.split, context = blk.context, rows = blk.rows, row0 = blk.row0;
+    const int key_begin = blk.key_begin, key_end = blk.key_end, n_tiles = blk.n_tiles, grow0 = blk.grow0;
+    const int box = blk.box, base = blk.base;
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
@@ -409,11 +402,7 @@ int launch_wgmma_pairs(const MlaParams& p, const K2Maps& maps, dim3 grid, bool o
     static_assert(pairs::kSmemBytes <= 227 * 1024, "K2 tiles do not fit in shared memory");
     const auto kernel = out_bf16 ? (p.block_table ? mla_k2_wgmma_pairs<bf16, true> : mla_k2_wgmma_pairs<bf16, false>)
                                  : (p.block_table ? mla_k2_wgmma_pairs<float, true> : mla_k2_wgmma_pairs<float, false>);
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pairs::kSmemBytes);
-    if (err != cudaSuccess) return (int)err;
-    kernel<<<grid, k2::kThreads, pairs::kSmemBytes, stream>>>(p, maps);
-    return kdtree_launch_status();
+    return launch_k2(kernel, pairs::kSmemBytes, grid, p, maps, stream);
 }
 
 }  // namespace kdtree_mla
