@@ -21,6 +21,7 @@ from engine.fused import heads, linear, moe as fused_moe, norms, tiles  # noqa: 
 from engine.model import Transformer, _use_fused, apply_rope, rms_norm, route  # noqa: E402
 from engine.moe import RoutedExperts, swiglu  # noqa: E402
 from kdtr_format import PRESETS  # noqa: E402
+from refgen.weights import init_weights  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -238,42 +239,65 @@ def forward_pair(cfg, weights, dtype, fused: bool, prompts: torch.Tensor, tree: 
     return logits, cache, n_new
 
 
+# The whole-forward tests run each preset narrowed: its every feature (q_lora or none, the rotary
+# pairing and YaRN, grouped routing, the shared experts, tiny's dense first layer followed by a MoE
+# layer) in two layers at a fraction of its widths and vocabulary (200: not a whole number of the
+# 64-column tiles). The interpreter's time follows the widths and layers, and what these tests
+# check (the layers' composition, the cache, padding rows, batch invariance) does not; the kernels'
+# arithmetic at other widths is the kernel tests' above.
+NARROW = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "vocab_size": 200,
+          "num_hidden_layers": 2}
+
+
+@pytest.fixture(scope="module")
+def narrow():
+    """-> get(preset): (the preset narrowed to NARROW, its seeded float32 weights), built once."""
+    built: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in built:
+            cfg = dataclasses.replace(PRESETS[name], **NARROW)
+            built[name] = cfg, init_weights(cfg, 1234)
+        return built[name]
+    return get
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny2"])           # interleave + q_lora; neox, groups, no q_lora
-def test_fused_forward_matches_the_unfused_forward(model_zoo, name):
+def test_fused_forward_matches_the_unfused_forward(narrow, name):
     """float32: the same math to rounding (logits and the cache); padding rows write nothing."""
-    case = model_zoo.get(name)
+    cfg, weights = narrow(name)
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, case.cfg.vocab_size, (2, 2), generator=g).to(DEVICE)
-    tree = torch.randint(0, case.cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
-    fused, fused_cache, n_new = forward_pair(case.cfg, case.weights, torch.float32, True, prompts, tree)
-    plain, plain_cache, _ = forward_pair(case.cfg, case.weights, torch.float32, False, prompts, tree)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 2), generator=g).to(DEVICE)
+    tree = torch.randint(0, cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
+    fused, fused_cache, n_new = forward_pair(cfg, weights, torch.float32, True, prompts, tree)
+    plain, plain_cache, _ = forward_pair(cfg, weights, torch.float32, False, prompts, tree)
     real = torch.arange(4, device=DEVICE)[None] < n_new[:, None]
     close(fused[real], plain[real], torch.float32, ulps=64)
     close(fused_cache.c_kv, plain_cache.c_kv, torch.float32, ulps=64)
     assert torch.equal(fused_cache.c_kv[:, 1, 2 + 2:], plain_cache.c_kv[:, 1, 2 + 2:])   # zeros: never written
 
 
-def test_fused_forward_in_bfloat16_stays_near_the_float64_reference(model_zoo):
+def test_fused_forward_in_bfloat16_stays_near_the_float64_reference(narrow):
     """bf16: within the spread of bf16 forwards around the float64 reference (the unfused bf16
     forward's own error, doubled)."""
-    case = model_zoo.get("tiny")
+    cfg, weights = narrow("tiny")
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, case.cfg.vocab_size, (2, 2), generator=g).to(DEVICE)
-    tree = torch.randint(0, case.cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
-    exact, _, n_new = forward_pair(case.cfg, case.weights, torch.float32, False, prompts, tree)
-    fused, _, _ = forward_pair(case.cfg, case.weights, torch.bfloat16, True, prompts, tree)
-    plain, _, _ = forward_pair(case.cfg, case.weights, torch.bfloat16, False, prompts, tree)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 2), generator=g).to(DEVICE)
+    tree = torch.randint(0, cfg.vocab_size, (2, 4), generator=g).to(DEVICE)
+    exact, _, n_new = forward_pair(cfg, weights, torch.float32, False, prompts, tree)
+    fused, _, _ = forward_pair(cfg, weights, torch.bfloat16, True, prompts, tree)
+    plain, _, _ = forward_pair(cfg, weights, torch.bfloat16, False, prompts, tree)
     real = torch.arange(4, device=DEVICE)[None] < n_new[:, None]
     plain_error = float((plain[real] - exact[real]).abs().max())
     fused_error = float((fused[real] - exact[real]).abs().max())
     assert fused_error <= 2 * plain_error, f"fused bf16 error {fused_error:.3g}, unfused {plain_error:.3g}"
 
 
-def test_fused_is_refused_where_it_cannot_run(model_zoo):
-    case = model_zoo.get("tiny")
+def test_fused_is_refused_where_it_cannot_run(narrow):
+    cfg, weights = narrow("tiny")
     with pytest.raises(ValueError, match="moe='dense'"):
-        Transformer(case.cfg, case.weights, device=DEVICE, moe="dense", fused=True)
-    assert Transformer(case.cfg, case.weights, device="cpu").fused_forward is None
+        Transformer(cfg, weights, device=DEVICE, moe="dense", fused=True)
+    assert Transformer(cfg, weights, device="cpu").fused_forward is None
 
 
 def test_the_fused_layers_are_the_default_for_bf16_on_cuda_only():
@@ -405,15 +429,6 @@ def test_invariant_float32_products_give_the_same_bits_at_any_tile_rows(monkeypa
             assert torch.equal(a, b), f"{name}: tiles of {rows} rows change the bits of tiles of 1"
 
 
-@pytest.fixture(scope="module")
-def two_layers(model_zoo):
-    """tiny cut to two layers (a dense one and a MoE one): the interpreter runs every program."""
-    case = model_zoo.get("tiny")
-    cfg = dataclasses.replace(case.cfg, num_hidden_layers=2)
-    weights = {name: w for name, w in case.weights.items() if not name.startswith(("layers.2.", "layers.3."))}
-    return cfg, weights
-
-
 # bf16 on a GPU only: in the interpreter the rounding to bf16 hides the float32-level differences
 # a wrong tiling makes (the float32 run is the CPU's check), and each forward costs seconds there
 FORWARD_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
@@ -421,12 +436,13 @@ FORWARD_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.
 
 
 @pytest.mark.parametrize("dtype", FORWARD_DTYPES)
-def test_invariant_fused_forward_gives_a_token_its_logits_in_any_batch(two_layers, dtype):
+def test_invariant_fused_forward_gives_a_token_its_logits_in_any_batch(narrow, dtype):
     """Request 0 (five tokens) prefilled in chunks of 4 and 1 beside request 1 (chunks of 1 and 2,
     its second forward with a padding row) gets bitwise the logits of its tokens fed one at a time
     alone; the logits stay near the unfused forward's (float32: to rounding; bf16: within twice
-    the unfused bf16 error)."""
-    cfg, weights = two_layers
+    the unfused bf16 error); tiny narrowed (a dense layer and a MoE layer: the interpreter runs every
+    program)."""
+    cfg, weights = narrow("tiny")
     model = Transformer(cfg, weights, device=DEVICE, dtype=dtype, invariant=True, fused=True)
     assert model.fused_forward is not None and model.fused_forward.invariant
     g = torch.Generator().manual_seed(2)
