@@ -64,14 +64,17 @@ def floors(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     return [pin for name, pin in pins.items() if name not in NOT_PINNED and pin]
 
 
-def create_environment(venv: Path) -> str:
+def create_environment(venv: Path, pip: bool = True) -> str:
     """A virtual environment at `venv` whose interpreter sees the running one's packages behind its own.
 
     `venv --system-site-packages` reaches only the base interpreter's site-packages, not those of a
     virtual environment the script runs from: a .pth file adds the running interpreter's site
-    directories (and the .pth files in them). Returns the new interpreter's path.
+    directories (and the .pth files in them). Returns the new interpreter's path. pip: install pip
+    into it (ensurepip: about 10 s on 2 cores); False for an environment nothing is installed into
+    (tests/test_lowest_versions.py).
     """
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", *([] if pip else ["--without-pip"]),
+                    str(venv)], check=True)
     python = str(venv / "bin" / "python")
     purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()

@@ -29,7 +29,7 @@ def test_the_floor_environment_reuses_the_virtual_environment_it_is_run_from(tmp
     build = ("import importlib.util, sys; from pathlib import Path\n"
              "spec = importlib.util.spec_from_file_location('lv', sys.argv[1])\n"
              "lv = importlib.util.module_from_spec(spec); spec.loader.exec_module(lv)\n"
-             "print(lv.create_environment(Path(sys.argv[2])))")
+             "print(lv.create_environment(Path(sys.argv[2]), pip=False))")     # nothing installed: no ensurepip
     floor_python = subprocess.run([str(outer_python), "-c", build, str(REPO / "ci" / "lowest_versions.py"),
                                    str(tmp_path / "floor")], check=True, capture_output=True, text=True).stdout
     seen = subprocess.run([floor_python.strip(), "-c", "import only_in_the_outer_venv as m, packaging; "
