@@ -1,0 +1,100 @@
+"""Time one MLA kernel of several builds of the kernels library, and FlashMLA, on the same cases in
+one GPU run: the A/B test of a kernel change (issue 34), where a difference of a few percent is
+only meaningful between builds timed in the same run, in alternating rounds.
+
+    PYTHONPATH=.:tests:tests/kernels python3 scripts/mla_ab.py --kernel wgmma_pairs \
+        --lib base=.libs/h.so --lib new=.libs/new.so [--rounds 3] [--flashmla] [--out ab.json]
+
+Each round runs every build in its own process (a library is loaded once a process) over the
+cases (paged K2 inputs, pages of 64: tests/kernels/test_bench_mla_peers.py's make_case, chains
+and random trees), each case's time the median CUDA-graph replay time (gpu_bench.graph_time_ms).
+The report is each build's median over the rounds, and its ratio to the first build's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CASES = (  # (context, tokens, batch, chain)
+    (32768, 1, 32, True), (8192, 1, 8, True), (32768, 1, 1, True),
+    (8192, 4, 32, True), (8192, 16, 32, True), (32768, 16, 8, True),
+    (8192, 64, 8, False), (32768, 128, 32, False), (1024, 16, 32, False),
+)
+
+
+def case_id(context: int, tokens: int, batch: int, chain: bool) -> str:
+    return f"ctx{context}-{'chain' if chain else 'tree'}{tokens}-b{batch}"
+
+
+def time_cases(kernel: str, flashmla: bool) -> dict[str, float]:
+    """In this process: each case's time (ms) of kdtree's `kernel`, or of FlashMLA (chains only)."""
+    import torch
+    from gpu_bench import graph_time_ms
+    from test_bench_mla_peers import flashmla_call, kdtree_call, load_flashmla, make_case
+
+    fm = load_flashmla() if flashmla else None
+    times = {}
+    for context, tokens, batch, chain in CASES:
+        if fm is not None and not chain:
+            continue
+        x = make_case(context, tokens, batch, chain, seed=1)
+        call = flashmla_call(fm, x, context, tokens, batch) if fm else kdtree_call(x, context, tokens, batch, kernel)
+        ms = graph_time_ms(call)
+        if isinstance(ms, str):
+            raise RuntimeError(f"{case_id(context, tokens, batch, chain)}: {ms}")
+        times[case_id(context, tokens, batch, chain)] = ms
+        del x
+        torch.cuda.empty_cache()
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default="auto", help="kdtree's kernel name (mla_ops.verify_kernel's choices)")
+    parser.add_argument("--lib", action="append", default=[], metavar="NAME=PATH", help="a build to time (2+)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--flashmla", action="store_true", help="time FlashMLA's chains in each round too")
+    parser.add_argument("--out", help="write the rounds and medians as JSON")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        print(json.dumps(time_cases(args.kernel, args.child == "flashmla")))
+        return 0
+
+    builds = dict(entry.split("=", 1) for entry in args.lib)
+    runs = list(builds) + (["flashmla"] if args.flashmla else [])
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name in runs:
+            env = dict(os.environ)
+            if name != "flashmla":
+                env["KDTREE_KERNELS_LIB"] = builds[name]
+            done = subprocess.run([sys.executable, __file__, "--kernel", args.kernel, "--child", name],
+                                  env=env, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                print(f"{name}: exit {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            rounds[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    medians = {name: {case: statistics.median(r[case] for r in rounds[name]) for case in rounds[name][0]}
+               for name in runs}
+    first = runs[0]
+    print(f"{'case':24s}" + "".join(f"{name:>16s}" for name in runs))
+    for case, base in medians[first].items():
+        cells = [f"{base:10.4f} ms"] + [
+            f"{medians[n][case]:8.4f} {base / medians[n][case]:5.3f}x" if case in medians[n] else f"{'':16s}"
+            for n in runs[1:]]
+        print(f"{case:24s}" + "".join(f"{c:>16s}" for c in cells))
+    print(f"(each build's median over {args.rounds} rounds; x = {first}'s time / the build's)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"kernel": args.kernel, "builds": builds, "rounds": rounds, "medians": medians}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
