@@ -53,11 +53,30 @@ def time_cases(kernel: str, flashmla: bool) -> dict[str, float]:
     return times
 
 
+def round_count(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to 100")
+    return int(text)
+
+
+def build(entry: str) -> tuple[str, str]:
+    """--lib NAME=PATH -> (NAME, PATH) of an existing file."""
+    name, sep, path = entry.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{entry!r} is not NAME=PATH")
+    if name == "flashmla":
+        raise argparse.ArgumentTypeError("the name 'flashmla' is --flashmla's")
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a file")
+    return name, os.path.abspath(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", default="auto", help="kdtree's kernel name (mla_ops.verify_kernel's choices)")
-    parser.add_argument("--lib", action="append", default=[], metavar="NAME=PATH", help="a build to time (2+)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lib", action="append", default=[], type=build, metavar="NAME=PATH",
+                        help="a build to time (one or more; the first is the others' reference)")
+    parser.add_argument("--rounds", type=round_count, default=3, help="1 to 100 (default 3)")
     parser.add_argument("--flashmla", action="store_true", help="time FlashMLA's chains in each round too")
     parser.add_argument("--out", help="write the rounds and medians as JSON")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -66,7 +85,13 @@ def main() -> int:
         print(json.dumps(time_cases(args.kernel, args.child == "flashmla")))
         return 0
 
-    builds = dict(entry.split("=", 1) for entry in args.lib)
+    builds = dict(args.lib)
+    if not builds:
+        parser.error("name at least one build: --lib NAME=PATH")
+    import torch
+    if not torch.cuda.is_available():
+        print("mla_ab: needs a CUDA GPU: none visible to torch", file=sys.stderr)
+        return 1
     runs = list(builds) + (["flashmla"] if args.flashmla else [])
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for _ in range(args.rounds):
@@ -74,10 +99,15 @@ def main() -> int:
             env = dict(os.environ)
             if name != "flashmla":
                 env["KDTREE_KERNELS_LIB"] = builds[name]
-            done = subprocess.run([sys.executable, __file__, "--kernel", args.kernel, "--child", name],
-                                  env=env, capture_output=True, text=True, timeout=300)
+            try:
+                done = subprocess.run([sys.executable, __file__, "--kernel", args.kernel, "--child", name],
+                                      env=env, capture_output=True, text=True, timeout=300)
+            except subprocess.TimeoutExpired:
+                print(f"mla_ab: {name}: no result within 300 s", file=sys.stderr)
+                return 1
             if done.returncode != 0:
-                print(f"{name}: exit {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
+                last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+                print(f"mla_ab: {name}: exit {done.returncode}: {last}", file=sys.stderr)
                 return 1
             rounds[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     medians = {name: {case: statistics.median(r[case] for r in rounds[name]) for case in rounds[name][0]}
@@ -97,4 +127,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("mla_ab: interrupted", file=sys.stderr)
+        sys.exit(130)

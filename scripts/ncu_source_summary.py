@@ -17,6 +17,7 @@ import collections
 import csv
 import gzip
 import io
+import sys
 from dataclasses import dataclass
 
 
@@ -83,14 +84,29 @@ def summarize(kernel: Kernel, top: int) -> str:
     return "\n".join(lines)
 
 
+def count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", help="ncu --page source --csv --print-source sass output (.csv or .csv.gz)")
-    parser.add_argument("--top", type=int, default=30, help="instructions with the most samples to list")
+    parser.add_argument("--top", type=count, default=30, help="instructions with the most samples to list")
     args = parser.parse_args()
-    for kernel in read_kernels(args.csv):
+    try:
+        kernels = read_kernels(args.csv)
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        parser.error(f"cannot read {args.csv}: {exc}")
+    if not kernels:
+        parser.error(f"{args.csv} has no \"Kernel Name\" section: not an `ncu --page source --csv` export")
+    for kernel in kernels:
         print(summarize(kernel, args.top))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BrokenPipeError:  # piped into head
+        sys.exit(0)

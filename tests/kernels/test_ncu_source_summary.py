@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ncu_source_summary.py"
 spec = importlib.util.spec_from_file_location("ncu_source_summary", SCRIPT)
 summary = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # dataclasses look their module up
@@ -49,3 +51,15 @@ def test_the_summary_gives_shares_mix_and_the_most_stalled(tmp_path):
     (listed,) = [line for line in text.splitlines() if "60.00%" in line]     # top=1: the HGMMA alone
     assert listed.split()[0] == "2" and "HGMMA" in listed and listed.endswith("long_sb 45, wait 15")
     assert "BRA 0x10" not in text
+
+
+def test_a_file_that_is_not_an_export_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    for content in (b"no kernels here\n", b"\xfd7zXZ\x00"):                   # text without a kernel, binary
+        path = tmp_path / "x.csv"
+        path.write_bytes(content)
+        monkeypatch.setattr(sys, "argv", ["ncu_source_summary.py", str(path)])
+        with pytest.raises(SystemExit) as exit_:
+            summary.main()
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and ("not an `ncu --page source --csv` export" in err or "cannot read" in err)
