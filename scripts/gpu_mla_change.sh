@@ -3,16 +3,17 @@
 # folder tarred after each stage so that a call stopped at its limit still brings back what ran:
 #
 #   KDTREE_KERNELS_LIB=new.so KDTREE_KERNELS_LIB_NOA=new-noa.so BASE_LIB=main.so \
-#       [PLANT_LIB=plant.so PLANT_TEST=-k...] bash scripts/gpu_mla_change.sh
+#       [PLANT_LIB=plant.so PLANT_TEST=-k...] [VARIANT_LIB=name=variant.so] bash scripts/gpu_mla_change.sh
 #
 # 1. the kernel tests (tests/kernels/test_mla_verify.py, test_paged_kv.py,
 #    tests/engine/test_fused_attention.py) with the change's default build and with its build
 #    without sm_90a (KDTREE_CUDA_ARCHS=sm_90,compute_90: the mma.sync path of every other GPU);
 # 2. a planted library, if named, under the test that should catch it (PLANT_TEST: pytest's -k);
-# 3. scripts/mla_ab.py, one round, BASE_LIB against the change for the seesaw (with FlashMLA's
-#    chains), the one-scorer kernel and mma.sync;
-# 4. scripts/gpu_peers_mla.sh bench: the issue's table;
-# 5. scripts/gpu_mla.sh sanitize, if time is left.
+# 3. a variant of the change, if named (VARIANT_LIB, an sm_90a build): its kernel tests;
+# 4. scripts/mla_ab.py, one round, BASE_LIB against the change (and the variant) for the seesaw
+#    (with FlashMLA's chains), the one-scorer kernel and mma.sync;
+# 5. scripts/gpu_peers_mla.sh bench: the issue's table;
+# 6. scripts/gpu_mla.sh sanitize, if time is left.
 # Everything lands in $OUT/change.tgz. DEADLINE (seconds, default 540) bounds the stages' starts.
 # Libraries are built on the CPU machine (python3 -m kernels_cuda.build) and carried compressed
 # (the device README's 64 MiB limit): see kernels_cuda/NOTES-mla.md, "Next steps".
@@ -39,10 +40,15 @@ if [[ -n "${PLANT_LIB:-}" ]]; then
         -p no:cacheprovider >"$R/plant.txt" 2>&1
     echo "plant (should fail): $(tail -1 "$R/plant.txt")"
 fi
+if [[ -n "${VARIANT_LIB:-}" ]]; then
+    KDTREE_KERNELS_LIB="${VARIANT_LIB#*=}" timeout "$(left 80)" python3 -m pytest tests/kernels/test_mla_verify.py \
+        tests/kernels/test_paged_kv.py -q -rfs -n 8 -p no:cacheprovider >"$R/tests-variant.txt" 2>&1
+    echo "tests (variant ${VARIANT_LIB%%=*}): $(tail -1 "$R/tests-variant.txt")"
+fi
 snap
 
 for kernel in wgmma_pairs wgmma mma; do
-    extra=$([[ $kernel == wgmma_pairs ]] && echo --flashmla)
+    extra=$([[ $kernel == wgmma_pairs ]] && echo --flashmla ${VARIANT_LIB:+--lib "$VARIANT_LIB"})
     timeout "$(left 100)" python3 scripts/mla_ab.py --rounds 1 --kernel $kernel --lib base="$BASE_LIB" \
         --lib new="$KDTREE_KERNELS_LIB" $extra --out "$R/ab-$kernel.json" 2>&1 | tee "$R/ab-$kernel.txt"
 done
