@@ -1,6 +1,7 @@
 """Suite-wide settings and the golden fixtures.
 
-Without a CUDA GPU, Triton's kernels run in its interpreter (TRITON_INTERPRET=1).
+Without a CUDA GPU, Triton's kernels run in its interpreter (TRITON_INTERPRET=1), which
+patches Triton's language once per launch and module (tests/triton_interpreter.py).
 
 Single-threaded BLAS and torch: the suite runs on 2-core CI machines next to other
 processes; threaded BLAS there costs far more in contention than it gains, and one
@@ -41,6 +42,10 @@ def _no_cuda_gpu() -> bool:
 # set before any kernel is defined (Triton reads it when a kernel is decorated).
 if "TRITON_INTERPRET" not in os.environ and _no_cuda_gpu():
     os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import patch_once_per_launch
+
+    patch_once_per_launch()          # the same kernels' arithmetic, without redone patching
 
 COMMITTED_GOLDEN = Path(__file__).resolve().parent / "golden"
 
