@@ -5,8 +5,8 @@ The interpreter runs a kernel's Python with triton.language patched to numpy ver
 launch patches the modules the kernel's globals name (`_patch_lang`), and so does every call of
 a @triton.jit helper inside it (tl.max, tl.sum, tl.sigmoid, engine/fused's dot and cast), for
 each of a grid's programs, one by one. A helper's patching (inspect.getmembers over the
-language's modules) is half the interpreter's time in tests/engine/test_fused.py, and within a
-launch it is redone for nothing: the launch's own patches are undone when the launch ends, a
+language's modules) is more than half the interpreter's time in tests/engine/test_fused.py;
+within a launch it is redone for nothing: the launch's own patches are undone when the launch ends, a
 helper's never (Triton 3.9), so once a launch has patched for one module's globals, patching for
 them again changes no attribute. `patch_once_per_launch` makes the interpreter patch for each
 module's globals once per launch; the kernels run the same numpy operations, to the same bits.
