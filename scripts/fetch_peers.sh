@@ -18,6 +18,9 @@
 # by the wheel's and the library's sha256; tests/kernels/peers loads it with
 # torch.ops.load_library. Nothing is compiled here.
 #
+# FlashInfer's MLA is built, not fetched: scripts/build_flashinfer_mla.sh, into .peers/flashinfer_mla/,
+# which this script keeps.
+#
 # Exits non-zero, leaving .peers/ as it was, when a download, an extraction or a checksum fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +63,9 @@ unzip -p "$flashmla" flash_mla/_C_legacy.abi3.so >"$tmp/out/flash_mla/_C_legacy.
 echo "$FLASHMLA_LIB_SHA  $tmp/out/flash_mla/_C_legacy.abi3.so" | sha256sum --quiet -c
 echo "sgl-flash-mla $FLASHMLA_VERSION" >"$tmp/out/flash_mla/VERSION"
 
+if [[ -d "$DEST/flashinfer_mla" ]]; then     # built by scripts/build_flashinfer_mla.sh: kept
+    mv "$DEST/flashinfer_mla" "$tmp/out/"
+fi
 rm -rf "$DEST"
 mv "$tmp/out" "$DEST"
 echo "peers in $DEST: sglang $VERSION ($SRC: extend_attention, decode_attention, metadata, score_mod);" \

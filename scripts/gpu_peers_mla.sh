@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The MLA tree-verify kernel beside FlashMLA and SGLang in one GPU run (issue 34): run on the GPU
-# machine from the repository root, with .peers/ carried (scripts/fetch_peers.sh fills it) and,
+# machine from the repository root, with .peers/ carried (scripts/fetch_peers.sh fills it; with
+# .peers/flashinfer_mla/ from scripts/build_flashinfer_mla.sh, FlashInfer's MLA joins the chains) and,
 # optionally, libraries built elsewhere (KDTREE_KERNELS_LIB: the default fat build;
 # KDTREE_KERNELS_LIB_NOA: one built with KDTREE_CUDA_ARCHS=sm_90,compute_90; each built here
 # otherwise, or when the carried one does not load).
 #
 #   bash scripts/gpu_peers_mla.sh [all|bench|profile]
 #
-# bench: tests/kernels/test_bench_mla_peers.py over its full grids (KDTREE_BENCH=1), the JSON in
-# $OUT/mla_peers.json; then the tree grid with the no-sm_90a library, its mma.sync kernel alone
-# (KDTREE_BENCH_PEERS=0), in $OUT/mla_peers_noa.json; the tables with the targets judged in
-# $OUT/mla-peers.md (python3 -m peers.report). profile: ncu (clocks left alone) on one launch each of FlashMLA's
-# decode kernel and kdtree's, at ctx 32k / 1 token / batch 32 and ctx 8k / chain of 16 / batch 32,
-# with the warps' stall reasons, into $OUT/ncu.txt. DEADLINE (seconds, default 520) bounds the whole script.
+# bench: FlashInfer's MLA against a float32 reference (tests/kernels/peers/test_flashinfer_mla.py,
+# in $OUT/flashinfer.log; skipped where not built), then tests/kernels/test_bench_mla_peers.py over
+# its full grids (KDTREE_BENCH=1), the JSON in $OUT/mla_peers.json; then the tree grid with the
+# no-sm_90a library, its mma.sync kernel alone (KDTREE_BENCH_PEERS=0), in $OUT/mla_peers_noa.json;
+# the tables with the targets judged in $OUT/mla-peers.md (python3 -m peers.report). profile: ncu
+# (clocks left alone) on one launch each of FlashMLA's decode kernel and kdtree's, at ctx 32k / 1
+# token / batch 32 and ctx 8k / chain of 16 / batch 32, with the warps' stall reasons, into
+# $OUT/ncu.txt. DEADLINE (seconds, default 520) bounds the whole script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage="${1:-all}"
@@ -32,14 +35,19 @@ echo "libraries: $LIB_FAT (fat), $LIB_NOA (no sm_90a)" | tee -a "$OUT/build.log"
 cat /tmp/build-fat.log /tmp/build-noa.log >>"$OUT/build.log" 2>/dev/null
 export KDTREE_KERNELS_LIB="$LIB_FAT"
 python3 -c "
-from peers import load_flashmla, PeerUnavailable
-try:
-    print('FlashMLA:', load_flashmla().version)
-except PeerUnavailable as exc:
-    print('FlashMLA unavailable:', exc)
+from peers import load_flashinfer, load_flashmla, PeerUnavailable
+for name, load in (('FlashMLA', load_flashmla), ('FlashInfer', load_flashinfer)):
+    try:
+        print(name + ':', load().version)
+    except PeerUnavailable as exc:
+        print(name, 'unavailable:', exc)
 " 2>&1 | tee -a "$OUT/gpu.txt"
 
 if want bench; then
+    echo "== tests/kernels/peers/test_flashinfer_mla.py: FlashInfer's MLA against a float32 reference"
+    timeout "$(left 60)" python3 -m pytest tests/kernels/peers/test_flashinfer_mla.py -q -rfs -p no:cacheprovider \
+        >"$OUT/flashinfer.log" 2>&1
+    tail -3 "$OUT/flashinfer.log"
     echo "== tests/kernels/test_bench_mla_peers.py, full grids"
     KDTREE_BENCH=1 KDTREE_BENCH_OUT="$OUT/mla_peers.json" timeout "$(left 420)" python3 -m pytest \
         tests/kernels/test_bench_mla_peers.py -q -rfs -p no:cacheprovider >"$OUT/bench.log" 2>&1

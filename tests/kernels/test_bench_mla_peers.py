@@ -6,7 +6,10 @@ Two grids, each over contexts 1k / 8k / 32k and batches 1 / 8 / 32 / 128:
 - chain (`test_bench_mla_chain`): 1 query token (decode) and causal chains of 2 / 4 / 8 / 16
   tokens (the MTP / chain-verify shape). FlashMLA runs `dense_decode_fwd` with its causal mask
   (query i of s_q sees context + i + 1 keys); kdtree runs `mla_verify_paged` on the same chain
-  expressed as a tree (token i's parent is i - 1) over the same pages.
+  expressed as a tree (token i's parent is i - 1) over the same pages. Where
+  scripts/build_flashinfer_mla.sh has built it, FlashInfer's paged MLA runs too, on the same
+  pages, its causal mask over kv_len = context + s_q keys (query i sees kv_len - s_q + i + 1: the
+  same).
 - tree (`test_bench_mla_tree`): random trees of 16 / 64 / 128 tokens (what FlashMLA cannot run);
   kdtree's default kernel and its mma.sync kernel ("mma", the path of every non-Hopper GPU; where
   the default kernel is mma, as in a library built without sm_90a, it is timed once) beside
@@ -41,7 +44,7 @@ from kdtr_format import PRESETS
 from kernels_cuda.mla_ops import HOPPER_KERNELS, mla_verify_paged, pack_visibility, tensor_core_kernel, verify_kernel
 from bench_record import record
 from gpu_bench import graph_time_ms
-from peers import PeerUnavailable, load_flashmla
+from peers import PeerUnavailable, load_flashinfer, load_flashmla
 from test_bench_mla import PEERS, ceilings, load_peers, sglang_extend, time_peer  # noqa: F401 (ceilings: a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
@@ -63,6 +66,15 @@ def flashmla():
     """FlashMLA's op namespace, or why it is unavailable (a string)."""
     try:
         return load_flashmla()
+    except PeerUnavailable as exc:
+        return str(exc)
+
+
+@functools.cache
+def flashinfer():
+    """FlashInfer's MLA namespace, or why it is unavailable (a string)."""
+    try:
+        return load_flashinfer()
     except PeerUnavailable as exc:
         return str(exc)
 
@@ -131,6 +143,19 @@ def flashmla_call(fm, x: dict, context: int, tokens: int, batch: int):
     return call
 
 
+def flashinfer_call(fi, x: dict, context: int, tokens: int, batch: int):
+    """-> a call of FlashInfer's paged MLA on x (causal for chains of 2+ tokens, as FlashMLA's), returning
+    out [batch * tokens, H, 512]. Request b: tokens queries over context + tokens keys, in its row of
+    the block table. Its plan (the split schedule) is made once, at the first call (time_peer's
+    eager one, so that a failing plan voids the peer; never inside a graph capture), as an engine does."""
+    width = x["block_table"].shape[1]
+    qo_indptr, kv_indptr = [b * tokens for b in range(batch + 1)], [b * width for b in range(batch + 1)]
+    plan = functools.cache(lambda: fi.plan(qo_indptr, kv_indptr, [context + tokens] * batch, HEADS, tokens > 1))
+    q = x["q"].view(batch * tokens, HEADS, KV_LORA + ROPE)
+    kcache = x["kcache"].view(-1, PAGE, KV_LORA + ROPE)
+    return lambda: fi.run(plan(), q, kcache, x["block_table"].view(-1), x["scale"])
+
+
 def sglang_paged_layout(x: dict, context: int, tokens: int, batch: int) -> dict:
     """x as SGLang's extend kernel takes it (test_bench_mla.sglang_extend), reading FlashMLA's
     pages: kv [P * PAGE, 1, 576], the context slots' rows, the tokens' keys as the extend part,
@@ -181,6 +206,10 @@ def test_bench_mla_chain(benchmark, ceilings, context, tokens, batch):
     row.update(time_peer("flashmla", flashmla_call(fm, x, context, tokens, batch), ours(), ms))
     if "flashmla_ms" in row:
         row["flashmla_bw_fraction"] = row["io_bytes"] / row["flashmla_ms"] / 1e9 / ceilings["copy_TBps"]
+    fi = flashinfer()
+    if not isinstance(fi, str):
+        row["flashinfer"] = fi.version
+        row.update(time_peer("flashinfer", flashinfer_call(fi, x, context, tokens, batch), ours(), ms))
     record(benchmark, row, "cuda")
     ROWS["chain"].append(row)
     dump(ceilings)

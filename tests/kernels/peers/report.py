@@ -7,8 +7,9 @@ sm_90a (its default kernel is mma.sync), whose rates judge the mma.sync target a
 "no sm_90a" column; without it, that target is not measured (the "mma" column of RUN.json is
 the mma.sync kernel of the sm_90a library, shown for information). Each target is judged over
 the rows it names: met, not met (with the worst case), or not measured (no row of that shape
-carries the figure, e.g. a peer void in every case). Exit 2 with one line for a file that
-cannot be read.
+carries the figure, e.g. a peer void in every case). The chain table gets FlashInfer's columns
+when the run timed it (scripts/build_flashinfer_mla.sh had built it). Exit 2 with one line for a
+file that cannot be read.
 """
 
 from __future__ import annotations
@@ -112,17 +113,26 @@ def render(data: dict) -> str:
                                               else _num(v.worst[t.figure], 2) + "x")
         out.append(f"| {t.text} | {v.status} | {_case(v.worst) if v.worst else '-'} | {figure} | "
                    f"{v.measured} / {v.expected} |")
-    out += ["", "## Decode and causal chains: kdtree beside FlashMLA", "",
+    chains = data.get("chain", [])
+    flashinfer = any("flashinfer" in r for r in chains)           # a run where FlashInfer's MLA was built
+    fi_title, fi_head, fi_rule = ((" and FlashInfer", " FlashInfer ms | FlashInfer / kdtree | FlashInfer error |",
+                                   "---:|---:|---:|") if flashinfer else ("", "", ""))
+    out += ["", "## Decode and causal chains: kdtree beside FlashMLA" + fi_title, "",
             "FlashMLA / kdtree > 1: kdtree faster. Error: relative Frobenius difference of the two bf16 outputs.", "",
             "| ctx | tokens | batch | kdtree ms | FlashMLA ms | FlashMLA / kdtree | kdtree % copy | FlashMLA % copy "
-            "| kdtree % bf16 | error |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in data.get("chain", []):
+            "| kdtree % bf16 | error |" + fi_head,
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + fi_rule]
+    for r in chains:
         note = f" ({r['flashmla_void']})" if "flashmla_void" in r else ""
-        out.append(f"| {r['context']} | {r['tokens']} | {r['batch']} | {_num(r['kernel_ms'])} | "
-                   f"{_num(r.get('flashmla_ms'))}{note} | {_num(r.get('flashmla_ratio'), 2)} | {_pct(r['bw_fraction'])} | "
-                   f"{_pct(r.get('flashmla_bw_fraction'))} | {_pct(r['mma_fraction'])} | "
-                   f"{_num(r.get('flashmla_error'), 4) if 'flashmla_error' in r else '-'} |")
+        line = (f"| {r['context']} | {r['tokens']} | {r['batch']} | {_num(r['kernel_ms'])} | "
+                f"{_num(r.get('flashmla_ms'))}{note} | {_num(r.get('flashmla_ratio'), 2)} | {_pct(r['bw_fraction'])} | "
+                f"{_pct(r.get('flashmla_bw_fraction'))} | {_pct(r['mma_fraction'])} | "
+                f"{_num(r.get('flashmla_error'), 4) if 'flashmla_error' in r else '-'} |")
+        if flashinfer:
+            note = f" ({r['flashinfer_void']})" if "flashinfer_void" in r else ""
+            line += (f" {_num(r.get('flashinfer_ms'))}{note} | {_num(r.get('flashinfer_ratio'), 2)} | "
+                     f"{_num(r.get('flashinfer_error'), 4) if 'flashinfer_error' in r else '-'} |")
+        out.append(line)
     out += ["", "## Trees: kdtree (wgmma and mma.sync) beside SGLang's extend kernel", "",
             "mma: the mma.sync kernel of the same (sm_90a) library; no sm_90a: the default kernel of a library "
             "built without sm_90a (mma.sync), from the second run.", "",

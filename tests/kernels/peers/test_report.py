@@ -76,8 +76,26 @@ def test_main_writes_the_tables_and_refuses_a_bad_file(tmp_path, capsys) -> None
     text = capsys.readouterr().out
     assert "| decode, batch >= 8, context >= 8k: >= 1.0x FlashMLA | NOT MET | ctx 32768 / 1 tokens / batch 32 | 0.95x |" in text
     assert "output differs from ours" in text and "NVIDIA H100 80GB HBM3" in text
+    assert "FlashInfer" not in text                                  # no row timed it
     bad = tmp_path / "bad.json"
     bad.write_text("{\"chain\": []}")
     assert main([str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read" in err and "ceilings" in err
+
+
+def test_the_chain_table_has_flashinfers_columns_when_the_run_timed_it(tmp_path, capsys) -> None:
+    timed = dict(chain(8192, 4, 8, 0.92), flashinfer="flashinfer-python 0.7.4 (git 77039051b0be) (fa3)",
+                 flashinfer_ms=1.5, flashinfer_ratio=1.5, flashinfer_error=2e-3)
+    void = dict(chain(8192, 1, 8, 1.2), flashinfer="flashinfer-python 0.7.4 (git 77039051b0be) (fa3)",
+                flashinfer_void="RuntimeError: FlashInfer run (fa3): no kernel image")
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({**RUN, "chain": [timed, void]}))
+    assert main([str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "## Decode and causal chains: kdtree beside FlashMLA and FlashInfer" in lines
+    assert "| 8192 | 4 | 8 | 1.000 | 0.920 | 0.92 | 90.0 | 80.0 | 50.0 | 0.0030 | 1.500 | 1.50 | 0.0020 |" in lines
+    decode = next(line for line in lines if line.startswith("| 8192 | 1 |"))
+    assert decode.endswith("| - (RuntimeError: FlashInfer run (fa3): no kernel image) | - | - |")
+    header = next(line for line in lines if line.startswith("| ctx | tokens | batch | kdtree ms | FlashMLA"))
+    assert header.count("|") == lines[lines.index(header) + 1].count("|") == decode.count("|")

@@ -1,0 +1,78 @@
+"""FlashInfer's MLA through our wrapper (scripts/peers/flashinfer_mla.cu): the loader says why it
+cannot load; where scripts/build_flashinfer_mla.sh has built the library, it loads without a GPU
+and its planner answers with the CUDA error; on a GPU, FlashInfer's output is attention over the
+same paged keys as a float32 reference, its causal mask the chain's (query i of s_q sees
+context + i + 1 keys, as FlashMLA's)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import pytest
+import torch
+
+import peers
+from peers import PeerUnavailable, flashinfer_library, load_flashinfer
+
+built = pytest.mark.skipif(not peers.FLASHINFER_LIB.is_file(),
+                           reason=f"FlashInfer's MLA library is not at {peers.FLASHINFER_LIB} "
+                                  "(run scripts/build_flashinfer_mla.sh)")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
+PAGE, HEADS, LATENT, ROPE = 64, 64, 512, 64
+
+
+def test_loader_names_what_is_missing(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(peers, "FLASHINFER_LIB", tmp_path / "libflashinfer_mla.so")
+    with pytest.raises(PeerUnavailable, match="run scripts/build_flashinfer_mla.sh"):
+        load_flashinfer()
+    (tmp_path / "libflashinfer_mla.so").write_bytes(b"not a library")
+    with pytest.raises(PeerUnavailable, match="does not load"):
+        load_flashinfer()
+
+
+@built
+def test_the_library_loads_without_a_gpu_and_the_planner_reports_the_cuda_error() -> None:
+    lib = flashinfer_library(peers.FLASHINFER_LIB)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the planner would run (test_matches_the_reference checks it)")
+    with pytest.raises(PeerUnavailable, match="needs torch with CUDA and a GPU"):
+        load_flashinfer()
+    plan = (ctypes.c_int64 * 18)()
+    indptr, kv_len = (ctypes.c_int32 * 2)(0, 1), (ctypes.c_int32 * 1)(65)
+    status = lib.fimla_plan(plan, None, 0, None, None, 0, indptr, indptr, kv_len, 1, HEADS, 0, None)
+    assert status > 0 and lib.fimla_last_error().decode().startswith("MLAPlan: ")    # a cudaError_t, named
+
+
+def reference(q: torch.Tensor, kcache: torch.Tensor, block_table: torch.Tensor, context: int,
+              scale: float) -> torch.Tensor:
+    """float32 attention of q [B, T, H, 576] over each request's context + T keys of kcache
+    [pages, PAGE, 576] (block_table [B, W]), query i seeing keys 0 .. context + i -> [B, T, H, 512]."""
+    tokens = q.shape[1]
+    slots = torch.arange(context + tokens, device=q.device)
+    keys = kcache[block_table.long()[:, slots // PAGE], slots % PAGE].float()            # [B, L, 576]
+    scores = torch.einsum("bthd,bld->bthl", q.float(), keys) * scale
+    visible = slots[None, :] <= context + torch.arange(tokens, device=q.device)[:, None]  # [T, L]
+    scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
+    return torch.einsum("bthl,bld->bthd", scores.softmax(-1), keys[..., :LATENT])
+
+
+@built
+@gpu
+@pytest.mark.parametrize("context,tokens,batch", [(1000, 1, 3), (1000, 4, 3), (4097, 16, 2)])
+def test_matches_the_reference(context: int, tokens: int, batch: int) -> None:
+    """Decode (no mask) and causal chains, contexts that end inside a page, shuffled pages; on an
+    H100's 132 SMs the planner splits each request's keys over several CTAs, so the merge runs too."""
+    fi = load_flashinfer()
+    gen = torch.Generator(device="cuda").manual_seed(context + tokens)
+    width = -(-(context + tokens) // PAGE)
+    kcache = torch.randn(batch * width, PAGE, LATENT + ROPE, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, tokens, HEADS, LATENT + ROPE, generator=gen, device="cuda", dtype=torch.bfloat16)
+    block_table = torch.randperm(batch * width, generator=gen, device="cuda").view(batch, width).to(torch.int32)
+    scale = 1.0 / math.sqrt(192)
+    plan = fi.plan([b * tokens for b in range(batch + 1)], [b * width for b in range(batch + 1)],
+                   [context + tokens] * batch, HEADS, tokens > 1)
+    out = fi.run(plan, q.view(batch * tokens, HEADS, -1), kcache, block_table.view(-1), scale)
+    want = reference(q, kcache, block_table, context, scale).view(batch * tokens, HEADS, LATENT)
+    error = ((out.float() - want).norm() / want.norm()).item()
+    assert error < 1e-2, f"{fi.version}: relative error {error:.2e}"
