@@ -16,11 +16,16 @@ The golden fixtures are committed slim (docs/fixtures.md, "Slim and full"):
 
 Under `--dist loadfile` (ci/gate's), the files whose few tests run long start first
 (LONG_FEW_TEST_FILES).
+
+Ctrl-C raises KeyboardInterrupt, as in a terminal, even where the suite was started with SIGINT
+ignored (a non-interactive shell's background job: `cmd &`): the tests that press Ctrl-C on a
+CLI, in this process or in a child that inherits the disposition, need it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,6 +33,9 @@ import pytest
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _no_cuda_gpu() -> bool:
