@@ -18,6 +18,7 @@ enum KdtreeStatus : int {
     KDTREE_BAD_POINTER = -3,    // a required pointer is null
     KDTREE_BAD_TENSOR_MAP = -4, // the driver rejected a TMA tensor map (unaligned pointer or stride)
     KDTREE_BAD_KERNEL = -5,     // the kernel asked for cannot run these inputs on this device
+    KDTREE_BAD_VALUE = -6,      // a scalar argument is out of its range (e.g. a scale that is not finite and positive)
 };
 
 // The status of the last launch on this thread (0 when it was accepted).

@@ -286,13 +286,13 @@ __global__ void __launch_bounds__(mma_k2::kThreads, 1) mla_k2_mma(const __grid_c
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m_row, mx);
         const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-        const float alpha = exp2f(m_row - m_use);
+        const float alpha = exp2_approx(m_row - m_use);
         m_row = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kKeys / 8; ++nt) {
-            x[nt][0] = exp2f(x[nt][0] - m_use);
-            x[nt][1] = exp2f(x[nt][1] - m_use);
+            x[nt][0] = exp2_approx(x[nt][0] - m_use);
+            x[nt][1] = exp2_approx(x[nt][1] - m_use);
             sum += x[nt][0] + x[nt][1];
             *reinterpret_cast<uint32_t*>(sP + srow * T::kPLd + 8 * nt + 2 * t4) = pack_bf16(x[nt][0], x[nt][1]);
         }

@@ -329,6 +329,7 @@ KDTREE_API int kdtree_mla_verify(const void* q_lat, const void* q_pe, const void
         return KDTREE_BAD_SHAPE;
     if ((in_dtype != kFloat32 && in_dtype != kBFloat16) || (out_dtype != kFloat32 && out_dtype != kBFloat16))
         return KDTREE_BAD_SHAPE;
+    if (!(scale > 0.f && scale <= 3.4e38f)) return KDTREE_BAD_VALUE;  // the kernels take a row's max before scaling
     if (batch > 65535 || num_splits > kMaxSplits || (long long)total_tokens * heads > (1LL << 31) - 1 ||
         (long long)max_tree * heads > (1LL << 31) - 1 || cache_rows > (1LL << 31) - 1)
         return KDTREE_BAD_LIMIT;

@@ -175,18 +175,17 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             fence_operands(s);
             fence_operands(o);
 
-            // Scale into the log2 domain; mask keys past the split and hidden tree keys.
-            const bool masked_tile = key0 + kBN > context || valid < kBN;
+            // Mask keys past the split and hidden tree keys, one branch a tile (a test per score
+            // costs the unmasked tiles their rate); the softmax scales the scores (the scale is
+            // positive: a row's max is its unscaled max times the scale).
+            if (key0 + kBN > context || valid < kBN) {
 #pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                float x = s[i] * p.scale_log2;
-                if (masked_tile) {
+                for (int i = 0; i < 32; ++i) {
                     const int key = key0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
                     const int h = (i >> 1) & 1;
                     const bool visible = key < key_end && (!row_ok[h] || key_visible(p, vis_token[h], key, context));
-                    x = visible ? x : -CUDART_INF_F;
+                    s[i] = visible ? s[i] : -CUDART_INF_F;
                 }
-                s[i] = x;
             }
             float alpha[2];
 #pragma unroll
@@ -196,15 +195,15 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
                 for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m_row[h], mx);
+                const float m_new = fmaxf(m_row[h], mx * p.scale_log2);
                 const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-                alpha[h] = exp2f(m_row[h] - m_use);
+                alpha[h] = exp2_approx(m_row[h] - m_use);
                 m_row[h] = m_new;
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    s[4 * j + 2 * h] = exp2f(s[4 * j + 2 * h] - m_use);
-                    s[4 * j + 2 * h + 1] = exp2f(s[4 * j + 2 * h + 1] - m_use);
+                    s[4 * j + 2 * h] = exp2_approx(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
+                    s[4 * j + 2 * h + 1] = exp2_approx(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
                     sum += s[4 * j + 2 * h] + s[4 * j + 2 * h + 1];
                 }
                 l_row[h] = l_row[h] * alpha[h] + sum;

@@ -122,8 +122,9 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
         score_chunks<decltype(first)::value, decltype(last)::value>(
             s, q_desc, k_desc + slot_off(t), full + (t & 1) * kChunks, (t >> 1) & 1, zero);
     };
-    // Scale into the log2 domain; mask keys past the split and hidden tree keys of tile t; zero
-    // the tile's V rows past the split (the cache may hold NaN there) for both warpgroups.
+    // Mask keys past the split and hidden tree keys of tile t (the scores stay unscaled: the
+    // softmax scales them); zero the tile's V rows past the split (the cache may hold NaN there)
+    // for both warpgroups.
     auto mask = [&](int t) {
         const int key0 = key_begin + t * kBN;
         const int valid = key_end - key0;
@@ -142,19 +143,17 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
                                   ? p.visibility[(size_t)vis_token[h] * p.vis_words + w]
                                   : 0u;
             }
+        if (masked_tile) {  // one branch a tile: a test per score costs the unmasked tiles their rate
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            float x = s[i] * p.scale_log2;
-            if (masked_tile) {
+            for (int i = 0; i < 32; ++i) {
                 const int key = key0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
                 const int h = (i >> 1) & 1;
                 const int j = key - context;
                 const int k = (j >> 5) - w0;
                 const uint32_t word = k == 0 ? words[h][0] : k == 1 ? words[h][1] : words[h][2];
                 const bool visible = key < key_end && (j < 0 || (word >> (j & 31)) & 1u);
-                x = visible ? x : -CUDART_INF_F;
+                s[i] = visible ? s[i] : -CUDART_INF_F;
             }
-            s[i] = x;
         }
         if (valid < kBN) {
             unsigned char* tile = sK + (t & 1) * kTileBytes;
@@ -166,8 +165,10 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             named_bar_sync(kBarOwn + wg, 128);
         }
     };
-    // The softmax of s against the running max m_old (per row): s := exp2(s - m_new), P packed
-    // into pb; returns alpha = exp2(m_old - m_new), the rows' new max in m_new and their sums.
+    // The softmax of the unscaled scores s against the running max m_old (per row, log2 domain;
+    // the scale is positive, so a row's max is its unscaled max times the scale):
+    // s := exp2(s scale_log2 - m_new), P packed into pb; returns alpha = exp2(m_old - m_new), the
+    // rows' new max in m_new and their sums.
     auto softmax = [&](const float (&m_old)[2], float (&m_new)[2], float (&alpha)[2], float (&sum)[2]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -176,14 +177,14 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            m_new[h] = fmaxf(m_old[h], mx);
+            m_new[h] = fmaxf(m_old[h], mx * p.scale_log2);
             const float m_use = m_new[h] == -CUDART_INF_F ? 0.f : m_new[h];
-            alpha[h] = exp2f(m_old[h] - m_use);
+            alpha[h] = exp2_approx(m_old[h] - m_use);
             sum[h] = 0.f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                s[4 * j + 2 * h] = exp2f(s[4 * j + 2 * h] - m_use);
-                s[4 * j + 2 * h + 1] = exp2f(s[4 * j + 2 * h + 1] - m_use);
+                s[4 * j + 2 * h] = exp2_approx(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
+                s[4 * j + 2 * h + 1] = exp2_approx(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
                 sum[h] += s[4 * j + 2 * h] + s[4 * j + 2 * h + 1];
                 pb[2 * j + h] = pack_bf16(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
             }

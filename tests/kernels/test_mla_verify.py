@@ -319,6 +319,20 @@ def test_a_kernel_that_cannot_run_the_inputs_is_named():
 
 
 @needs_gpu
+@pytest.mark.parametrize("scale", [0.0, -0.125, math.inf, math.nan])
+def test_the_c_api_refuses_a_scale_that_is_not_finite_and_positive(scale):
+    """The kernels take a row's max of the unscaled scores, right only for a positive scale: the
+    C API says so for callers that skip the Python checks."""
+    from kernels_cuda._lib import KernelError
+    case = make_case(DIMS["kimi-k2"], [(5, tree_visibility([-1, 0]))], torch.bfloat16, "cuda", seed=19)
+    o_lat, lse = torch.empty_like(case.q_lat), torch.empty(case.q_lat.shape[:2], device="cuda")
+    with pytest.raises(KernelError, match="a scalar argument is out of its range"):
+        torch.ops.kdtree.mla_verify_out(case.q_lat, case.q_pe, case.c_kv, case.k_pe, case.context, case.tree_sizes,
+                                        case.q_offsets, case.kv_offsets, case.bits, scale, 2, 1, 64, "auto", o_lat,
+                                        lse)
+
+
+@needs_gpu
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("dims,dtype,kernel", PATHS, ids=PATH_IDS)
 def test_matches_reference(scenario, dims, dtype, kernel):
