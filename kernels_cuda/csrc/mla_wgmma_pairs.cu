@@ -30,7 +30,9 @@ constexpr size_t kSmemBytes = kOffBars + kBars * 8 + 1024;
 //   wg 0: P0 *= a1 into shared memory;             O_L = O_L a1 + P1 V1_L
 //   wg 1:                                          O_R += P0 V0_R
 //
-// with a0 = exp2(m - m0), a1 = exp2(m0 - m1); then each scores the next tile of its slot. A
+// with a0 = exp2(m - m0), a1 = exp2(m0 - m1); then each scores the next tile of its slot. Warpgroup 1
+// takes its tile's softmax at the tile's own max before it waits for m0, which then only rescales
+// P1 (by exp2(max S1 - m1), skipped when 1): warpgroup 0's softmax is all it waits for. A
 // tile's P lives in its own k_pe chunk once its scores are done (V is c_kv alone), so shared
 // memory holds Q and two key tiles. Every key chunk has its own TMA barrier and is refilled as
 // soon as its readers are done: thread 0 issues slot 0's chunks 0-3 (V_L) and slot 1's 0-3 and
@@ -165,29 +167,46 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             named_bar_sync(kBarOwn + wg, 128);
         }
     };
-    // The softmax of the unscaled scores s against the running max m_old (per row, log2 domain;
-    // the scale is positive, so a row's max is its unscaled max times the scale):
-    // s := exp2(s scale_log2 - m_new), P packed into pb; returns alpha = exp2(m_old - m_new), the
-    // rows' new max in m_new and their sums.
-    auto softmax = [&](const float (&m_old)[2], float (&m_new)[2], float (&alpha)[2], float (&sum)[2]) {
+    // The unscaled max of each of this thread's rows of s over the tile (across its quad).
+    auto row_max = [&](float (&mx)[2]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float mx = -CUDART_INF_F;
+            mx[h] = -CUDART_INF_F;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            m_new[h] = fmaxf(m_old[h], mx * p.scale_log2);
-            const float m_use = m_new[h] == -CUDART_INF_F ? 0.f : m_new[h];
-            alpha[h] = exp2_approx(m_old[h] - m_use);
+            for (int j = 0; j < 8; ++j) mx[h] = fmaxf(mx[h], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        }
+    };
+    // s := exp2(s scale_log2 - m) per row (m finite, log2 domain), and this thread's row sums.
+    auto exponentiate = [&](const float (&m)[2], float (&sum)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
             sum[h] = 0.f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                s[4 * j + 2 * h] = exp2_approx(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
-                s[4 * j + 2 * h + 1] = exp2_approx(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
+                s[4 * j + 2 * h] = exp2_approx(fmaf(s[4 * j + 2 * h], p.scale_log2, -m[h]));
+                s[4 * j + 2 * h + 1] = exp2_approx(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m[h]));
                 sum[h] += s[4 * j + 2 * h] + s[4 * j + 2 * h + 1];
-                pb[2 * j + h] = pack_bf16(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
             }
+        }
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) pb[2 * j + h] = pack_bf16(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+    };
+    // The rows' new running max from the old one and the tile's unscaled max (a positive scale
+    // keeps the max), the value to subtract (0 for a row with no visible key yet), and alpha =
+    // exp2(m_old - m_new).
+    auto new_max = [&](const float (&mx)[2], const float (&m_old)[2], float (&m_new)[2], float (&m_use)[2],
+                       float (&alpha)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            m_new[h] = fmaxf(m_old[h], mx[h] * p.scale_log2);
+            m_use[h] = m_new[h] == -CUDART_INF_F ? 0.f : m_new[h];
+            alpha[h] = exp2_approx(m_old[h] - m_use[h]);
         }
     };
     // Issue O += P V of tile t's half of V: P from pb, or from the tile's k_pe chunk.
@@ -275,10 +294,13 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
                 row1 = box_row(t1 + 2);
             }
             mask(t0);
-            float m_old[2], m0[2], a0[2], sum[2], a1[2] = {1.f, 1.f};
+            float mx[2], m_old[2], m0[2], m_use[2], a0[2], sum[2], a1[2] = {1.f, 1.f};
+            row_max(mx);
 #pragma unroll
             for (int h = 0; h < 2; ++h) m_old[h] = sM[r_lo + 8 * h];
-            softmax(m_old, m0, a0, sum);
+            new_max(mx, m_old, m0, m_use, a0);
+            exponentiate(m_use, sum);
+            pack_p();
             __syncwarp();
             if (t4 == 0) {
 #pragma unroll
@@ -339,13 +361,31 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
                 row0 = box_row(t0 + 2);
                 row1 = box_row(t1 + 2);
             }
+            // The tile's softmax at its own max needs nothing of warpgroup 0's: done before the
+            // wait for its max, which then only rescales it (by c <= 1, skipped when 1).
+            float mx[2], m_old[2], m1[2], m_use[2], a[2], sum[2] = {0.f, 0.f};
+            if (has1) {
+                mask(t1);
+                row_max(mx);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) m_use[h] = mx[h] == -CUDART_INF_F ? 0.f : mx[h] * p.scale_log2;
+                exponentiate(m_use, sum);
+            }
             mbar_wait(scale0_ready, parity);
-            float m_old[2], m1[2], a[2], sum[2] = {0.f, 0.f};
 #pragma unroll
             for (int h = 0; h < 2; ++h) m_old[h] = sM[r_lo + 8 * h];
             if (has1) {
-                mask(t1);
-                softmax(m_old, m1, a, sum);
+                new_max(mx, m_old, m1, m_use, a);
+                float c[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) c[h] = mx[h] == -CUDART_INF_F ? 1.f : exp2_approx(mx[h] * p.scale_log2 - m_use[h]);
+                if (__any_sync(0xffffffffu, c[0] != 1.f || c[1] != 1.f)) {
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) s[i] *= c[(i >> 1) & 1];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) sum[h] *= c[h];
+                }
+                pack_p();
             } else {
                 a[0] = a[1] = 1.f;
             }
