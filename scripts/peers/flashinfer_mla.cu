@@ -6,7 +6,7 @@
 // - Built with FIMLA_SM90 (sm_90a only): fimla_run_fa3, FlashInfer's Hopper kernel
 //   (include/flashinfer/attention/mla_hopper.cuh; the "fa3" backend its wrapper picks on SM90).
 // - Built without: fimla_plan (scheduler.cuh's MLAPlan: the split schedule, computed on the host
-//   and copied to the device workspace on the given stream, once per shape), fimla_run_fa2
+//   into the pinned workspace, then copied here to the device workspace, once per shape), fimla_run_fa2
 //   (include/flashinfer/attention/mla.cuh, FlashInfer's "fa2" backend) and fimla_last_error.
 //
 // Fixed here as in the JIT module FlashInfer generates for Kimi K2: bf16 queries, keys and output,
@@ -134,8 +134,10 @@ thread_local std::string last_error;
 void fimla_set_error(const std::string& message) { last_error = message; }
 extern "C" const char* fimla_last_error() { return last_error.c_str(); }
 
-// plan: int64[18] out. int_ws_host: page-locked, as large as int_ws (int_ws_bytes); the plan is
-// written there, then copied to int_ws on stream (keep int_ws_host alive until the stream has run).
+// plan: int64[18] out. int_ws_host: page-locked, as large as int_ws (int_ws_bytes). MLAPlan (0.7.4)
+// only writes the schedule there and says how many bytes it staged: FlashInfer's Python side
+// (jit/attention/modules.py, _BatchMLAModuleProxy) copies them to int_ws. We copy them on stream and
+// wait for the copy, so int_ws_host may be reused or freed on return (plans are made once per shape).
 // qo_indptr, kv_indptr (in pages), kv_len: host arrays of batch + 1, batch + 1, batch entries.
 extern "C" int fimla_plan(int64_t* plan, void* float_ws, size_t float_ws_bytes, void* int_ws,
                           void* int_ws_host, size_t int_ws_bytes, const int32_t* qo_indptr,
@@ -143,11 +145,14 @@ extern "C" int fimla_plan(int64_t* plan, void* float_ws, size_t float_ws_bytes, 
                           uint32_t num_heads, int causal, cudaStream_t stream) {
   return guarded("MLAPlan", [&] {
     MLAPlanInfo info;
-    size_t staged_bytes = 0;  // how much of int_ws_host the plan copied (FlashInfer's graph replay uses it)
+    size_t staged_bytes = 0;  // how much of int_ws_host the schedule fills
     cudaError_t status =
         MLAPlan<int32_t>(float_ws, float_ws_bytes, int_ws, int_ws_host, int_ws_bytes, info, staged_bytes,
                          const_cast<int32_t*>(qo_indptr), const_cast<int32_t*>(kv_indptr),
                          const_cast<int32_t*>(kv_len), batch, num_heads, CKV, causal, stream);
+    if (status == cudaSuccess)
+      status = cudaMemcpyAsync(int_ws, int_ws_host, staged_bytes, cudaMemcpyHostToDevice, stream);
+    if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
     if (status == cudaSuccess) {
       std::vector<int64_t> vec = info.ToVector();
       std::copy(vec.begin(), vec.end(), plan);

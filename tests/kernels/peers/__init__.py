@@ -116,7 +116,7 @@ def flashinfer_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def load_flashinfer() -> SimpleNamespace:
+def load_flashinfer(backend: str | None = None) -> SimpleNamespace:
     """-> namespace(plan, run, backend, version): FlashInfer's paged MLA attention, bf16, latent 512, rotary 64.
     plan(qo_indptr, kv_indptr, kv_len, num_heads, causal) -> a plan: the split schedule for requests
     of qo_indptr[b + 1] - qo_indptr[b] queries over kv_len[b] keys in the pages kv_indptr[b] ..
@@ -124,11 +124,14 @@ def load_flashinfer() -> SimpleNamespace:
     run(plan, q [n, H, 576], kcache [pages, page, 576], kv_indices int32, scale) -> out [n, H, 512].
     causal: query i of a request sees keys 0 .. kv_len - qo_len + i (FlashInfer's right-aligned mask).
     backend: the one FlashInfer's wrapper picks, "fa3" (its Hopper kernel) on compute capability 9.0,
-    else "fa2". Raises PeerUnavailable naming the reason (not built, does not load, no GPU)."""
+    else "fa2", unless named ("fa2" runs on SM80 and later, "fa3" on SM90 only). Raises PeerUnavailable
+    naming the reason (not built, does not load, no GPU)."""
     lib = flashinfer_library(FLASHINFER_LIB)
     if not torch.cuda.is_available():
         raise PeerUnavailable("FlashInfer's MLA needs torch with CUDA and a GPU: none visible")
-    backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
+    if backend not in (None, "fa2", "fa3"):
+        raise ValueError(f"FlashInfer's MLA backends are fa2 and fa3, not {backend!r}")
+    backend = backend or ("fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2")
     launch = getattr(lib, f"fimla_run_{backend}")
 
     def check(status: int, what: str) -> None:

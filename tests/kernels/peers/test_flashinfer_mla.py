@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 
 import pytest
 import torch
@@ -42,6 +43,29 @@ def test_the_library_loads_without_a_gpu_and_the_planner_reports_the_cuda_error(
     indptr, kv_len = (ctypes.c_int32 * 2)(0, 1), (ctypes.c_int32 * 1)(65)
     status = lib.fimla_plan(plan, None, 0, None, None, 0, indptr, indptr, kv_len, 1, HEADS, 0, None)
     assert status > 0 and lib.fimla_last_error().decode().startswith("MLAPlan: ")    # a cudaError_t, named
+
+
+def c_parameters(signature: str) -> list[type]:
+    """The ctypes of a C parameter list of scripts/peers/flashinfer_mla.cu (pointers and streams as void*)."""
+    scalars = {"size_t": ctypes.c_size_t, "uint32_t": ctypes.c_uint32, "int": ctypes.c_int, "float": ctypes.c_float}
+    kinds = []
+    for parameter in signature.replace("\\", " ").split(","):
+        words = parameter.replace("*", " * ").split()
+        pointer = "*" in words or words[-2] == "cudaStream_t"
+        kinds.append(ctypes.c_void_p if pointer else scalars[words[-2]])
+    return kinds
+
+
+@built
+def test_the_loaders_argtypes_are_the_wrappers_c_signatures() -> None:
+    """A width mismatch (a uint32 passed where the C side reads a size_t, a pointer truncated) does not
+    fail on the CPU machine; the argtypes are checked here against the wrapper's source instead."""
+    source = (peers.PEERS.parent / "scripts" / "peers" / "flashinfer_mla.cu").read_text()
+    plan = re.search(r'extern "C" int fimla_plan\((.*?)\) \{', source, re.S).group(1)
+    run = re.search(r"#define FIMLA_RUN_ARGS(.*?)\n#define", source, re.S).group(1)
+    lib = flashinfer_library(peers.FLASHINFER_LIB)
+    assert lib.fimla_plan.argtypes == c_parameters(plan)
+    assert lib.fimla_run_fa2.argtypes == lib.fimla_run_fa3.argtypes == c_parameters(run)
 
 
 def reference(q: torch.Tensor, kcache: torch.Tensor, block_table: torch.Tensor, context: int,
