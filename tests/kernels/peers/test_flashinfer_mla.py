@@ -21,6 +21,7 @@ built = pytest.mark.skipif(not peers.FLASHINFER_LIB.is_file(),
                                   "(run scripts/build_flashinfer_mla.sh)")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
 PAGE, HEADS, LATENT, ROPE = 64, 64, 512, 64
+SCALE = 1.0 / math.sqrt(192)
 
 
 def test_loader_names_what_is_missing(monkeypatch, tmp_path) -> None:
@@ -68,6 +69,19 @@ def test_the_loaders_argtypes_are_the_wrappers_c_signatures() -> None:
     assert lib.fimla_run_fa2.argtypes == lib.fimla_run_fa3.argtypes == c_parameters(run)
 
 
+def planned_case(fi, context: int, tokens: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+    """Random bf16 q [B, T, H, 576] and kcache [B W, PAGE, 576], a shuffled block table [B, W]
+    (int32), and FlashInfer's plan for B requests of T queries over context + T keys each."""
+    gen = torch.Generator(device="cuda").manual_seed(context + tokens)
+    width = -(-(context + tokens) // PAGE)
+    kcache = torch.randn(batch * width, PAGE, LATENT + ROPE, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, tokens, HEADS, LATENT + ROPE, generator=gen, device="cuda", dtype=torch.bfloat16)
+    block_table = torch.randperm(batch * width, generator=gen, device="cuda").view(batch, width).to(torch.int32)
+    plan = fi.plan([b * tokens for b in range(batch + 1)], [b * width for b in range(batch + 1)],
+                   [context + tokens] * batch, HEADS, tokens > 1)
+    return q, kcache, block_table, plan
+
+
 def reference(q: torch.Tensor, kcache: torch.Tensor, block_table: torch.Tensor, context: int,
               scale: float) -> torch.Tensor:
     """float32 attention of q [B, T, H, 576] over each request's context + T keys of kcache
@@ -88,15 +102,8 @@ def test_matches_the_reference(context: int, tokens: int, batch: int) -> None:
     """Decode (no mask) and causal chains, contexts that end inside a page, shuffled pages; on an
     H100's 132 SMs the planner splits each request's keys over several CTAs, so the merge runs too."""
     fi = load_flashinfer()
-    gen = torch.Generator(device="cuda").manual_seed(context + tokens)
-    width = -(-(context + tokens) // PAGE)
-    kcache = torch.randn(batch * width, PAGE, LATENT + ROPE, generator=gen, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(batch, tokens, HEADS, LATENT + ROPE, generator=gen, device="cuda", dtype=torch.bfloat16)
-    block_table = torch.randperm(batch * width, generator=gen, device="cuda").view(batch, width).to(torch.int32)
-    scale = 1.0 / math.sqrt(192)
-    plan = fi.plan([b * tokens for b in range(batch + 1)], [b * width for b in range(batch + 1)],
-                   [context + tokens] * batch, HEADS, tokens > 1)
-    out = fi.run(plan, q.view(batch * tokens, HEADS, -1), kcache, block_table.view(-1), scale)
-    want = reference(q, kcache, block_table, context, scale).view(batch * tokens, HEADS, LATENT)
+    q, kcache, block_table, plan = planned_case(fi, context, tokens, batch)
+    out = fi.run(plan, q.view(batch * tokens, HEADS, -1), kcache, block_table.view(-1), SCALE)
+    want = reference(q, kcache, block_table, context, SCALE).view(batch * tokens, HEADS, LATENT)
     error = ((out.float() - want).norm() / want.norm()).item()
     assert error < 1e-2, f"{fi.version}: relative error {error:.2e}"
