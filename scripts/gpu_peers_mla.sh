@@ -94,7 +94,8 @@ PY
     timeout "$(left 150)" ncu --set full --import-source no --clock-control none -c 2 -o /tmp/chain_prof \
         --kernel-name "regex:mla_k2_wgmma_pairs|flash_fwd_splitkv_mla_kernel" python3 /tmp/chain_case.py \
         >"$OUT/ncu-source.log" 2>&1 &&
-        timeout "$(left 60)" ncu -i /tmp/chain_prof.ncu-rep --page source --csv --print-source sass 2>>"$OUT/ncu-source.log" |
+        timeout "$(left 60)" ncu -i /tmp/chain_prof.ncu-rep --page source --csv --print-source sass \
+            2>>"$OUT/ncu-source.log" |
         gzip >"$OUT/ncu-source.csv.gz" &&
         python3 scripts/ncu_source_summary.py "$OUT/ncu-source.csv.gz" --top 25 | tee "$OUT/ncu-source-summary.txt" |
         head -30

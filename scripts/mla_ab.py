@@ -41,7 +41,8 @@ def time_cases(kernel: str, peer: str | None) -> tuple[dict[str, float], list[st
     "flashinfer"; chains only), and the cases timed eagerly (a peer's graph capture failed)."""
     import torch
     from gpu_bench import cuda_time_ms, graph_time_ms
-    from test_bench_mla_peers import flashinfer_call, flashmla_call, kdtree_call, load_flashinfer, load_flashmla, make_case
+    from test_bench_mla_peers import (flashinfer_call, flashmla_call, kdtree_call, load_flashinfer, load_flashmla,
+                                      make_case)
 
     peer_call = {None: None, "flashmla": (load_flashmla, flashmla_call),
                  "flashinfer": (load_flashinfer, flashinfer_call)}[peer]

@@ -378,7 +378,8 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
                 new_max(mx, m_old, m1, m_use, a);
                 float c[2];
 #pragma unroll
-                for (int h = 0; h < 2; ++h) c[h] = mx[h] == -CUDART_INF_F ? 1.f : exp2_approx(mx[h] * p.scale_log2 - m_use[h]);
+                for (int h = 0; h < 2; ++h)
+                    c[h] = mx[h] == -CUDART_INF_F ? 1.f : exp2_approx(mx[h] * p.scale_log2 - m_use[h]);
                 if (__any_sync(0xffffffffu, c[0] != 1.f || c[1] != 1.f)) {
 #pragma unroll
                     for (int i = 0; i < 32; ++i) s[i] *= c[(i >> 1) & 1];
