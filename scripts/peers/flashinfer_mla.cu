@@ -115,16 +115,21 @@ int guarded(const char* what, Launch launch) {
   make_params(plan, float_ws, int_ws, q_nope, q_pe, q_stride_n, q_stride_h, ckv, kpe, kv_stride_page, \
               kv_stride_n, kv_indices, o, o_stride_n, o_stride_h, lse, num_heads, page_size, sm_scale)
 
+// extern "C" int NAME(FIMLA_RUN_ARGS): mla::KERNEL<mask, CKV, KPE> over the plan's grid, the mask
+// causal or none.
+#define FIMLA_DEFINE_RUN(NAME, KERNEL)                                                             \
+  extern "C" int NAME(FIMLA_RUN_ARGS) {                                                            \
+    return guarded(#KERNEL, [&] {                                                                  \
+      Params p = FIMLA_PARAMS;                                                                     \
+      const uint32_t x = plan[0], y = plan[1];                                                     \
+      return causal ? mla::KERNEL<MaskMode::kCausal, CKV, KPE>(p, x, y, stream)                    \
+                    : mla::KERNEL<MaskMode::kNone, CKV, KPE>(p, x, y, stream);                     \
+    });                                                                                            \
+  }
+
 #ifdef FIMLA_SM90
 
-extern "C" int fimla_run_fa3(FIMLA_RUN_ARGS) {
-  return guarded("BatchMLAPageAttentionHopper", [&] {
-    Params p = FIMLA_PARAMS;
-    const uint32_t x = plan[0], y = plan[1];
-    return causal ? mla::BatchMLAPageAttentionHopper<MaskMode::kCausal, CKV, KPE>(p, x, y, stream)
-                  : mla::BatchMLAPageAttentionHopper<MaskMode::kNone, CKV, KPE>(p, x, y, stream);
-  });
-}
+FIMLA_DEFINE_RUN(fimla_run_fa3, BatchMLAPageAttentionHopper)
 
 #else
 
@@ -161,13 +166,6 @@ extern "C" int fimla_plan(int64_t* plan, void* float_ws, size_t float_ws_bytes, 
   });
 }
 
-extern "C" int fimla_run_fa2(FIMLA_RUN_ARGS) {
-  return guarded("BatchMLAPagedAttention", [&] {
-    Params p = FIMLA_PARAMS;
-    const uint32_t x = plan[0], y = plan[1];
-    return causal ? mla::BatchMLAPagedAttention<MaskMode::kCausal, CKV, KPE>(p, x, y, stream)
-                  : mla::BatchMLAPagedAttention<MaskMode::kNone, CKV, KPE>(p, x, y, stream);
-  });
-}
+FIMLA_DEFINE_RUN(fimla_run_fa2, BatchMLAPagedAttention)
 
 #endif
