@@ -23,8 +23,9 @@ Inputs are float32 or bfloat16 (all four alike), with float32 accumulation. Four
 - "wgmma": bf16 at Kimi K2 dims (R 512, dr 64) on Hopper (compute capability 9.0) when the
   library carries sm_90a code (build.py's default); TMA boxes, so contiguous keys or pages of
   8, 16, 32 or a multiple of 64 slots (`paged_tensor_cores`). One warpgroup scores every key
-  tile; "wgmma_pairs", on the same inputs, has the two warpgroups score alternate tiles
-  (FlashMLA's seesaw), and "auto" takes it for splits of PAIRS_MIN_KEYS keys and more.
+  tile. "wgmma_pairs", on the same inputs, has the two warpgroups score alternate tiles
+  (FlashMLA's seesaw); it runs only when asked for by name: the one-scorer kernel is the
+  faster at nearly every shape measured (kernels_cuda/NOTES-mla.md, v4.2).
 - "mma": the same inputs on every GPU of compute capability 8.0 and later (and on Hopper for
   the pages wgmma does not read); mma.sync and cp.async, any page size. Its tiles follow the
   device's shared memory; "mma_100k" forces the tile plan of 100 KB GPUs (sm_86 / 89 / 120),
@@ -76,7 +77,6 @@ CUDA_CORE_DIMS = (512, 64)   # the most kv_lora and rope_dim the CUDA-core kerne
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 KERNELS = {"auto": 0, "cuda_cores": 1, "mma": 2, "mma_100k": 3, "wgmma": 4, "wgmma_pairs": 5}  # the C codes
-PAIRS_MIN_KEYS = 3072  # splits this long take "wgmma_pairs" under "auto" (csrc/mla_verify.cu: kPairsMinKeys)
 HOPPER_KERNELS = ("wgmma", "wgmma_pairs")
 _INDEX_NAMES = ("context", "tree_sizes", "q_offsets")
 
@@ -120,8 +120,7 @@ def paged_tensor_cores(page_size: int, kernel: str = "wgmma") -> bool:
 def verify_kernel(dtype: torch.dtype, kv_lora: int, rope_dim: int, device: torch.device,
                   page_size: int | None = None) -> str:
     """The kernel `kernel="auto"` runs for 16-byte aligned inputs on `device`, contiguous keys
-    (page_size None) or pages: wgmma where it runs and reads the layout (in its seesaw form,
-    "wgmma_pairs", on splits of PAIRS_MIN_KEYS keys and more), else mma on a GPU that has
+    (page_size None) or pages: wgmma where it runs and reads the layout, else mma on a GPU that has
     tensor-core MLA, else the CUDA cores."""
     if not uses_tensor_cores(dtype, kv_lora, rope_dim, device):
         return "cuda_cores"
@@ -340,14 +339,12 @@ def _verify(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: t
         return o_lat, lse
     if visibility.shape[1] * 32 < max_tree:
         raise MlaInputError(f"visibility: {visibility.shape[1]} words per row cannot hold a tree of {max_tree}")
-    asked, kernel = kernel, _pick_kernel(kernel, invariant, q_lat, q_pe, c_kv, k_pe, page_size if keys.paged else None)
+    kernel = _pick_kernel(kernel, invariant, q_lat, q_pe, c_kv, k_pe, page_size if keys.paged else None)
     if kernel == "cuda_cores" and (kv_lora > CUDA_CORE_DIMS[0] or q_pe.shape[2] > CUDA_CORE_DIMS[1]):
         raise MlaInputError(f"the CUDA-core path takes kv_lora <= {CUDA_CORE_DIMS[0]} and rope_dim <= "
                             f"{CUDA_CORE_DIMS[1]}, got {kv_lora} and {q_pe.shape[2]}")
     sm_count = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
     plan = plan_splits(batch, max_tree, heads, max_kv, kernel != "cuda_cores", sm_count, invariant)
-    if asked == "auto" and kernel == "wgmma" and plan.split_keys >= PAIRS_MIN_KEYS:
-        kernel = "wgmma_pairs"      # the seesaw: the faster on splits of many tiles
     torch.ops.kdtree.mla_verify_out(q_lat, q_pe, c_kv, k_pe, *index, None if keys.paged else keys.table, visibility,
                                     float(scale), max_tree, plan.num_splits, plan.split_keys, kernel, o_lat, lse,
                                     keys.table if keys.paged else None)

@@ -10,8 +10,9 @@
 #    without sm_90a (KDTREE_CUDA_ARCHS=sm_90,compute_90: the mma.sync path of every other GPU);
 # 2. a planted library, if named, under the test that should catch it (PLANT_TEST: pytest's -k);
 # 3. a variant of the change, if named (VARIANT_LIB, an sm_90a build): its kernel tests;
-# 4. scripts/mla_ab.py, one round, BASE_LIB against the change (and the variant) for the seesaw
-#    (with FlashMLA's chains, and FlashInfer's where built), the one-scorer kernel and mma.sync;
+# 4. scripts/mla_ab.py, one round, BASE_LIB against the change (and the variant) for the one-scorer
+#    kernel, auto's on Hopper (with FlashMLA's chains, and FlashInfer's where built), the seesaw
+#    and mma.sync;
 # 5. scripts/gpu_peers_mla.sh bench: the issue's table;
 # 6. scripts/gpu_mla.sh sanitize, if time is left.
 # Everything lands in $OUT/change.tgz. DEADLINE (seconds, default 540) bounds the stages' starts.
@@ -47,8 +48,8 @@ if [[ -n "${VARIANT_LIB:-}" ]]; then
 fi
 snap
 
-for kernel in wgmma_pairs wgmma mma; do
-    extra=$([[ $kernel == wgmma_pairs ]] && echo --flashmla ${VARIANT_LIB:+--lib "$VARIANT_LIB"} \
+for kernel in wgmma wgmma_pairs mma; do
+    extra=$([[ $kernel == wgmma ]] && echo --flashmla ${VARIANT_LIB:+--lib "$VARIANT_LIB"} \
         $([[ -f .peers/flashinfer_mla/libflashinfer_mla.so ]] && echo --flashinfer))
     timeout "$(left 100)" python3 scripts/mla_ab.py --rounds 1 --kernel $kernel --lib base="$BASE_LIB" \
         --lib new="$KDTREE_KERNELS_LIB" $extra --out "$R/ab-$kernel.json" 2>&1 | tee "$R/ab-$kernel.txt"

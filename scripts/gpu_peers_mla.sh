@@ -16,7 +16,7 @@
 # $OUT/mla-peers.md (python3 -m peers.report). profile: ncu (clocks left alone) on one launch each
 # of FlashMLA's decode kernel and kdtree's, at ctx 32k / 1 token / batch 32 and ctx 8k / chain of
 # 16 / batch 32, with the warps' stall reasons, into $OUT/ncu.txt; then the per-instruction page of
-# the seesaw and FlashMLA's kernel at the chain case (`--set full`), summarized by
+# kdtree's kernel (auto's: on Hopper the one-scorer wgmma kernel) and FlashMLA's at the chain case (`--set full`), summarized by
 # scripts/ncu_source_summary.py into $OUT/ncu-source-summary.txt. DEADLINE (seconds, default 520)
 # bounds the whole script.
 set -uo pipefail
@@ -84,15 +84,15 @@ PY
         python3 /tmp/one_case.py >"$OUT/ncu.txt" 2>&1
     grep -E "mla_k2_wgmma|flash_fwd_splitkv|Duration|DRAM Throughput|Compute \(SM\)|dram__bytes|gmma|Registers Per|Grid Size|Achieved Occ" \
         "$OUT/ncu.txt" | head -60
-    echo "== ncu per instruction: the seesaw and FlashMLA's kernel at ctx 8k / chain of 16 / batch 32"
+    echo "== ncu per instruction: kdtree's and FlashMLA's kernel at ctx 8k / chain of 16 / batch 32"
     cat >/tmp/chain_case.py <<'PY'
 from test_bench_mla_peers import flashmla, flashmla_call, kdtree_call, make_case
 x = make_case(8192, 16, 32, chain=True, seed=1)
-for call in (kdtree_call(x, 8192, 16, 32, "wgmma_pairs"), flashmla_call(flashmla(), x, 8192, 16, 32)):
+for call in (kdtree_call(x, 8192, 16, 32), flashmla_call(flashmla(), x, 8192, 16, 32)):
     call()
 PY
     timeout "$(left 150)" ncu --set full --import-source no --clock-control none -c 2 -o /tmp/chain_prof \
-        --kernel-name "regex:mla_k2_wgmma_pairs|flash_fwd_splitkv_mla_kernel" python3 /tmp/chain_case.py \
+        --kernel-name "regex:mla_k2_|flash_fwd_splitkv_mla_kernel" python3 /tmp/chain_case.py \
         >"$OUT/ncu-source.log" 2>&1 &&
         timeout "$(left 60)" ncu -i /tmp/chain_prof.ncu-rep --page source --csv --print-source sass \
             2>>"$OUT/ncu-source.log" |

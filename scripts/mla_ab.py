@@ -2,7 +2,7 @@
 same cases in one GPU run: the A/B test of a kernel change (issue 34), where a difference of a few percent is
 only meaningful between builds timed in the same run, in alternating rounds.
 
-    PYTHONPATH=.:tests:tests/kernels python3 scripts/mla_ab.py --kernel wgmma_pairs \
+    PYTHONPATH=.:tests:tests/kernels python3 scripts/mla_ab.py --kernel wgmma \
         --lib base=.libs/h.so --lib new=.libs/new.so [--rounds 3] [--flashmla] [--flashinfer] [--out ab.json]
 
 Each round runs every build in its own process (a library is loaded once a process) over the

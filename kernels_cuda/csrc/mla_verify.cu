@@ -35,9 +35,9 @@
 //   code; wgmma and TMA, contiguous keys or pages of 8, 16, 32 or a multiple of 64 slots; one
 //   warpgroup scores every key tile.
 // - `mla_k2_wgmma_pairs` (mla_wgmma_pairs.cu): the same on the same inputs, the two warpgroups
-//   scoring alternate tiles (FlashMLA's seesaw); the faster one on splits of many tiles.
+//   scoring alternate tiles (FlashMLA's seesaw); run only when asked for by name (`resolve`).
 // `kdtree_mla_verify`'s `kernel` picks one (0: the fastest that takes the inputs here) at run
-// time, by the device's compute capability and shared memory and the split's length.
+// time, by the device's compute capability and shared memory.
 
 #include "mla_common.cuh"
 
@@ -227,11 +227,10 @@ int tensor_core_kind() {
 
 enum MlaKernel : int { kAuto = 0, kCudaCores = 1, kMma = 2, kMmaSmall = 3, kWgmma = 4, kWgmmaPairs = 5 };
 
-// A split of at least this many keys takes the seesaw kernel (kWgmmaPairs) under kAuto: with
-// fewer tiles its fixed costs outweigh the overlap (H100, 2026-12-07, both forced in one run:
-// 0.89-1.34x the one-scorer kernel's time on splits of fewer than 48 tiles, 0.85-0.94x from 48;
-// docs/results/mla-peers-h100-seesaw.md).
-constexpr int kPairsMinKeys = 48 * 64;
+// kAuto takes the one-scorer wgmma kernel on Hopper, never the seesaw (kWgmmaPairs, run when
+// asked for by name): with v4.1's softmax in both, the one-scorer kernel was the faster in 92
+// of 96 cases, by 1.002-1.33x, and the seesaw at most 1.6% faster in the other 4 (H100,
+// 2026-12-07, both forced in one run; docs/results/mla-peers-h100-v42.md).
 
 // The kernel that runs `kernel` (kAuto resolved) for these inputs, or -1 when the one asked for cannot.
 int resolve(const MlaParams& p, int in_dtype, int kernel) {
@@ -241,7 +240,7 @@ int resolve(const MlaParams& p, int in_dtype, int kernel) {
     const int kind = k2 && aligned ? tensor_core_kind() : 0;
     switch (kernel) {
         case kAuto:
-            if (kind == 2 && wgmma_layout(p)) return p.split_keys >= kPairsMinKeys ? kWgmmaPairs : kWgmma;
+            if (kind == 2 && wgmma_layout(p)) return kWgmma;
             return kind >= 1 ? kMma : kCudaCores;
         case kCudaCores: return kCudaCores;
         case kMma:

@@ -298,10 +298,9 @@ bool encode_rows(CUtensorMap* map, const void* base, int dims, long long rows, i
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Whether the current device runs this library's sm_90a code: the library carries it
-
 }  // namespace
 
+// Whether this library carries sm_90a code (the wgmma kernels).
 bool wgmma_built() {
 #ifdef KDTREE_SM90A
     return true;

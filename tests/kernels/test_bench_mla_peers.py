@@ -17,8 +17,8 @@ Two grids, each over contexts 1k / 8k / 32k and batches 1 / 8 / 32 / 128:
   KDTREE_BENCH_PEERS=0 leaves SGLang out (e.g. to time the no-sm_90a build's kernel alone).
 
 On Hopper every case also times both wgmma kernels forced (`wgmma_ms`: one warpgroup scores
-every key tile; `wgmma_pairs_ms`: the seesaw), so that auto's choice between them by the split's
-length reads against both in the same run.
+every key tile, auto's choice; `wgmma_pairs_ms`: the seesaw, run only when named), so that the
+choice reads against both in the same run.
 
 Every time is the median CUDA-event time of CUDA-graph replays (tests/kernels/gpu_bench.py).
 Each peer's output is compared with kdtree's in the same run (relative Frobenius error of the
@@ -124,8 +124,8 @@ def kdtree_call(x: dict, context: int, tokens: int, batch: int, kernel: str = "a
 
 
 def hopper_kernels_ms(x: dict, context: int, tokens: int, batch: int) -> dict:
-    """On Hopper, each wgmma kernel forced by name ("auto" takes one by its split's length), so
-    that the choice reads against both in the same run; elsewhere nothing."""
+    """On Hopper, each wgmma kernel forced by name ("auto" takes the one-scorer kernel), so that
+    the choice reads against both in the same run; elsewhere nothing."""
     if tensor_core_kernel(x["c_kv"].device) != "wgmma":
         return {}
     return {f"{k}_ms": graph_time_ms(kdtree_call(x, context, tokens, batch, k)) for k in HOPPER_KERNELS}

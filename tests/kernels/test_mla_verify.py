@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ import torch
 
 from kdtr_format import PRESETS
 from kernels_cuda import build
-from kernels_cuda.mla_ops import (HOPPER_KERNELS, PAIRS_MIN_KEYS, MlaInputError, mla_verify, pack_visibility,
+from kernels_cuda.mla_ops import (HOPPER_KERNELS, MlaInputError, mla_verify, pack_visibility,
                                   plan_splits, tensor_core_kernel, uses_tensor_cores)
 from refgen.model import absorbed_attention
 
@@ -240,14 +238,6 @@ def skip_unless_runs(kernel: str) -> None:
         pytest.skip(f"kernel {kernel!r} does not run here: this GPU and library take {here or 'no tensor-core kernel'}")
 
 
-def test_the_seesaw_threshold_is_the_dispatchers():
-    """mla_ops.PAIRS_MIN_KEYS restates csrc/mla_verify.cu's kPairsMinKeys: the split length from
-    which kernel "auto" takes the seesaw kernel on Hopper."""
-    source = (Path(build.__file__).parent / "csrc" / "mla_verify.cu").read_text()
-    tiles, keys = re.search(r"kPairsMinKeys = (\d+) \* (\d+);", source).groups()
-    assert int(tiles) * int(keys) == PAIRS_MIN_KEYS
-
-
 @needs_gpu
 def test_the_device_takes_its_tensor_core_kernel():
     """bf16 at K2 dims: wgmma on compute capability 9.0 when the library was built with sm_90a
@@ -284,20 +274,17 @@ def test_each_tensor_core_kernel_computes_its_own_bits(kernel):
 
 @needs_gpu
 @pytest.mark.parametrize("context", [600, 8000])
-def test_auto_takes_the_seesaw_kernel_on_long_splits(context):
-    """On Hopper, "auto" runs the one-scorer wgmma kernel on splits shorter than PAIRS_MIN_KEYS
-    keys and the seesaw on longer ones: its bits are the forced kernel's, not the other's. Four
-    128-token trees fill 512 row blocks, so the plan keeps 8000 keys in one or two splits."""
+def test_auto_takes_the_one_scorer_kernel_at_every_split_length(context):
+    """On Hopper, "auto" runs the one-scorer wgmma kernel, on short and long splits alike (the
+    seesaw runs only when asked for by name): its bits are the forced kernel's, not the seesaw's.
+    Four 128-token trees fill 512 row blocks, so the plan keeps 8000 keys in one or two splits."""
     skip_unless_runs("wgmma")
     gen = torch.Generator().manual_seed(23)
     case = make_case(DIMS["kimi-k2"], [(context, tree_visibility(random_parents(128, gen))) for _ in range(4)],
                      torch.bfloat16, "cuda", seed=24)
-    sm_count = torch.cuda.get_device_properties(case.q_lat.device).multi_processor_count
-    plan = plan_splits(4, 128, DIMS["kimi-k2"][0], context + 128, True, sm_count)
-    want, other = HOPPER_KERNELS[::-1] if plan.split_keys >= PAIRS_MIN_KEYS else HOPPER_KERNELS
     o_auto = case.run(kernel="auto")[0]
-    assert torch.equal(o_auto, case.run(kernel=want)[0]), f"auto did not run {want!r} on splits of {plan.split_keys}"
-    assert not torch.equal(o_auto, case.run(kernel=other)[0]), f"auto gave the bits of {other!r}"
+    assert torch.equal(o_auto, case.run(kernel="wgmma")[0]), f"auto did not run the one-scorer kernel at context {context}"
+    assert not torch.equal(o_auto, case.run(kernel="wgmma_pairs")[0]), "auto gave the seesaw's bits"
 
 
 @needs_gpu
