@@ -8,8 +8,10 @@ sm_90a (its default kernel is mma.sync), whose rates judge the mma.sync target a
 the mma.sync kernel of the sm_90a library, shown for information). Each target is judged over
 the rows it names: met, not met (with the worst case), or not measured (no row of that shape
 carries the figure, e.g. a peer void in every case). The chain table gets FlashInfer's columns
-when the run timed it (scripts/build_flashinfer_mla.sh had built it). Exit 2 with one line for a
-file that cannot be read.
+when the run timed it (scripts/build_flashinfer_mla.sh had built it); a run on Hopper also gets
+the two wgmma kernels forced side by side (the one-scorer kernel, auto's, and the seesaw), with
+how often and by how much each was the faster. Exit 2 with one line for a file that cannot be
+read.
 """
 
 from __future__ import annotations
@@ -102,6 +104,30 @@ def _case(r: dict) -> str:
     return f"ctx {r['context']} / {r['tokens']} tokens / batch {r['batch']}"
 
 
+def hopper_kernels(data: dict) -> list[str]:
+    """The two wgmma kernels forced in every case that timed both (a run on Hopper): their times,
+    the seesaw's over the one-scorer kernel's, and a line counting where each was the faster."""
+    rows = [(grid, r) for grid in ("chain", "tree") for r in data.get(grid, [])
+            if isinstance(r.get("wgmma_ms"), (int, float)) and isinstance(r.get("wgmma_pairs_ms"), (int, float))]
+    if not rows:
+        return []
+    ratios = [r["wgmma_pairs_ms"] / r["wgmma_ms"] for _, r in rows]
+    one_faster = [x for x in ratios if x > 1]
+    seesaw_faster = [1 / x for x in ratios if x <= 1]
+    summary = f"The one-scorer kernel was the faster in {len(one_faster)} of {len(rows)} cases"
+    summary += f" (by {min(one_faster):.3f}-{max(one_faster):.2f}x)" if one_faster else ""
+    summary += (f", the seesaw in {len(seesaw_faster)} (by at most {max(seesaw_faster):.3f}x)." if seesaw_faster
+                else ", the seesaw in none.")
+    out = ["", "## The two Hopper kernels, forced", "",
+           "One-scorer: `wgmma`, the kernel `auto` takes; seesaw: `wgmma_pairs`, run when named. " + summary, "",
+           "| grid | ctx | tokens | batch | one-scorer ms | seesaw ms | seesaw / one-scorer |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for (grid, r), ratio in zip(rows, ratios):
+        out.append(f"| {grid} | {r['context']} | {r['tokens']} | {r['batch']} | {_num(r['wgmma_ms'])} | "
+                   f"{_num(r['wgmma_pairs_ms'])} | {ratio:.2f} |")
+    return out
+
+
 def render(data: dict) -> str:
     c = data["ceilings"]
     out = [f"GPU: {c['gpu']}; ceilings measured in the run: copy {c['copy_TBps']:.2f} TB/s, "
@@ -146,6 +172,7 @@ def render(data: dict) -> str:
                    f"{_num(r.get('noa_ms'))} | {_pct(r.get('noa_fraction'))} | "
                    f"{_num(r.get('sglang_extend_ms'))}{note} | {_num(r.get('sglang_extend_ratio'), 2)} | "
                    f"{_num(r.get('sglang_extend_error'), 4) if 'sglang_extend_error' in r else '-'} |")
+    out += hopper_kernels(data)
     return "\n".join(out) + "\n"
 
 

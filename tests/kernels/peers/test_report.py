@@ -99,3 +99,21 @@ def test_the_chain_table_has_flashinfers_columns_when_the_run_timed_it(tmp_path,
     assert decode.endswith("| - (RuntimeError: FlashInfer run (fa3): no kernel image) | - | - |")
     header = next(line for line in lines if line.startswith("| ctx | tokens | batch | kdtree ms | FlashMLA"))
     assert header.count("|") == lines[lines.index(header) + 1].count("|") == decode.count("|")
+
+
+def test_a_hopper_run_gets_both_wgmma_kernels_side_by_side(tmp_path, capsys) -> None:
+    forced = [dict(chain(8192, 4, 8, 0.92), wgmma_ms=1.0, wgmma_pairs_ms=1.25),
+              dict(chain(8192, 1, 8, 1.2), wgmma_ms=2.0, wgmma_pairs_ms=1.6),
+              dict(chain(1024, 2, 8, 0.9), wgmma_ms=1.0, wgmma_pairs_ms=1.1)]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({**RUN, "chain": forced}))
+    assert main([str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "## The two Hopper kernels, forced" in lines
+    summary = next(line for line in lines if line.startswith("One-scorer:"))
+    assert summary.endswith("The one-scorer kernel was the faster in 2 of 3 cases (by 1.100-1.25x), "
+                            "the seesaw in 1 (by at most 1.250x).")
+    assert "| chain | 8192 | 1 | 8 | 2.000 | 1.600 | 0.80 |" in lines
+    path.write_text(json.dumps(RUN))                                   # a run without them (not Hopper)
+    assert main([str(path)]) == 0
+    assert "Hopper kernels" not in capsys.readouterr().out
