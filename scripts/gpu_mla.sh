@@ -35,7 +35,7 @@ from kernels_cuda.mla_ops import pack_visibility, tensor_core_kernel
 # small cases: tiny dims float32 (generic path) and K2 bf16 (tensor-core path), 3 splits then 1;
 # then paged (block table, shuffled pages, 2 spare): K2 bf16 page 16 (tensor cores, 4 boxes a
 # chunk; a split of 64 keys and one of 128) and page 1 (CUDA cores). On Hopper the seesaw kernel
-# too, forced ("auto" takes it for long splits only): K2 bf16 at context 300 (5 tiles: both key
+# too, forced (it runs only when named): K2 bf16 at context 300 (5 tiles: both key
 # slots refilled), splits of 192 and 320 keys, contiguous and in pages of 16.
 pairs = ["wgmma_pairs"] if tensor_core_kernel(torch.device("cuda")) == "wgmma" else []
 ctx, n = 77, 9
