@@ -16,9 +16,9 @@
 # $OUT/mla-peers.md (python3 -m peers.report). profile: ncu (clocks left alone) on one launch each
 # of FlashMLA's decode kernel and kdtree's, at ctx 32k / 1 token / batch 32 and ctx 8k / chain of
 # 16 / batch 32, with the warps' stall reasons, into $OUT/ncu.txt; then the per-instruction page of
-# kdtree's kernel (auto's: on Hopper the one-scorer wgmma kernel) and FlashMLA's at the chain case (`--set full`), summarized by
-# scripts/ncu_source_summary.py into $OUT/ncu-source-summary.txt. DEADLINE (seconds, default 520)
-# bounds the whole script.
+# kdtree's kernel (auto's: on Hopper the one-scorer wgmma kernel) and FlashMLA's at the chain case
+# (`--set full`), summarized by scripts/ncu_source_summary.py into $OUT/ncu-source-summary.txt.
+# DEADLINE (seconds, default 520) bounds the whole script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage="${1:-all}"

@@ -283,7 +283,7 @@ def test_auto_takes_the_one_scorer_kernel_at_every_split_length(context):
     case = make_case(DIMS["kimi-k2"], [(context, tree_visibility(random_parents(128, gen))) for _ in range(4)],
                      torch.bfloat16, "cuda", seed=24)
     o_auto = case.run(kernel="auto")[0]
-    assert torch.equal(o_auto, case.run(kernel="wgmma")[0]), f"auto did not run the one-scorer kernel at context {context}"
+    assert torch.equal(o_auto, case.run(kernel="wgmma")[0]), f"auto did not run the one-scorer kernel at {context}"
     assert not torch.equal(o_auto, case.run(kernel="wgmma_pairs")[0]), "auto gave the seesaw's bits"
 
 
