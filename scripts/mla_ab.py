@@ -40,7 +40,7 @@ def time_cases(kernel: str, peer: str | None) -> tuple[dict[str, float], list[st
     """In this process: each case's time (ms) of kdtree's `kernel`, or of the peer ("flashmla",
     "flashinfer"; chains only), and the cases timed eagerly (a peer's graph capture failed)."""
     import torch
-    from gpu_bench import cuda_time_ms, graph_time_ms
+    from gpu_bench import graph_time_ms, peer_time_ms
     from test_bench_mla_peers import (flashinfer_call, flashmla_call, kdtree_call, load_flashinfer, load_flashmla,
                                       make_case)
 
@@ -56,14 +56,13 @@ def time_cases(kernel: str, peer: str | None) -> tuple[dict[str, float], list[st
         if peer_call:
             call = peer_call[1](lib, x, context, tokens, batch)
             call()
+            ms, eagerly = peer_time_ms(call)
+            if eagerly:
+                eager.append(name)
         else:
-            call = kdtree_call(x, context, tokens, batch, kernel)
-        ms = graph_time_ms(call)
-        if isinstance(ms, str) and peer_call:
-            ms = cuda_time_ms(call)
-            eager.append(name)
-        if isinstance(ms, str):
-            raise RuntimeError(f"{name}: {ms}")
+            ms = graph_time_ms(kdtree_call(x, context, tokens, batch, kernel))
+            if isinstance(ms, str):
+                raise RuntimeError(f"{name}: {ms}")
         times[name] = ms
         del x
         torch.cuda.empty_cache()

@@ -49,6 +49,13 @@ def graph_time_ms(fn, budget_ms: float = 200.0) -> float | str:
     return cuda_time_ms(graph.replay, budget_ms)
 
 
+def peer_time_ms(fn, budget_ms: float = 200.0) -> tuple[float, bool]:
+    """(ms, eager): graph_time_ms of fn(), or cuda_time_ms of eager calls where a graph cannot
+    capture it (a peer's kernel whose launch does host work), eager then True."""
+    ms = graph_time_ms(fn, budget_ms)
+    return (ms, False) if isinstance(ms, float) else (cuda_time_ms(fn, budget_ms), True)
+
+
 def copy_TBps() -> float:
     """Device-to-device copy bandwidth in TB/s (bytes read + written), measured now."""
     src = torch.randn(2**28, device="cuda")                                   # 1 GiB

@@ -53,7 +53,7 @@ import torch
 from kdtr_format import PRESETS
 from kernels_cuda.mla_ops import mla_verify, mla_verify_paged, pack_visibility, verify_kernel
 from bench_record import record
-from gpu_bench import bf16_matmul_TFLOPs, copy_TBps, cuda_time_ms, graph_time_ms
+from gpu_bench import bf16_matmul_TFLOPs, copy_TBps, cuda_time_ms, graph_time_ms, peer_time_ms
 from peers import PeerUnavailable, load_sglang
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
@@ -304,9 +304,7 @@ def time_peer(name: str, call, ours: torch.Tensor, kernel_ms: float) -> dict:
     if not error <= PEER_TOLERANCE:
         return {f"{name}_void": f"output differs from ours: relative error {error:.2e} > {PEER_TOLERANCE}",
                 f"{name}_error": error}
-    ms = graph_time_ms(call, PEER_BUDGET_MS)
-    if not isinstance(ms, float):
-        ms = cuda_time_ms(call, PEER_BUDGET_MS)  # eager when the peer cannot be captured
+    ms, _ = peer_time_ms(call, PEER_BUDGET_MS)
     return {f"{name}_ms": ms, f"{name}_ratio": ms / kernel_ms, f"{name}_error": error}
 
 

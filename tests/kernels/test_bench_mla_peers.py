@@ -44,7 +44,7 @@ from kdtr_format import PRESETS
 from kernels_cuda.mla_ops import HOPPER_KERNELS, mla_verify_paged, pack_visibility, tensor_core_kernel, verify_kernel
 from bench_record import record
 from gpu_bench import graph_time_ms
-from peers import PeerUnavailable, load_flashinfer, load_flashmla
+from peers import PeerUnavailable, load_flashinfer, load_flashmla, plan_requests
 from test_bench_mla import PEERS, ceilings, load_peers, sglang_extend, time_peer  # noqa: F401 (ceilings: a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: none visible to torch")
@@ -152,8 +152,7 @@ def flashinfer_call(fi, x: dict, context: int, tokens: int, batch: int):
     the block table. Its plan (the split schedule) is made once, at the first call (time_peer's
     eager one, so that a failing plan voids the peer; never inside a graph capture), as an engine does."""
     width = x["block_table"].shape[1]
-    qo_indptr, kv_indptr = [b * tokens for b in range(batch + 1)], [b * width for b in range(batch + 1)]
-    plan = functools.cache(lambda: fi.plan(qo_indptr, kv_indptr, [context + tokens] * batch, HEADS, tokens > 1))
+    plan = functools.cache(lambda: plan_requests(fi, batch, tokens, width, context + tokens, HEADS))
     q = x["q"].view(batch * tokens, HEADS, KV_LORA + ROPE)
     kcache = x["kcache"].view(-1, PAGE, KV_LORA + ROPE)
     return lambda: fi.run(plan(), q, kcache, x["block_table"].view(-1), x["scale"])

@@ -168,3 +168,10 @@ def load_flashinfer(backend: str | None = None) -> SimpleNamespace:
 
     return SimpleNamespace(plan=plan, run=run, backend=backend,
                            version=f"{(FLASHINFER_LIB.parent / 'VERSION').read_text().strip()} ({backend})")
+
+
+def plan_requests(fi: SimpleNamespace, batch: int, queries: int, pages: int, keys: int, heads: int) -> SimpleNamespace:
+    """fi.plan (load_flashinfer's) for `batch` requests alike: request b's `queries` queries over
+    `keys` keys in row b of a block table of `pages` pages a row; causal when queries > 1 (a chain)."""
+    return fi.plan([b * queries for b in range(batch + 1)], [b * pages for b in range(batch + 1)], [keys] * batch,
+                   heads, queries > 1)

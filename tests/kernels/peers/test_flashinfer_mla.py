@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import peers
-from peers import PeerUnavailable, flashinfer_library, load_flashinfer
+from peers import PeerUnavailable, flashinfer_library, load_flashinfer, plan_requests
 
 built = pytest.mark.skipif(not peers.FLASHINFER_LIB.is_file(),
                            reason=f"FlashInfer's MLA library is not at {peers.FLASHINFER_LIB} "
@@ -77,8 +77,7 @@ def planned_case(fi, context: int, tokens: int, batch: int) -> tuple[torch.Tenso
     kcache = torch.randn(batch * width, PAGE, LATENT + ROPE, generator=gen, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(batch, tokens, HEADS, LATENT + ROPE, generator=gen, device="cuda", dtype=torch.bfloat16)
     block_table = torch.randperm(batch * width, generator=gen, device="cuda").view(batch, width).to(torch.int32)
-    plan = fi.plan([b * tokens for b in range(batch + 1)], [b * width for b in range(batch + 1)],
-                   [context + tokens] * batch, HEADS, tokens > 1)
+    plan = plan_requests(fi, batch, tokens, width, context + tokens, HEADS)
     return q, kcache, block_table, plan
 
 
