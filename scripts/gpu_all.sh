@@ -23,7 +23,7 @@ source "$(dirname "$0")/gpu_env.sh"
 DEADLINE="${DEADLINE:-540}"
 WORKERS="${WORKERS:-15}"
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-counts() { grep -E "^=+ .*(passed|failed|error).* in " "$1" | tail -1; }
+counts() { grep -E "(passed|failed|error).* in [0-9.]+s" "$1" | tail -1 | tr -d "="; }
 
 echo "== build" | tee "$OUT/build.log"
 build_both

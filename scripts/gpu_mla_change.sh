@@ -3,12 +3,15 @@
 # folder tarred after each stage so that a call stopped at its limit still brings back what ran:
 #
 #   KDTREE_KERNELS_LIB=new.so KDTREE_KERNELS_LIB_NOA=new-noa.so BASE_LIB=main.so \
-#       [PLANT_LIB=plant.so PLANT_TEST=-k...] [VARIANT_LIB=name=variant.so] bash scripts/gpu_mla_change.sh
+#       [PLANT_LIB=plant.so] [PLANT_PYTHONPATH=dir] [PLANT_TEST=-k...] [VARIANT_LIB=name=variant.so] \
+#       bash scripts/gpu_mla_change.sh
 #
 # 1. the kernel tests (tests/kernels/test_mla_verify.py, test_paged_kv.py,
 #    tests/engine/test_fused_attention.py) with the change's default build and with its build
 #    without sm_90a (KDTREE_CUDA_ARCHS=sm_90,compute_90: the mma.sync path of every other GPU);
-# 2. a planted library, if named, under the test that should catch it (PLANT_TEST: pytest's -k);
+# 2. a plant, if named, under the test that should catch it (PLANT_TEST: pytest's -k): a library
+#    (PLANT_LIB), or Python modules ahead of the checkout's (PLANT_PYTHONPATH, e.g. a copy of
+#    kernels_cuda/ with one change: the dispatch lives in mla_ops.py as well as in the library);
 # 3. a variant of the change, if named (VARIANT_LIB, an sm_90a build): its kernel tests;
 # 4. scripts/mla_ab.py, one round, BASE_LIB against the change (and the variant) for the one-scorer
 #    kernel, auto's on Hopper (with FlashMLA's chains, and FlashInfer's where built), the seesaw
@@ -36,8 +39,8 @@ echo "tests (default build): $(tail -1 "$R/tests.txt")"
 KDTREE_KERNELS_LIB="$KDTREE_KERNELS_LIB_NOA" KDTREE_CUDA_ARCHS=$NOA_ARCHS timeout "$(left 150)" \
     python3 -m pytest $TESTS -q -rfs -n 8 -p no:cacheprovider >"$R/tests-noa.txt" 2>&1
 echo "tests (no sm_90a): $(tail -1 "$R/tests-noa.txt")"
-if [[ -n "${PLANT_LIB:-}" ]]; then
-    KDTREE_KERNELS_LIB="$PLANT_LIB" timeout "$(left 60)" python3 -m pytest $TESTS ${PLANT_TEST:-} -q \
+if [[ -n "${PLANT_LIB:-}${PLANT_PYTHONPATH:-}" ]]; then
+    KDTREE_KERNELS_LIB="${PLANT_LIB:-$KDTREE_KERNELS_LIB}" PYTHONPATH="${PLANT_PYTHONPATH:+$PLANT_PYTHONPATH:}$PYTHONPATH" timeout "$(left 60)" python3 -m pytest $TESTS ${PLANT_TEST:-} -q \
         -p no:cacheprovider >"$R/plant.txt" 2>&1
     echo "plant (should fail): $(tail -1 "$R/plant.txt")"
 fi

@@ -288,6 +288,29 @@ def test_auto_takes_the_one_scorer_kernel_at_every_split_length(context):
 
 
 @needs_gpu
+@pytest.mark.parametrize("split_keys", [512, 4096])
+def test_the_c_apis_auto_takes_the_one_scorer_kernel_at_every_split_length(split_keys):
+    """A C caller's kernel 0 ("auto", resolved by the library, not by `mla_verify`) runs the
+    one-scorer kernel too, on splits of 8 key tiles and of 64 alike."""
+    skip_unless_runs("wgmma")
+    gen = torch.Generator().manual_seed(23)
+    case = make_case(DIMS["kimi-k2"], [(8000, tree_visibility(random_parents(128, gen)))], torch.bfloat16, "cuda",
+                     seed=24)
+    num_splits = -(-(8000 + 128) // split_keys)
+
+    def run(kernel: str) -> torch.Tensor:
+        o_lat, lse = torch.empty_like(case.q_lat), torch.empty(case.q_lat.shape[:2], device="cuda")
+        torch.ops.kdtree.mla_verify_out(case.q_lat, case.q_pe, case.c_kv, case.k_pe, case.context, case.tree_sizes,
+                                        case.q_offsets, case.kv_offsets, case.bits, case.scale, 128, num_splits,
+                                        split_keys, kernel, o_lat, lse)
+        return o_lat
+
+    o_auto = run("auto")
+    assert torch.equal(o_auto, run("wgmma")), f"the library's auto ran another kernel on {split_keys}-key splits"
+    assert not torch.equal(o_auto, run("wgmma_pairs")), "the library's auto gave the seesaw's bits"
+
+
+@needs_gpu
 def test_a_kernel_that_cannot_run_the_inputs_is_named():
     tiny = make_case(DIMS["tiny"], [(5, tree_visibility([-1, 0]))], torch.bfloat16, "cuda", seed=19)
     with pytest.raises(MlaInputError, match="kernel 'mma' takes bfloat16 inputs at kv_lora 512, rope 64"):
