@@ -1,4 +1,4 @@
-"""The fused FFN: the router in one kernel, the token-to-expert sort in one, the experts in two.
+"""The fused FFN: the router in one kernel, the token-to-expert sort in one (or three), the experts in two.
 
 Every FFN of the fused layer is a set of ET stacked experts (`fuse` in engine/fused/layer.py): a MoE
 layer's E routed experts and then its shared experts, split into n_shared experts of the routed
@@ -9,15 +9,18 @@ dense layer: one slot, expert 0, weight 1). Then
     y[m, s] = weight[m, s] * W_down_e (silu(W_gate_e h[m]) * (W_up_e h[m]))      float32 [M, S, D]
 
 and the next `add_rms_norm` sums y over s in slot order, so the combine has one fixed order and
-no atomics. The four launches:
+no atomics. The launches:
 
 - `route`: per row, from the router logits (h W_router^T, float32): sigmoid scores, the
   selection-only bias, group-limited top-k (a group scores the sum of its two best), the k
   best experts (ties to the lower index, as `engine.model.route`), their scores normalized
   and scaled, and the shared slots appended.
-- `align`: the (row, slot) pairs of real rows sorted by expert, each expert's run padded to
-  whole blocks of BLOCK_M (pair -1 in the padding), with the expert of every block and the
-  number of blocks: one program, reading nothing back to the host.
+- `align`: the (row, slot) pairs of real rows sorted by expert (stable: each expert's pairs in
+  pair order), each expert's run padded to whole blocks of BLOCK_M (pair -1 in the padding),
+  with the expert of every block and the number of blocks, reading nothing back to the host: a
+  few pairs in one program; many in three launches (spans of pairs counted per expert in
+  parallel, one program's scan of the counts into each span's starts, the spans placed in
+  parallel).
 - `gate_up` / `down`: per block of BLOCK_M sorted pairs, one expert's tile products, SiLU-and-mul
   in the first's epilogue, the routing weight in the second's. Their grids are sized from the
   shapes alone (the most blocks any routing can need); blocks past the count return at once,
@@ -116,41 +119,103 @@ def route(cfg: ModelConfig, h: torch.Tensor, h32: torch.Tensor | None, gate: tor
 
 
 @triton.jit
-def _align_kernel(idx_ptr, real_ptr, sorted_ptr, block_expert_ptr, blocks_ptr, pairs, S, capacity,
-                  max_blocks, ET, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+def _span_counts(idx_ptr, real_ptr, lo, hi, S, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """-> int32 [BLOCK_E]: the real pairs of [lo, hi) that chose each expert."""
     experts = tl.arange(0, BLOCK_E)
-    lane = tl.arange(0, CHUNK)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c in range(0, pairs, CHUNK):
-        p = c + lane
-        ids = tl.load(idx_ptr + p, mask=p < pairs, other=-1)
-        ids = tl.where(tl.load(real_ptr + p // S, mask=p < pairs, other=0) != 0, ids, -1)
+    for c in range(lo, hi, CHUNK):
+        p = c + tl.arange(0, CHUNK)
+        ids = tl.where(tl.load(real_ptr + p // S, mask=p < hi, other=0) != 0, tl.load(idx_ptr + p, mask=p < hi), -1)
         counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    offsets = tl.cumsum(padded, axis=0) - padded                          # [BE] run starts
-    total = tl.sum(padded, axis=0) // BLOCK_M
-    tl.store(blocks_ptr, total)
-    for b0 in range(0, max_blocks, CHUNK):
-        b = b0 + lane
-        starts = (offsets // BLOCK_M)[:, None]
-        owner = tl.max(tl.where((starts <= b[None, :]) & (padded[:, None] > 0) & (experts[:, None] < ET),
-                                experts[:, None], -1), axis=0)
-        tl.store(block_expert_ptr + b, tl.where(b < total, owner, -1), mask=b < max_blocks)
-    for s0 in range(0, capacity, CHUNK):
-        tl.store(sorted_ptr + s0 + lane, tl.full([CHUNK], -1, tl.int32), mask=s0 + lane < capacity)
-    tl.debug_barrier()
-    taken = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c in range(0, pairs, CHUNK):
-        p = c + lane
-        ids = tl.load(idx_ptr + p, mask=p < pairs, other=-1)
-        ids = tl.where(tl.load(real_ptr + p // S, mask=p < pairs, other=0) != 0, ids, -1)
-        match = (ids[None, :] == experts[:, None]).to(tl.int32)          # [BE, CHUNK]
-        position = offsets[:, None] + taken[:, None] + tl.cumsum(match, axis=1) - 1
+    return counts
+
+
+@triton.jit
+def _place_span(idx_ptr, real_ptr, sorted_ptr, lo, hi, S, taken, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """The real pairs of [lo, hi) into sorted_ptr in pair order, expert e's from taken[e] on."""
+    experts = tl.arange(0, BLOCK_E)
+    for c in range(lo, hi, CHUNK):
+        p = c + tl.arange(0, CHUNK)
+        ids = tl.where(tl.load(real_ptr + p // S, mask=p < hi, other=0) != 0, tl.load(idx_ptr + p, mask=p < hi), -1)
+        match = (ids[None, :] == experts[:, None]).to(tl.int32)                 # [BE, CHUNK]
+        position = taken[:, None] + tl.cumsum(match, axis=1) - 1
         target = tl.sum(match * position, axis=0)
         tl.store(sorted_ptr + target, p.to(tl.int32), mask=tl.sum(match, axis=0) > 0)
         taken += tl.sum(match, axis=1)
 
 
+@triton.jit
+def _fill_padding(sorted_ptr, lo, hi, CHUNK: tl.constexpr):
+    for s0 in range(lo, hi, CHUNK):
+        slot = s0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + slot, tl.full([CHUNK], -1, tl.int32), mask=slot < hi)
+
+
+@triton.jit
+def _runs(total, block_expert_ptr, blocks_ptr, max_blocks, ET, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+          CHUNK: tl.constexpr):
+    """Each expert's run of total[e] pairs padded to whole blocks, runs in expert order: stores
+    the expert of every block and their count; -> the runs' starts [BLOCK_E]."""
+    experts = tl.arange(0, BLOCK_E)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    offsets = tl.cumsum(padded, axis=0) - padded
+    blocks = tl.sum(padded, axis=0) // BLOCK_M
+    tl.store(blocks_ptr, blocks)
+    for b0 in range(0, max_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        owner = tl.max(tl.where(((offsets // BLOCK_M)[:, None] <= b[None, :]) & (padded[:, None] > 0)
+                                & (experts[:, None] < ET), experts[:, None], -1), axis=0)
+        tl.store(block_expert_ptr + b, tl.where(b < blocks, owner, -1), mask=b < max_blocks)
+    return offsets
+
+
+@triton.jit
+def _align_kernel(idx_ptr, real_ptr, sorted_ptr, block_expert_ptr, blocks_ptr, pairs, S, capacity,
+                  max_blocks, ET, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """The whole sort in one program (a call of few pairs: one launch)."""
+    total = _span_counts(idx_ptr, real_ptr, 0, pairs, S, BLOCK_E, CHUNK)
+    offsets = _runs(total, block_expert_ptr, blocks_ptr, max_blocks, ET, BLOCK_M, BLOCK_E, CHUNK)
+    _fill_padding(sorted_ptr, 0, capacity, CHUNK)
+    tl.debug_barrier()
+    _place_span(idx_ptr, real_ptr, sorted_ptr, 0, pairs, S, offsets, BLOCK_E, CHUNK)
+
+
+@triton.jit
+def _align_count_kernel(idx_ptr, real_ptr, sorted_ptr, counts_ptr, pairs, S, span, capacity,
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Program i: counts_ptr[i] = _span_counts of its span [i * span, (i + 1) * span), and its
+    share of the padding, set before any pair is placed."""
+    i = tl.program_id(0)
+    counts = _span_counts(idx_ptr, real_ptr, i * span, tl.minimum((i + 1) * span, pairs), S, BLOCK_E, CHUNK)
+    tl.store(counts_ptr + i * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+    share = tl.cdiv(capacity, tl.num_programs(0))
+    _fill_padding(sorted_ptr, i * share, tl.minimum((i + 1) * share, capacity), CHUNK)
+
+
+@triton.jit
+def _align_scan_kernel(counts_ptr, starts_ptr, block_expert_ptr, blocks_ptr, programs, max_blocks, ET,
+                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """From counts [programs, BLOCK_E]: the runs (`_runs`), and starts_ptr[i, e] = where span i's
+    first pair of expert e goes (its run's start plus the pairs of e in the spans before i)."""
+    at = tl.arange(0, BLOCK_P)[:, None] * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
+    inside = tl.arange(0, BLOCK_P)[:, None] < programs
+    counts = tl.load(counts_ptr + at, mask=inside, other=0)                     # [BP, BE]
+    offsets = _runs(tl.sum(counts, axis=0), block_expert_ptr, blocks_ptr, max_blocks, ET, BLOCK_M, BLOCK_E, CHUNK)
+    tl.store(starts_ptr + at, offsets[None, :] + tl.cumsum(counts, axis=0) - counts, mask=inside)
+
+
+@triton.jit
+def _align_place_kernel(idx_ptr, real_ptr, sorted_ptr, starts_ptr, pairs, S, span,
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Program i places the pairs of its span from its starts."""
+    i = tl.program_id(0)
+    taken = tl.load(starts_ptr + i * BLOCK_E + tl.arange(0, BLOCK_E))
+    _place_span(idx_ptr, real_ptr, sorted_ptr, i * span, tl.minimum((i + 1) * span, pairs), S, taken, BLOCK_E,
+                CHUNK)
+
+
+ALIGN_PROGRAMS = 32  # the most programs of the sort's count and place launches (`align`)
 GEMV_BLOCK_M = 4     # float32 blocks of a few pairs: CUDA-core products (below the tile product's 16 rows)
 
 
@@ -175,14 +240,26 @@ def align(idx: torch.Tensor, real: torch.Tensor, experts: int, rows_per_block: i
     block_expert = torch.empty(max_blocks, device=idx.device, dtype=torch.int32)
     count = torch.empty(1, device=idx.device, dtype=torch.int32)
     if pairs:
-        # one program: its serial steps are chunks of pairs, so a chunk takes as many pairs as an
-        # [experts, chunk] match matrix of at most 8192 entries allows (a verify's thousands of
-        # pairs in a few steps) and no more than the call has (a decode's few)
+        # programs take spans of pairs in chunks: a chunk as many pairs as an [experts, chunk]
+        # match matrix of at most 8192 entries allows, a span whole chunks; a call of one chunk
+        # (a decode's few pairs) is one program and one launch, a verify's thousands of pairs
+        # spans of a few chunks in up to ALIGN_PROGRAMS programs (three launches)
         block_e = triton.next_power_of_2(experts)
         chunk = max(16, min(1024, 8192 // block_e, triton.next_power_of_2(pairs)))
-        _align_kernel[(1,)](idx, real, sorted_pairs, block_expert, count, pairs, idx.shape[1],
-                            sorted_pairs.numel(), max_blocks, experts, BLOCK_M=rows_per_block,
-                            BLOCK_E=block_e, CHUNK=chunk, num_warps=8 if block_e * chunk >= 4096 else 4)
+        span = triton.cdiv(triton.cdiv(pairs, min(ALIGN_PROGRAMS, triton.cdiv(pairs, chunk))), chunk) * chunk
+        programs = triton.cdiv(pairs, span)
+        shape = dict(BLOCK_E=block_e, CHUNK=chunk, num_warps=8 if block_e * chunk >= 4096 else 4)
+        if programs == 1:
+            _align_kernel[(1,)](idx, real, sorted_pairs, block_expert, count, pairs, idx.shape[1],
+                                sorted_pairs.numel(), max_blocks, experts, BLOCK_M=rows_per_block, **shape)
+        else:
+            counts = torch.empty(programs, block_e, device=idx.device, dtype=torch.int32)
+            starts = torch.empty_like(counts)
+            _align_count_kernel[(programs,)](idx, real, sorted_pairs, counts, pairs, idx.shape[1], span,
+                                             sorted_pairs.numel(), **shape)
+            _align_scan_kernel[(1,)](counts, starts, block_expert, count, programs, max_blocks, experts,
+                                     BLOCK_M=rows_per_block, BLOCK_P=triton.next_power_of_2(programs), **shape)
+            _align_place_kernel[(programs,)](idx, real, sorted_pairs, starts, pairs, idx.shape[1], span, **shape)
     return sorted_pairs, block_expert, count
 
 

@@ -174,8 +174,10 @@ def test_route_scores_a_group_whose_two_best_experts_tie_by_their_sum(rows, bias
     assert idx[:, :3].tolist() == expected_idx.tolist()
 
 
-@pytest.mark.parametrize("rows, slots, experts, block", [(1, 5, 17, 16), (9, 3, 5, 16), (300, 5, 17, 32),
-                                                         (520, 4, 16, 64)])    # 2080 pairs: chunks of 512
+@pytest.mark.parametrize("rows, slots, experts, block", [(1, 5, 17, 16), (9, 3, 5, 16),   # one program
+                                                         (300, 5, 17, 32),   # 6 programs of one chunk
+                                                         (520, 4, 16, 64),   # 2080 pairs: chunks of 512
+                                                         (2056, 9, 21, 64)])  # 25 programs of 3 chunks
 def test_align_sorts_every_real_pair_by_expert_into_whole_blocks(rows, slots, experts, block):
     g = torch.Generator().manual_seed(rows)
     idx = torch.randint(0, experts, (rows, slots), generator=g, dtype=torch.int32).to(DEVICE)

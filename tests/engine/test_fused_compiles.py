@@ -38,8 +38,8 @@ def test_every_fused_launch_compiles_for_sm90():
     compiled = [line for line in done.stdout.splitlines() if line.startswith("compiled ")]
     kernels = {line.split()[1] for line in compiled}
     assert kernels == {"_add_rms_norm_kernel", "_latent_kernel", "_head_bmm_kernel", "_route_kernel", "_align_kernel",
-                       "_expert_matmul_kernel", "_linear_kernel", "_sum_splits_kernel", "_split_kernel",
-                       "_combine_kernel"}, done.stdout
+                       "_align_count_kernel", "_align_scan_kernel", "_align_place_kernel", "_expert_matmul_kernel",
+                       "_linear_kernel", "_sum_splits_kernel", "_split_kernel", "_combine_kernel"}, done.stdout
 
 
 def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
@@ -95,7 +95,8 @@ def launches() -> dict:
                     cache = model.new_cache(1, 2 * BLOCK_KEYS)
                     model(torch.zeros(1, n, dtype=torch.int64), torch.arange(n)[None],
                           torch.ones(1, n, n, dtype=torch.bool).tril(), torch.tensor([n]), torch.tensor([0]), cache)
-    align(torch.zeros(520, 4, dtype=torch.int32), torch.ones(520, dtype=torch.uint8), 16, 64)  # a verify's chunks
+    align(torch.zeros(520, 4, dtype=torch.int32), torch.ones(520, dtype=torch.uint8), 16, 64)  # a verify's spans
+    align(torch.zeros(2056, 9, dtype=torch.int32), torch.ones(2056, dtype=torch.uint8), 385, 16)  # K2's experts
     for dtype in (torch.float32, torch.bfloat16):          # the invariant attention at K2's widths
         linear(torch.zeros(1, 256, dtype=dtype), torch.zeros(64, 256, dtype=dtype), invariant=True,
                split_count=2, in_program=True)            # a large M's form: the splits added in one program
