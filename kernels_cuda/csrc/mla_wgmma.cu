@@ -190,22 +190,10 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             float alpha[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float mx = -CUDART_INF_F;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m_row[h], mx * p.scale_log2);
-                const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-                alpha[h] = exp2_approx(m_row[h] - m_use);
-                m_row[h] = m_new;
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    s[4 * j + 2 * h] = exp2_approx(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
-                    s[4 * j + 2 * h + 1] = exp2_approx(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
-                    sum += s[4 * j + 2 * h] + s[4 * j + 2 * h + 1];
-                }
+                const RowMax m = new_max(m_row[h], row_max(s, h), p.scale_log2);
+                alpha[h] = m.alpha;
+                m_row[h] = m.m_new;
+                const float sum = exponentiate(s, h, p.scale_log2, m.m_use);
                 l_row[h] = l_row[h] * alpha[h] + sum;
             }
             // P as bf16 into shared memory (K-major, swizzled), once warpgroup 1 is done with the last.

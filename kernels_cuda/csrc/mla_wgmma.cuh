@@ -183,6 +183,38 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t x, float a) {
     return pack_bf16(f.x * a, f.y * a);
 }
 
+// The online softmax of a thread's row h (0, 1) of a score tile s, the m64n64 accumulator: s[4j + 2h + e]
+// is row r_lo + 8h, the quad's four threads holding the row's 64 scores; maxima and sums in the log2
+// domain. The row's unscaled max over the tile, across the quad.
+__device__ __forceinline__ float row_max(const float (&s)[32], int h) {
+    float mx = -CUDART_INF_F;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    return fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+}
+// The row's new running max from the old one and the tile's unscaled max mx (a positive scale keeps
+// the max), the value to subtract (0 while the row has no visible key), and alpha = exp2(m_old - m_new).
+struct RowMax {
+    float m_new, m_use, alpha;
+};
+__device__ __forceinline__ RowMax new_max(float m_old, float mx, float scale_log2) {
+    const float m_new = fmaxf(m_old, mx * scale_log2);
+    const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
+    return {m_new, m_use, exp2_approx(m_old - m_use)};
+}
+// Row h of s := exp2(s scale_log2 - m) (m finite); -> this thread's part of the row's sum.
+__device__ __forceinline__ float exponentiate(float (&s)[32], int h, float scale_log2, float m) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        s[4 * j + 2 * h] = exp2_approx(fmaf(s[4 * j + 2 * h], scale_log2, -m));
+        s[4 * j + 2 * h + 1] = exp2_approx(fmaf(s[4 * j + 2 * h + 1], scale_log2, -m));
+        sum += s[4 * j + 2 * h] + s[4 * j + 2 * h + 1];
+    }
+    return sum;
+}
+
 // O *= alpha per row (o: a warpgroup's [64 x 256] accumulator, this thread's rows r_lo and
 // r_lo + 8 by alpha[0] and alpha[1]), skipped when no row's factor differs from 1 (x * 1 == x:
 // exact).

@@ -167,47 +167,30 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             named_bar_sync(kBarOwn + wg, 128);
         }
     };
-    // The unscaled max of each of this thread's rows of s over the tile (across its quad).
-    auto row_max = [&](float (&mx)[2]) {
+    // The softmax helpers (mla_wgmma.cuh) over both of this thread's rows.
+    auto row_maxes = [&](float (&mx)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mx[h] = row_max(s, h);
+    };
+    auto new_maxes = [&](const float (&mx)[2], const float (&m_old)[2], float (&m_new)[2], float (&m_use)[2],
+                         float (&alpha)[2]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            mx[h] = -CUDART_INF_F;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) mx[h] = fmaxf(mx[h], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const RowMax m = new_max(m_old[h], mx[h], p.scale_log2);
+            m_new[h] = m.m_new;
+            m_use[h] = m.m_use;
+            alpha[h] = m.alpha;
         }
     };
-    // s := exp2(s scale_log2 - m) per row (m finite, log2 domain), and this thread's row sums.
-    auto exponentiate = [&](const float (&m)[2], float (&sum)[2]) {
+    auto exponentiate_rows = [&](const float (&m)[2], float (&sum)[2]) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            sum[h] = 0.f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                s[4 * j + 2 * h] = exp2_approx(fmaf(s[4 * j + 2 * h], p.scale_log2, -m[h]));
-                s[4 * j + 2 * h + 1] = exp2_approx(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m[h]));
-                sum[h] += s[4 * j + 2 * h] + s[4 * j + 2 * h + 1];
-            }
-        }
+        for (int h = 0; h < 2; ++h) sum[h] = exponentiate(s, h, p.scale_log2, m[h]);
     };
     auto pack_p = [&]() {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) pb[2 * j + h] = pack_bf16(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-    };
-    // The rows' new running max from the old one and the tile's unscaled max (a positive scale
-    // keeps the max), the value to subtract (0 for a row with no visible key yet), and alpha =
-    // exp2(m_old - m_new).
-    auto new_max = [&](const float (&mx)[2], const float (&m_old)[2], float (&m_new)[2], float (&m_use)[2],
-                       float (&alpha)[2]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            m_new[h] = fmaxf(m_old[h], mx[h] * p.scale_log2);
-            m_use[h] = m_new[h] == -CUDART_INF_F ? 0.f : m_new[h];
-            alpha[h] = exp2_approx(m_old[h] - m_use[h]);
-        }
     };
     // Issue O += P V of tile t's half of V: P from pb, or from the tile's k_pe chunk.
     auto pv_registers = [&](int t) {
@@ -295,11 +278,11 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             }
             mask(t0);
             float mx[2], m_old[2], m0[2], m_use[2], a0[2], sum[2], a1[2] = {1.f, 1.f};
-            row_max(mx);
+            row_maxes(mx);
 #pragma unroll
             for (int h = 0; h < 2; ++h) m_old[h] = sM[r_lo + 8 * h];
-            new_max(mx, m_old, m0, m_use, a0);
-            exponentiate(m_use, sum);
+            new_maxes(mx, m_old, m0, m_use, a0);
+            exponentiate_rows(m_use, sum);
             pack_p();
             __syncwarp();
             if (t4 == 0) {
@@ -366,16 +349,16 @@ __global__ void __launch_bounds__(k2::kThreads, 1)
             float mx[2], m_old[2], m1[2], m_use[2], a[2], sum[2] = {0.f, 0.f};
             if (has1) {
                 mask(t1);
-                row_max(mx);
+                row_maxes(mx);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) m_use[h] = mx[h] == -CUDART_INF_F ? 0.f : mx[h] * p.scale_log2;
-                exponentiate(m_use, sum);
+                exponentiate_rows(m_use, sum);
             }
             mbar_wait(scale0_ready, parity);
 #pragma unroll
             for (int h = 0; h < 2; ++h) m_old[h] = sM[r_lo + 8 * h];
             if (has1) {
-                new_max(mx, m_old, m1, m_use, a);
+                new_maxes(mx, m_old, m1, m_use, a);
                 float c[2];
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
