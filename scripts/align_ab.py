@@ -11,6 +11,7 @@ CUDA-graph replay time (tests/kernels/gpu_bench.py); the outputs of both ways ar
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 CASES = (  # (name, rows, routed experts, top-k, shared experts)
@@ -20,7 +21,8 @@ CASES = (  # (name, rows, routed experts, top-k, shared experts)
 )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("align_ab: needs a CUDA GPU (none is visible to torch)")
