@@ -1,6 +1,6 @@
 """Time the fused FFN's expert sort (engine/fused/moe.py `align`) in one program and in parallel spans.
 
-    PYTHONPATH=.:tests python3 scripts/align_ab.py
+    PYTHONPATH=.:tests:tests/kernels python3 scripts/align_ab.py
 
 One GPU run, the same routings both ways: ALIGN_PROGRAMS = 1 (every call one program: the sort
 as it was before the spans) against the default (up to ALIGN_PROGRAMS programs a launch past one
@@ -26,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("align_ab: needs a CUDA GPU (none is visible to torch)")
-    sys.path.insert(0, "tests/kernels")
     from gpu_bench import graph_time_ms
     from engine.fused import moe
 

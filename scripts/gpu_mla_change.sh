@@ -40,8 +40,8 @@ KDTREE_KERNELS_LIB="$KDTREE_KERNELS_LIB_NOA" KDTREE_CUDA_ARCHS=$NOA_ARCHS timeou
     python3 -m pytest $TESTS -q -rfs -n 8 -p no:cacheprovider >"$R/tests-noa.txt" 2>&1
 echo "tests (no sm_90a): $(tail -1 "$R/tests-noa.txt")"
 if [[ -n "${PLANT_LIB:-}${PLANT_PYTHONPATH:-}" ]]; then
-    KDTREE_KERNELS_LIB="${PLANT_LIB:-$KDTREE_KERNELS_LIB}" PYTHONPATH="${PLANT_PYTHONPATH:+$PLANT_PYTHONPATH:}$PYTHONPATH" timeout "$(left 60)" python3 -m pytest $TESTS ${PLANT_TEST:-} -q \
-        -p no:cacheprovider >"$R/plant.txt" 2>&1
+    KDTREE_KERNELS_LIB="${PLANT_LIB:-$KDTREE_KERNELS_LIB}" PYTHONPATH="${PLANT_PYTHONPATH:+$PLANT_PYTHONPATH:}$PYTHONPATH" \
+        timeout "$(left 60)" python3 -m pytest $TESTS ${PLANT_TEST:-} -q -p no:cacheprovider >"$R/plant.txt" 2>&1
     echo "plant (should fail): $(tail -1 "$R/plant.txt")"
 fi
 if [[ -n "${VARIANT_LIB:-}" ]]; then

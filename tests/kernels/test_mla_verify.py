@@ -296,7 +296,7 @@ def test_the_c_apis_auto_takes_the_one_scorer_kernel_at_every_split_length(split
     gen = torch.Generator().manual_seed(23)
     case = make_case(DIMS["kimi-k2"], [(8000, tree_visibility(random_parents(128, gen)))], torch.bfloat16, "cuda",
                      seed=24)
-    num_splits = -(-(8000 + 128) // split_keys)
+    num_splits = math.ceil((8000 + 128) / split_keys)
 
     def run(kernel: str) -> torch.Tensor:
         o_lat, lse = torch.empty_like(case.q_lat), torch.empty(case.q_lat.shape[:2], device="cuda")
