@@ -10,13 +10,19 @@ distinct launch for sm_90 with Triton's own ptxas (Hopper; the tiles take mma.sy
 and a compile costs ~0.2 s: one architecture keeps the suite short).
 
     python tests/engine/test_fused_compiles.py     # prints each compiled kernel, exits 1 on an error
+
+Each line also gives the kernel's registers a thread and its stack bytes a thread (spilled
+registers: ptxas's "bytes stack frame"), read from the cubin by the cuobjdump Triton ships; the
+device's Triton is the one to install for figures that hold there (docs/results/fused-resources-sm90.md).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -107,6 +113,22 @@ def launches() -> dict:
     return seen
 
 
+def resources(cubin: bytes) -> str:
+    """A cubin's registers and stack bytes a thread, by the cuobjdump in Triton's package
+    ("resources unknown" where it has none)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        return "resources unknown"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return f"{found[1]} registers, {found[2]} stack bytes" if found else "resources unknown"
+
+
 def main() -> int:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -116,8 +138,9 @@ def main() -> int:
     for (name, *_), (kernel, sig, constexprs, options) in launches().items():
         for arch in ARCHS:
             try:
-                triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
-                print(f"compiled {name} sm_{arch} {constexprs}")
+                compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", arch, 32),
+                                          options=options)
+                print(f"compiled {name} sm_{arch} {constexprs} {options}: {resources(compiled.asm['cubin'])}")
             except Exception as exc:                       # noqa: BLE001 (every compiler error is reported)
                 failed += 1
                 print(f"FAILED {name} sm_{arch} {constexprs}: {type(exc).__name__}: {exc}")
