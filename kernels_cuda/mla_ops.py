@@ -71,6 +71,9 @@ FAST_BLOCKS_PER_SM = 1  # resident blocks per multiprocessor (shared memory boun
 GENERIC_BLOCKS_PER_SM = 8
 SPLIT_COST_TILES = 4    # a split's fixed cost (its Q tile, pipeline fill, partial outputs to
                         # combine) in key tiles
+COMBINE_COST_TILES = 0.2  # each split's share of the combine, which walks a row's splits in order,
+                          # in key tiles (fitted to an H100 sweep of every split length:
+                          # docs/results/mla-split-sweep-h100.md)
 MAX_SPLITS = 128        # the most splits the default plan considers
 INVARIANT_SPLITS = 8    # the invariant plan's splits of a row's key list (its partials: 16 KB a row)
 CUDA_CORE_DIMS = (512, 64)   # the most kv_lora and rope_dim the CUDA-core kernel holds in registers
@@ -143,7 +146,8 @@ def plan_splits(batch: int, max_tree: int, heads: int, max_kv: int, fast: bool, 
     docstring).
 
     Blocks = row blocks x splits, run in waves of (resident blocks per multiprocessor x
-    sm_count); each block costs its key tiles plus SPLIT_COST_TILES. Ties go to fewer splits."""
+    sm_count); each block costs its key tiles plus SPLIT_COST_TILES, and the combine (more than
+    one split) COMBINE_COST_TILES a split. Ties go to fewer splits."""
     if invariant:
         return SplitPlan(INVARIANT_SPLITS, 0)
     rows_per_block = FAST_ROWS if fast else GENERIC_ROWS
@@ -151,10 +155,11 @@ def plan_splits(batch: int, max_tree: int, heads: int, max_kv: int, fast: bool, 
     row_blocks = batch * math.ceil(max_tree * heads / rows_per_block)
     tiles = math.ceil(max_kv / KEY_BLOCK)
 
-    def busiest(splits: int) -> int:
-        return math.ceil(row_blocks * splits / slots) * (math.ceil(tiles / splits) + SPLIT_COST_TILES)
+    def cost(splits: int) -> float:
+        busiest = math.ceil(row_blocks * splits / slots) * (math.ceil(tiles / splits) + SPLIT_COST_TILES)
+        return busiest + (COMBINE_COST_TILES * splits if splits > 1 else 0.0)
 
-    splits = min(range(1, min(tiles, MAX_SPLITS) + 1), key=lambda s: (busiest(s), s))
+    splits = min(range(1, min(tiles, MAX_SPLITS) + 1), key=lambda s: (cost(s), s))
     split_keys = KEY_BLOCK * math.ceil(tiles / splits)
     return SplitPlan(math.ceil(max_kv / split_keys), split_keys)
 

@@ -11,7 +11,8 @@
 #    without sm_90a (KDTREE_CUDA_ARCHS=sm_90,compute_90: the mma.sync path of every other GPU);
 # 2. a plant, if named, under the test that should catch it (PLANT_TEST: pytest's -k): a library
 #    (PLANT_LIB), or Python modules ahead of the checkout's (PLANT_PYTHONPATH, e.g. a copy of
-#    kernels_cuda/ with one change: the dispatch lives in mla_ops.py as well as in the library);
+#    kernels_cuda/ with one change: the dispatch lives in mla_ops.py as well as in the library;
+#    `python3 -P`: `-m` would put the checkout ahead of PYTHONPATH, and the plant would not load);
 # 3. a variant of the change, if named (VARIANT_LIB, an sm_90a build): its kernel tests;
 # 4. scripts/mla_ab.py, one round, BASE_LIB against the change (and the variant) for the one-scorer
 #    kernel, auto's on Hopper (with FlashMLA's chains, and FlashInfer's where built), the seesaw
@@ -41,7 +42,7 @@ KDTREE_KERNELS_LIB="$KDTREE_KERNELS_LIB_NOA" KDTREE_CUDA_ARCHS=$NOA_ARCHS timeou
 echo "tests (no sm_90a): $(tail -1 "$R/tests-noa.txt")"
 if [[ -n "${PLANT_LIB:-}${PLANT_PYTHONPATH:-}" ]]; then
     KDTREE_KERNELS_LIB="${PLANT_LIB:-$KDTREE_KERNELS_LIB}" PYTHONPATH="${PLANT_PYTHONPATH:+$PLANT_PYTHONPATH:}$PYTHONPATH" \
-        timeout "$(left 60)" python3 -m pytest $TESTS ${PLANT_TEST:-} -q -p no:cacheprovider >"$R/plant.txt" 2>&1
+        timeout "$(left 60)" python3 -P -m pytest $TESTS ${PLANT_TEST:-} -q -p no:cacheprovider >"$R/plant.txt" 2>&1
     echo "plant (should fail): $(tail -1 "$R/plant.txt")"
 fi
 if [[ -n "${VARIANT_LIB:-}" ]]; then

@@ -11,8 +11,9 @@ contexts 1k / 8k / 32k, chains of 1 / 2 / 4 / 8 / 16 tokens and random trees of 
 batches 1 / 8 / 32. Each split length the plan can pick (1 to MAX_SPLITS splits) is forced by
 replacing `plan_splits` for one CUDA-graph capture; each time is the median replay time
 (gpu_bench.graph_time_ms). The JSON, written after every case, holds per case the plan's split
-length and every length's split count and ms; `--fit` prints, for SPLIT_COST_TILES 0-16, the
-time of the length the plan would pick against each case's best.
+length and every length's split count and ms; `--fit` prints, for SPLIT_COST_TILES 0-16 (at the
+plan's COMBINE_COST_TILES) and for COMBINE_COST_TILES 0-0.5 (at its SPLIT_COST_TILES), the time of
+the length the plan would pick against each case's best.
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def sweep(out: str, budget_ms: float) -> None:
                 torch.cuda.empty_cache()
 
 
-def plan_over_best(rows: list[dict], cost_tiles: int) -> list[float]:
+def plan_over_best(rows: list[dict], split_cost: float, combine_cost: float) -> list[float]:
     """Per sweep row: the measured time of the split length plan_splits picks with
-    SPLIT_COST_TILES = cost_tiles, over the row's best time (inf where that length was not timed)."""
+    SPLIT_COST_TILES = split_cost and COMBINE_COST_TILES = combine_cost, over the row's best time
+    (inf where that length was not timed)."""
     import kernels_cuda.mla_ops as ops
     from test_bench_mla_peers import HEADS
-    default_cost = ops.SPLIT_COST_TILES
-    ops.SPLIT_COST_TILES = cost_tiles
+    default = ops.SPLIT_COST_TILES, ops.COMBINE_COST_TILES
+    ops.SPLIT_COST_TILES, ops.COMBINE_COST_TILES = split_cost, combine_cost
     try:
         ratios = []
         for r in rows:
@@ -90,21 +92,30 @@ def plan_over_best(rows: list[dict], cost_tiles: int) -> list[float]:
             ratios.append(ms.get(plan.split_keys, math.inf) / min(ms.values()))
         return ratios
     finally:
-        ops.SPLIT_COST_TILES = default_cost
+        ops.SPLIT_COST_TILES, ops.COMBINE_COST_TILES = default
+
+
+def summary(ratios: list[float]) -> str:
+    """plan / best ratios -> their geomean, worst and count within 5%, one line."""
+    finite = [v for v in ratios if v != math.inf]
+    mean = math.exp(sum(math.log(v) for v in finite) / len(finite)) if finite else math.nan
+    return (f"plan / best geomean {mean:.3f}, worst {max(ratios):.3f}, within 5% in "
+            f"{sum(v <= 1.05 for v in ratios)} of {len(ratios)}, untimed {len(ratios) - len(finite)}")
 
 
 def fit(path: str) -> None:
-    """For each SPLIT_COST_TILES of 0-16, the plan's picks read against the sweep's measured times."""
+    """The plan's picks read against the sweep's measured times, for each SPLIT_COST_TILES of 0-16
+    and each COMBINE_COST_TILES of 0-0.5 (the other at the plan's value)."""
+    import kernels_cuda.mla_ops as ops
     with open(path) as f:
         rows = json.load(f)["rows"]
     if not rows:
         raise ValueError("the sweep holds no rows")
     for cost in range(0, 17):
-        ratios = plan_over_best(rows, cost)
-        finite = [v for v in ratios if v != math.inf]
-        mean = math.exp(sum(math.log(v) for v in finite) / len(finite)) if finite else math.nan
-        print(f"SPLIT_COST_TILES {cost:2d}: plan / best geomean {mean:.3f}, worst {max(ratios):.3f}, "
-              f"within 5% in {sum(v <= 1.05 for v in ratios)} of {len(ratios)}, untimed {len(ratios) - len(finite)}")
+        print(f"SPLIT_COST_TILES {cost:4d}: {summary(plan_over_best(rows, cost, ops.COMBINE_COST_TILES))}")
+    for tenths in range(0, 11):
+        cost = tenths / 20
+        print(f"COMBINE_COST_TILES {cost:4.2f}: {summary(plan_over_best(rows, ops.SPLIT_COST_TILES, cost))}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             if not torch.cuda.is_available():
                 raise SystemExit("mla_split_sweep: needs a CUDA GPU (none is visible to torch)")
             sweep(args.out, args.budget_ms)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
         raise SystemExit(f"mla_split_sweep: {args.fit or args.out}: {type(exc).__name__}: {exc}") from None
     return 0
 
