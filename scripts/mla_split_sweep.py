@@ -113,8 +113,8 @@ def fit(path: str) -> None:
         raise ValueError("the sweep holds no rows")
     for cost in range(0, 17):
         print(f"SPLIT_COST_TILES {cost:4d}: {summary(plan_over_best(rows, cost, ops.COMBINE_COST_TILES))}")
-    for tenths in range(0, 11):
-        cost = tenths / 20
+    for step in range(0, 11):
+        cost = step * 0.05
         print(f"COMBINE_COST_TILES {cost:4.2f}: {summary(plan_over_best(rows, ops.SPLIT_COST_TILES, cost))}")
 
 
