@@ -5,10 +5,10 @@ whether the warp count changes any bit.
 
 Compiled for sm_90 under the GPU machine's Triton 3.6, these tiles spill at 4 warps (the linear
 472-528 stack bytes a thread, the expert products 808 and 392) and not at 8
-(docs/results/fused-resources-sm90.md). Shapes are k2-mid's (tests/engine/test_bench_engine.py),
-bf16: invariant mode's products of every weight of a layer and the head (`linear`, 64-row tiles
-whatever the call) and its experts (16 routed + 1 shared, top 4), and the default mode's experts
-at the row counts where they take 64-row blocks. The warp count is forced by overriding the
+(docs/results/fused-resources-sm90.md). Shapes are k2-mid's, as scripts/sweep_float32_invariant.py
+makes them, in bf16: invariant mode's products of every weight of a layer and the head
+(`linear`, 64-row tiles whatever the call) and its experts (16 routed + 1 shared, top 4), and
+the default mode's experts at the row counts where they take 64-row blocks. The warp count is forced by overriding the
 launch's `num_warps` for those kernels at BLOCK_M 64, bf16. Each time is the median of
 CUDA-event timings (tests/kernels/gpu_bench.py); "bits" is the largest difference between the
 two (0.0: the same bits).
@@ -21,7 +21,6 @@ import contextlib
 from typing import Callable, Iterator
 
 ROWS = [1, 8, 65, 136, 520, 2056]
-WEIGHTS = {"q_a + kv_a": (2112, 2048), "q_b": (12288, 1536), "o": (2048, 8192), "head": (32768, 2048)}
 TILED = ("_linear_kernel", "_expert_matmul_kernel", "_head_bmm_kernel")
 
 
@@ -63,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bf16_tile_warps_ab: needs a CUDA GPU (none is visible to torch)")
     from engine.fused import linear, moe
+    from sweep_float32_invariant import EXPERTS, WEIGHTS, expert_inputs, expert_weights
 
     g = torch.Generator(device="cuda").manual_seed(0)
     bf16 = torch.bfloat16
@@ -72,18 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         for m in ROWS:
             x = torch.randn(m, k, generator=g, device="cuda").to(bf16)
             compare(f"linear {name} (invariant)", m, lambda: linear.linear(x, w, invariant=True))
-    e, shared, top, inner, width = 16, 1, 4, 1024, 2048
-    w_gate, w_up = ((torch.randn(e + shared, inner, width, generator=g, device="cuda") / width ** 0.5).to(bf16)
-                    for _ in "gu")
-    w_down = (torch.randn(e + shared, width, inner, generator=g, device="cuda") / inner ** 0.5).to(bf16)
+    w_gate, w_up, w_down = (w.to(bf16) for w in expert_weights(g))
+    experts = EXPERTS[0] + EXPERTS[1]
     for m in ROWS:
-        h = torch.randn(m, width, generator=g, device="cuda").to(bf16)
-        routed = torch.rand(m, e, generator=g, device="cuda").topk(top, dim=1).indices
-        idx = torch.cat([routed, torch.full((m, shared), e, device="cuda")], 1).to(torch.int32)
-        weight = torch.rand(m, top + shared, generator=g, device="cuda")
-        real = torch.ones(m, dtype=torch.uint8, device="cuda")
+        h, idx, weight, real = expert_inputs(g, m)
+        h = h.to(bf16)
         for invariant in (True, False):
-            if invariant or moe.block_m(idx.numel(), e + shared) == 64:
+            if invariant or moe.block_m(idx.numel(), experts) == 64:
                 compare(f"experts ({'invariant' if invariant else 'default'})", m,
                         lambda: moe.experts(h, idx, weight, real, w_gate, w_up, w_down, invariant=invariant))
     return 0

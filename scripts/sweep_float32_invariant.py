@@ -80,17 +80,32 @@ def products(g: torch.Generator) -> list[dict]:
     return out
 
 
-def experts(g: torch.Generator) -> list[dict]:
-    e, shared, top, inner, width = 16, 1, 4, 1024, 2048
+EXPERTS = (16, 1, 4, 1024, 2048)    # k2-mid's MoE: routed, shared, top-k, inner width, model width
+
+
+def expert_weights(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """-> w_gate, w_up [E, I, D], w_down [E, D, I] float32 (E routed + shared), scaled by 1/sqrt(fan-in)."""
+    e, shared, _, inner, width = EXPERTS
     w_gate, w_up = (torch.randn(e + shared, inner, width, generator=g, device="cuda") / width ** 0.5 for _ in "gu")
-    w_down = torch.randn(e + shared, width, inner, generator=g, device="cuda") / inner ** 0.5
+    return w_gate, w_up, torch.randn(e + shared, width, inner, generator=g, device="cuda") / inner ** 0.5
+
+
+def expert_inputs(g: torch.Generator, m: int) -> tuple[torch.Tensor, ...]:
+    """m rows -> h [m, D] float32, idx int32 [m, k + shared] (k random routed, then the shared
+    expert), weight float32 [m, k + shared], real uint8 [m] (all ones)."""
+    e, shared, top, _, width = EXPERTS
+    h = torch.randn(m, width, generator=g, device="cuda")
+    routed = torch.rand(m, e, generator=g, device="cuda").topk(top, dim=1).indices
+    idx = torch.cat([routed, torch.full((m, shared), e, device="cuda")], 1).to(torch.int32)
+    weight = torch.rand(m, top + shared, generator=g, device="cuda")
+    return h, idx, weight, torch.ones(m, dtype=torch.uint8, device="cuda")
+
+
+def experts(g: torch.Generator) -> list[dict]:
+    w_gate, w_up, w_down = expert_weights(g)
     out = []
     for m in ROWS:
-        h = torch.randn(m, width, generator=g, device="cuda")
-        routed = torch.rand(m, e, generator=g, device="cuda").topk(top, dim=1).indices
-        idx = torch.cat([routed, torch.full((m, shared), e, device="cuda")], 1).to(torch.int32)
-        weight = torch.rand(m, top + shared, generator=g, device="cuda")
-        real = torch.ones(m, dtype=torch.uint8, device="cuda")
+        h, idx, weight, real = expert_inputs(g, m)
 
         def call():
             return moe.experts(h, idx, weight, real, w_gate, w_up, w_down, invariant=True)
